@@ -1,3 +1,184 @@
-// The `k3` command: dispatches subcommands.
+// The `k3` command: one binary, subcommands over libk3 (logits, generate, info, tokenize, ...).
+// Owns: flag parsing, file output, exit codes (0 ok, 2 bad input/usage, 1 internal error).
+// Must not: contain model math; every failure is one line on stderr.
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
-int main() { std::puts("k3"); return 0; }
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/ids.h"
+#include "config/arch_stats.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "k3/version.h"
+#include "model/model.h"
+
+namespace {
+
+struct EngineFlags {
+  std::string model;
+  std::string kda = "chunked", mla = "absorbed";
+  int64_t chunk = 64;
+  int threads = 0;
+
+  void add(CLI::App* app) {
+    app->add_option("-m,--model", model, "checkpoint directory (config.json + safetensors)")->required();
+    app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
+    app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
+    app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
+    app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
+  }
+  k3::ForwardOptions options() const {
+    k3::ForwardOptions o;
+    o.kda_algo = kda == "recurrent" ? k3::KdaAlgo::Recurrent : k3::KdaAlgo::Chunked;
+    o.mla_algo = mla == "expanded" ? k3::MlaAlgo::Expanded : k3::MlaAlgo::Absorbed;
+    o.kda_chunk = chunk;
+    return o;
+  }
+  void apply_threads() const {
+    if (threads > 0) omp_set_num_threads(threads);
+  }
+};
+
+int argmax(const float* x, int64_t n) {
+  return int(std::max_element(x, x + n) - x);  // first maximum on ties
+}
+
+int cmd_logits(const EngineFlags& ef, const std::string& ids_arg, const std::string& out_path) {
+  ef.apply_threads();
+  const std::vector<int32_t> ids = k3::cli::parse_ids(ids_arg);
+  auto model = k3::Model::load(ef.model);
+  k3::Session s(*model);
+  const int64_t V = model->dims().vocab, T = int64_t(ids.size());
+  std::vector<float> logits(static_cast<size_t>(T * V));
+  model->forward(s, ids.data(), T, true, logits.data(), ef.options());
+  std::ofstream f(out_path, std::ios::binary);
+  if (!f) k3::fail("cannot write " + out_path + ": " + std::strerror(errno));
+  f.write(reinterpret_cast<const char*>(logits.data()), std::streamsize(logits.size() * sizeof(float)));
+  if (!f) k3::fail("write failed for " + out_path);
+  std::fprintf(stderr, "k3 logits: wrote %lld x %lld float32 to %s\n", (long long)T, (long long)V, out_path.c_str());
+  return 0;
+}
+
+int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, int64_t n, bool print_ids) {
+  ef.apply_threads();
+  const std::vector<int32_t> prompt = k3::cli::parse_ids(ids_arg);
+  auto model = k3::Model::load(ef.model);
+  k3::Session s(*model);
+  const int64_t V = model->dims().vocab;
+  std::vector<float> logits(static_cast<size_t>(V));
+  model->forward(s, prompt.data(), int64_t(prompt.size()), false, logits.data(), ef.options());
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t tok = argmax(logits.data(), V);
+    out.push_back(tok);
+    if (i + 1 < n) model->forward(s, &tok, 1, false, logits.data(), ef.options());  // incremental decode
+  }
+  if (print_ids) {
+    std::string line;
+    for (size_t i = 0; i < out.size(); ++i) line += (i ? " " : "") + std::to_string(out[i]);
+    std::printf("%s\n", line.c_str());
+  }
+  return 0;
+}
+
+std::string human_bytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = double(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
+  return buf;
+}
+
+int cmd_info(const std::string& dir, int64_t ctx) {
+  const k3::ModelConfig cfg = k3::load_model_config(dir);
+  std::string report = k3::format_arch_report(cfg, ctx);
+  std::printf("%s", report.c_str());
+  // Weights on disk, from safetensors headers only (works on a config + index without shards).
+  auto ck = k3::io::Checkpoint::open_headers(dir);
+  if (ck->tensor_count() == 0 && ck->missing_shards().empty()) {
+    std::printf("checkpoint: no safetensors files (config only)\n");
+    return 0;
+  }
+  std::printf("checkpoint: %zu tensors in %zu shard(s)%s\n", ck->tensor_count(), ck->shard_paths().size(),
+              ck->has_index() ? " (indexed)" : "");
+  if (!ck->missing_shards().empty())
+    std::printf("  %zu shard(s) absent: tensor byte counts below cover the present shards only\n",
+                ck->missing_shards().size());
+  for (const auto& [dt, bytes] : ck->bytes_by_dtype())
+    std::printf("  %-8s %20llu B  (%s)\n", k3::dtype_name(dt), (unsigned long long)bytes, human_bytes(bytes).c_str());
+  std::printf("  %-8s %20llu B  (%s)\n", "total", (unsigned long long)ck->total_tensor_bytes(),
+              human_bytes(ck->total_tensor_bytes()).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"k3: inference engine for Kimi K3-architecture models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("k3 ") + k3::version());
+
+  EngineFlags ef_logits, ef_gen;
+  std::string ids_logits, ids_gen, out_path, info_dir;
+  int64_t n_gen = 16, ctx = 0;
+  bool greedy = false, print_ids = false;
+
+  auto* logits = app.add_subcommand("logits", "one prefill over --ids; writes float32 LE logits [T, vocab] to --out");
+  ef_logits.add(logits);
+  logits->add_option("--ids", ids_logits, "token ids: 1,2,3 or @file (commas/whitespace)")->required();
+  logits->add_option("-o,--out", out_path, "output file")->required();
+
+  auto* gen = app.add_subcommand("generate", "prefill --ids, then -n incremental decode steps (greedy)");
+  ef_gen.add(gen);
+  gen->add_option("--ids", ids_gen, "prompt token ids: 1,2,3 or @file")->required();
+  gen->add_option("-n,--n-tokens", n_gen, "tokens to generate")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
+  gen->add_flag("--greedy", greedy, "argmax decoding (the only mode of this subcommand)");
+  gen->add_flag("--print-ids", print_ids, "print the generated ids on one line");
+
+  auto* info = app.add_subcommand("info", "architecture, parameter counts, state/cache sizes, weight bytes by dtype");
+  info->add_option("-m,--model", info_dir, "checkpoint directory (config.json alone is enough)")->required();
+  info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")->check(CLI::Range(int64_t(0), int64_t(1) << 40));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "k3: error: %s (see k3 --help)\n", e.what());
+    return 2;
+  }
+
+  try {
+    if (*logits) return cmd_logits(ef_logits, ids_logits, out_path);
+    if (*gen) {
+      if (!greedy) k3::fail("generate: only --greedy decoding is available in this subcommand (sampling lives in `k3 run`)");
+      return cmd_generate(ef_gen, ids_gen, n_gen, print_ids);
+    }
+    if (*info) return cmd_info(info_dir, ctx);
+  } catch (const k3::Error& e) {
+    std::fprintf(stderr, "k3: error: %s\n", e.what());
+    return e.exit_code();
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "k3: error: out of memory\n");
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "k3: internal error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,170 @@
+// Sublayer forward passes (see layers.h); each reads top to bottom like spec §3.
+#include "model/layers.h"
+
+#include <cmath>
+#include <cstring>
+
+namespace k3 {
+
+namespace {
+using Buf = std::vector<float>;
+Buf buf(int64_t n) { return Buf(static_cast<size_t>(n)); }
+}  // namespace
+
+// ---------------------------------------------------------------- KDA
+void KdaState::reset(const KdaDims& d) {
+  S.assign(static_cast<size_t>(d.heads * d.head_dim * d.head_dim), 0.0f);
+  const auto conv = static_cast<size_t>(d.dim() * (d.conv_k - 1));
+  conv_q.assign(conv, 0.0f);
+  conv_k.assign(conv, 0.0f);
+  conv_v.assign(conv, 0.0f);
+}
+
+void kda_forward(const KdaDims& d, const KdaWeights& w, KdaState& st, const float* x, int64_t T, KdaAlgo algo,
+                 int64_t chunk, float* out) {
+  const int64_t C = d.dim(), H = d.heads, D = d.head_dim;
+  if (st.S.empty()) st.reset(d);
+  // Projections from the same normed x.
+  Buf qh = buf(T * C), kh = buf(T * C), vh = buf(T * C), fa = buf(T * D), f = buf(T * C), b = buf(T * H),
+      r = buf(T * C);
+  ops::matmul(w.q_proj, x, T, qh.data());
+  ops::matmul(w.k_proj, x, T, kh.data());
+  ops::matmul(w.v_proj, x, T, vh.data());
+  ops::matmul(w.f_a_proj, x, T, fa.data());
+  ops::matmul(w.f_b_proj, fa.data(), T, f.data());
+  ops::matmul(w.b_proj, x, T, b.data());
+  ops::matmul(w.g_proj, x, T, r.data());
+  // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2).
+  Buf q = buf(T * C), k = buf(T * C), v = buf(T * C);
+  ops::short_conv_silu(qh.data(), T, C, w.q_conv.data(), d.conv_k, st.conv_q.data(), q.data());
+  ops::short_conv_silu(kh.data(), T, C, w.k_conv.data(), d.conv_k, st.conv_k.data(), k.data());
+  ops::short_conv_silu(vh.data(), T, C, w.v_conv.data(), d.conv_k, st.conv_v.data(), v.data());
+  ops::l2norm_scale(q.data(), T * H, D, 1e-6f, float(1.0 / std::sqrt(double(D))));
+  ops::l2norm_scale(k.data(), T * H, D, 1e-6f, 1.0f);
+  // Lower-bound decay gate and β.
+  Buf g = buf(T * C);
+  ops::kda_gate(f.data(), T, H, D, w.A_log.data(), w.dt_bias.data(), d.lower_bound, g.data());
+  for (float& bi : b) bi = 1.0f / (1.0f + std::exp(-bi));
+  // Delta-rule recurrence (the chunked form is used for prefill; both give the same numbers).
+  Buf o = buf(T * C);
+  if (algo == KdaAlgo::Chunked && T > 1)
+    ops::kda_chunked(q.data(), k.data(), v.data(), g.data(), b.data(), T, H, D, D, chunk, st.S.data(), o.data());
+  else
+    ops::kda_recurrent(q.data(), k.data(), v.data(), g.data(), b.data(), T, H, D, D, st.S.data(), o.data());
+  // Per-head RMSNorm first, then the sigmoid gate, then o_proj (§6.4 trap 6).
+  ops::rmsnorm(o.data(), T * H, D, w.o_norm.data(), d.norm_eps, o.data());
+  for (int64_t i = 0; i < T * C; ++i) o[size_t(i)] *= 1.0f / (1.0f + std::exp(-r[size_t(i)]));
+  ops::matmul(w.o_proj, o.data(), T, out);
+}
+
+// ---------------------------------------------------------------- MLA
+void mla_forward(const MlaDims& d, const MlaWeights& w, MlaCache& cache, const float* x, int64_t T, MlaAlgo algo,
+                 float* out) {
+  const int64_t dq = d.nope + d.rope, HV = d.heads * d.v;
+  // q = W_qb · RMSNorm_{1e-6}(W_qa x)
+  Buf qa = buf(T * d.q_lora), q = buf(T * d.heads * dq);
+  ops::matmul(w.q_a_proj, x, T, qa.data());
+  ops::rmsnorm(qa.data(), T, d.q_lora, w.q_a_norm.data(), d.lora_eps, qa.data());
+  ops::matmul(w.q_b_proj, qa.data(), T, q.data());
+  // ckv = W_kva x ; c = RMSNorm_{1e-6}(ckv[:kv_lora]) ; k_r = ckv[kv_lora:] (raw, unrotated, shared)
+  const int64_t kva = d.kv_lora + d.rope;
+  Buf ckv = buf(T * kva);
+  ops::matmul(w.kv_a_proj, x, T, ckv.data());
+  const int64_t pos0 = cache.len;
+  cache.c.resize(static_cast<size_t>((pos0 + T) * d.kv_lora));
+  cache.kr.resize(static_cast<size_t>((pos0 + T) * d.rope));
+  for (int64_t t = 0; t < T; ++t) {
+    ops::rmsnorm(ckv.data() + t * kva, 1, d.kv_lora, w.kv_a_norm.data(), d.lora_eps,
+                 cache.c.data() + (pos0 + t) * d.kv_lora);
+    std::memcpy(cache.kr.data() + (pos0 + t) * d.rope, ckv.data() + t * kva + d.kv_lora, size_t(d.rope) * 4);
+  }
+  cache.len = pos0 + T;
+  const int64_t S = cache.len;
+
+  MlaAttnDims ad{d.heads, d.nope, d.rope, d.v, d.kv_lora, float(1.0 / std::sqrt(double(dq)))};
+  Buf a = buf(T * HV);
+  if (algo == MlaAlgo::Absorbed) {
+    ops::mla_attend_absorbed(q.data(), T, cache.c.data(), cache.kr.data(), S, pos0, w.kv_b_proj, ad, a.data());
+  } else {
+    // Expand every cached latent into per-head k_nope and v (what a non-absorbed engine caches).
+    const int64_t per_head = d.nope + d.v;
+    Buf kv = buf(S * d.heads * per_head), kn = buf(S * d.heads * d.nope), vv = buf(S * HV);
+    ops::matmul(w.kv_b_proj, cache.c.data(), S, kv.data());
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const float* src = kv.data() + (s * d.heads + h) * per_head;
+        std::memcpy(kn.data() + (s * d.heads + h) * d.nope, src, size_t(d.nope) * 4);
+        std::memcpy(vv.data() + (s * d.heads + h) * d.v, src + d.nope, size_t(d.v) * 4);
+      }
+    ops::mla_attend_expanded(q.data(), T, kn.data(), cache.kr.data(), vv.data(), S, pos0, ad, a.data());
+  }
+  // Output gate before o_proj, no norm.
+  if (d.output_gate) {
+    Buf gt = buf(T * HV);
+    ops::matmul(w.g_proj, x, T, gt.data());
+    for (int64_t i = 0; i < T * HV; ++i) a[size_t(i)] *= 1.0f / (1.0f + std::exp(-gt[size_t(i)]));
+  }
+  ops::matmul(w.o_proj, a.data(), T, out);
+}
+
+// ---------------------------------------------------------------- FFNs
+void glu_forward(const GluWeights& w, const SituParams& p, const float* x, int64_t T, float* out) {
+  const int64_t I = w.gate.rows;
+  Buf g = buf(T * I), u = buf(T * I);
+  ops::matmul(w.gate, x, T, g.data());
+  ops::matmul(w.up, x, T, u.data());
+  ops::situ_glu(g.data(), u.data(), T * I, p.beta, p.linear_beta, g.data());
+  ops::matmul(w.down, g.data(), T, out);
+}
+
+void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out) {
+  // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights.
+  Buf logits = buf(T * d.experts);
+  ops::matmul(w.gate, x, T, logits.data());
+  std::vector<int32_t> idx(static_cast<size_t>(T * d.top_k));
+  Buf wt = buf(T * d.top_k);
+  for (int64_t t = 0; t < T; ++t)
+    ops::router_topk(logits.data() + t * d.experts, w.bias.empty() ? nullptr : w.bias.data(), d.experts, d.top_k,
+                     d.renormalize, d.routed_scale, idx.data() + t * d.top_k, wt.data() + t * d.top_k);
+  // Routed experts in the latent space; grouped by expert so each expert's weights are read once.
+  Buf z = buf(T * d.latent), agg(static_cast<size_t>(T * d.latent), 0.0f);
+  ops::matmul(w.down_lat, x, T, z.data());
+  for (int64_t e = 0; e < d.experts; ++e) {
+    std::vector<int64_t> rows;
+    Buf ws;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < d.top_k; ++j)
+        if (idx[size_t(t * d.top_k + j)] == e) {
+          rows.push_back(t);
+          ws.push_back(wt[size_t(t * d.top_k + j)]);
+        }
+    if (rows.empty()) continue;
+    const auto n = int64_t(rows.size());
+    Buf zin = buf(n * d.latent), ye = buf(n * d.latent);
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(zin.data() + i * d.latent, z.data() + rows[size_t(i)] * d.latent, size_t(d.latent) * 4);
+    glu_forward(w.experts[size_t(e)], d.situ, zin.data(), n, ye.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < d.latent; ++c)
+        agg[size_t(rows[size_t(i)] * d.latent + c)] += ws[size_t(i)] * ye[size_t(i * d.latent + c)];
+  }
+  // RMSNorm on the aggregate, then up to full width.
+  if (d.latent_norm) ops::rmsnorm(agg.data(), T, d.latent, w.lat_norm.data(), d.norm_eps, agg.data());
+  ops::matmul(w.up_lat, agg.data(), T, out);
+  // Shared experts on the full-width input, added unweighted.
+  if (!w.shared.gate.empty()) {
+    Buf sh = buf(T * d.hidden);
+    glu_forward(w.shared, d.situ, x, T, sh.data());
+    for (int64_t i = 0; i < T * d.hidden; ++i) out[i] += sh[size_t(i)];
+  }
+}
+
+// ---------------------------------------------------------------- AttnRes
+void attnres_site(const AttnResSite& site, const DepthState& st, int64_t T, int64_t hidden, float eps, float* out) {
+  std::vector<const float*> src;
+  for (const auto& b : st.blocks) src.push_back(b.data());
+  if (!st.partial.empty()) src.push_back(st.partial.data());
+  ops::attnres_mix(src.data(), int64_t(src.size()), T, hidden, site.fold.data(), eps, out);
+}
+
+}  // namespace k3

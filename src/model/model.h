@@ -1,0 +1,102 @@
+// Model: a bound K3 checkpoint (config + typed weight views) and the whole forward pass.
+// Session: per-sequence decode state (KDA recurrent + conv state, MLA latent cache, position).
+// Owns: layer order, Block AttnRes snapshot/partial-sum rules (§3.3), final norm + lm_head.
+// Must not: copy big weights (they stay views into the mmap'd shards) or read files after load.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/layers.h"
+
+namespace k3 {
+namespace io {
+class Checkpoint;
+}
+
+struct LayerWeights {
+  std::vector<float> input_norm;  // [hidden] input_layernorm
+  std::vector<float> post_norm;   // [hidden] post_attention_layernorm
+  AttnResSite attn_res, mlp_res;  // self_attention_res_*, mlp_res_*
+  bool is_kda = true;
+  KdaWeights kda;
+  MlaWeights mla;
+  bool dense_ffn = false;
+  GluWeights dense;  // layer < first_k_dense_replace
+  MoeWeights moe;
+};
+
+struct LayerState {
+  KdaState kda;
+  MlaCache mla;
+};
+
+struct ModelDims {
+  int64_t hidden = 0, vocab = 0, layers = 0, block_size = 0;
+  float eps = 1e-5f;
+  KdaDims kda;
+  MlaDims mla;
+  MoeDims moe;
+  SituParams situ;
+  static ModelDims from_config(const ModelConfig& c);
+};
+
+struct ForwardOptions {
+  KdaAlgo kda_algo = KdaAlgo::Chunked;   // used when T > 1 (T == 1 always uses the recurrence)
+  int64_t kda_chunk = 64;
+  MlaAlgo mla_algo = MlaAlgo::Absorbed;
+};
+
+// One decoder layer L on T tokens of the depth state (§3.3 steps 1-7).
+void decoder_layer(const ModelDims& d, int64_t L, const LayerWeights& w, LayerState& st, DepthState& depth, int64_t T,
+                   const ForwardOptions& opt);
+
+class Session;
+
+class Model {
+ public:
+  // Opens and binds `dir` (config.json + safetensors). Every missing/extra/mis-shaped/mis-typed
+  // tensor is collected and reported in one k3::Error.
+  static std::unique_ptr<Model> load(const std::string& dir);
+  ~Model();
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelDims& dims() const { return dims_; }
+  const io::Checkpoint& checkpoint() const { return *ckpt_; }
+
+  // Runs T tokens through the model, appending to the session's state. logits: [T, vocab] when
+  // all_logits, else [1, vocab] for the last token only.
+  void forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, float* logits,
+               const ForwardOptions& opt = {}) const;
+
+  // Output-side pieces, public for tests.
+  WeightMat embed, lm_head;            // [vocab, hidden]
+  std::vector<float> final_norm;       // [hidden]
+  AttnResSite output_res;              // output_attn_res_*
+  std::vector<LayerWeights> layers;
+
+ private:
+  Model() = default;
+  ModelConfig cfg_;
+  ModelDims dims_;
+  std::unique_ptr<io::Checkpoint> ckpt_;
+};
+
+class Session {
+ public:
+  explicit Session(const Model& m);
+  void reset();
+  int64_t position() const { return pos_; }
+  // KDA fp32 recurrent + conv state bytes, and MLA latent cache bytes (fp32 as held here).
+  size_t state_bytes() const;
+
+ private:
+  friend class Model;
+  const Model* model_;
+  std::vector<LayerState> layers_;
+  int64_t pos_ = 0;
+};
+
+}  // namespace k3

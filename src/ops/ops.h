@@ -1,0 +1,66 @@
+// Kernels of the K3 forward pass on fp32 activations (CPU implementations, namespace k3::ops).
+// Every op has a scalar fp64 twin with the same signature in k3::ref (ops/reference/ref_ops.h);
+// tests compare the two. Layouts are row-major; shapes are given as [outer, ..., inner].
+// Must not: allocate per call on hot paths beyond small scratch, or know tensor names.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "ops/weight.h"
+
+namespace k3 {
+
+struct MlaAttnDims {
+  int64_t heads = 0, nope = 0, rope = 0, v = 0, kv_lora = 0;
+  float scale = 0;  // softmax scale = (nope + rope)^-1/2
+};
+
+#define K3_OPS_DECLARE                                                                                              \
+  /* Y[T, rows] = X[T, cols] · Wᵀ  (W in any WFormat, fp32 accumulate on CPU, fp64 in ref). */                      \
+  void matmul(const WeightMat& W, const float* X, int64_t T, float* Y);                                             \
+  /* out[cols] = row r of W decoded exactly. */                                                                     \
+  void dequant_row(const WeightMat& W, int64_t r, float* out);                                                      \
+  /* out[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps) for T rows of n; w == nullptr means ones. */                       \
+  void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out);                       \
+  /* In place, per row of n: x ← scale · x / sqrt(Σx² + eps)  (KDA q/k L2 norm, eps inside). */                    \
+  void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale);                                    \
+  /* out = [b1·tanh(g/b1)·σ(g)] · [b2·tanh(u/b2)]  (SiTU-GLU; σ of the uncapped gate). */                          \
+  void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out);                        \
+  /* Depthwise causal conv + SiLU. x,out [T,C]; w [C,K] (w[c,K-1] multiplies the current input);                  \
+     state [C,K-1] holds the previous K-1 inputs oldest→newest and is updated. */                                  \
+  void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out); \
+  /* KDA log-decay: g[t,h,d] = lb·σ(exp(A_log[h])·(f[t,h,d] + dt_bias[h,d])). f,g [T,H*D]. */                     \
+  void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,          \
+                float lower_bound, float* g);                                                                      \
+  /* Gated delta rule, token by token. q (pre-normalised and scaled), k [T,H,Dk]; v [T,H,Dv];                      \
+     g log-decay [T,H,Dk]; beta [T,H]; S [H,Dk,Dv] in/out; o [T,H,Dv]. */                                          \
+  void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,   \
+                     int64_t H, int64_t Dk, int64_t Dv, float* S, float* o);                                         \
+  /* Same result by the chunkwise-parallel UT/WY form with chunk size `chunk`. */                                  \
+  void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,     \
+                   int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o);                            \
+  /* MLA over expanded heads. q [T,heads,nope+rope]; k_nope [S,heads,nope]; k_r [S,rope] shared by heads;           \
+     v [S,heads,v]; query t sits at absolute position pos0+t and sees s <= pos0+t. out [T,heads,v]. */             \
+  void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const float* k_r, const float* v,       \
+                           int64_t S, int64_t pos0, const MlaAttnDims& d, float* out);                             \
+  /* MLA absorbed over the latent cache: c [S,kv_lora] (post-norm), k_r [S,rope]; kv_b [heads*(nope+v), kv_lora]   \
+     (per head rows [0,nope) = W_UK, [nope,nope+v) = W_UV). Same output as the expanded form. */                   \
+  void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,    \
+                           const WeightMat& kv_b, const MlaAttnDims& d, float* out);                               \
+  /* Router for one token: s = σ(logits); select top-k of s + bias; weights from the UNBIASED s,                    \
+     renormalised (Σ + 1e-20) when renorm, times scale. idx/w [k], in descending order of s + bias. */            \
+  void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,         \
+                   int32_t* idx, float* w);                                                                        \
+  /* Block AttnRes for T tokens: out[t] = Σ_j softmax_j(<v_j[t], fold> / rms(v_j[t])) · v_j[t], where src[j] is a  \
+     [T,H] array and fold = w_norm ⊙ w_proj. Values are the RAW sources. */                                       \
+  void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps,     \
+                   float* out);
+
+namespace ops {
+K3_OPS_DECLARE
+}
+namespace ref {
+K3_OPS_DECLARE
+}
+
+}  // namespace k3

@@ -1,0 +1,42 @@
+// WeightMat: a read-only [rows, cols] weight matrix in its stored format (F32, F16, BF16 or MXFP4).
+// Owns: the one place that knows how each format maps (row, col) to a value.
+// Must not: copy or re-quantize weights; MXFP4 is used exactly as shipped.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace k3 {
+
+enum class WFormat : uint8_t { F32, F16, BF16, MXFP4 };
+const char* wformat_name(WFormat f);
+
+struct WeightMat {
+  WFormat fmt = WFormat::F32;
+  int64_t rows = 0, cols = 0;
+  const void* data = nullptr;      // F32/F16/BF16: [rows, cols]; MXFP4: packed [rows, cols/2] (low nibble = even col)
+  const uint8_t* scales = nullptr;  // MXFP4 only: E8M0 [rows, cols/32]
+
+  bool empty() const { return data == nullptr; }
+  // Exact value of W[r, c] (slow; for reference code and tests).
+  float at(int64_t r, int64_t c) const {
+    switch (fmt) {
+      case WFormat::F32: return static_cast<const float*>(data)[r * cols + c];
+      case WFormat::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[r * cols + c]);
+      case WFormat::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[r * cols + c]);
+      case WFormat::MXFP4: {
+        const uint8_t b = static_cast<const uint8_t*>(data)[r * (cols / 2) + c / 2];
+        const uint8_t code = (c & 1) ? (b >> 4) : (b & 0x0f);
+        return kE2M1[code] * e8m0_to_f32(scales[r * (cols / 32) + c / 32]);
+      }
+    }
+    return 0.0f;
+  }
+};
+
+inline WeightMat wmat_f32(const float* data, int64_t rows, int64_t cols) {
+  return WeightMat{WFormat::F32, rows, cols, data, nullptr};
+}
+
+}  // namespace k3
