@@ -150,6 +150,15 @@ int main(int argc, char** argv) {
   info->add_option("-m,--model", info_dir, "checkpoint directory (config.json alone is enough)")->required();
   info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")->check(CLI::Range(int64_t(0), int64_t(1) << 40));
 
+  const auto is_subcommand = [&](const std::string& name) {
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
+      if (sub->get_name() == name) return true;
+    return false;
+  };
+  if (argc > 1 && argv[1][0] != '-' && !is_subcommand(argv[1])) {
+    std::fprintf(stderr, "k3: error: unknown subcommand '%s' (see k3 --help)\n", argv[1]);
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

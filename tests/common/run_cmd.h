@@ -1,0 +1,45 @@
+// Runs the `k3` binary (path from the K3_BIN compile definition) and captures exit code, stdout
+// and stderr separately. Test-only.
+#pragma once
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace k3test {
+
+struct CmdResult {
+  int code = -1;
+  std::string out, err;
+};
+
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// `args` is appended to the binary path verbatim (the caller quotes).
+inline CmdResult run_k3(const std::string& args) {
+  static int counter = 0;
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid()) + "_" + std::to_string(counter++);
+  const auto out = dir / ("k3test_out_" + tag), err = dir / ("k3test_err_" + tag);
+  const std::string cmd = std::string(K3_BIN) + " " + args + " >" + out.string() + " 2>" + err.string();
+  const int st = std::system(cmd.c_str());
+  CmdResult r;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
+  return r;
+}
+
+inline std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+}  // namespace k3test

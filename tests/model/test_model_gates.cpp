@@ -1,0 +1,138 @@
+// Whole-model gates through the library: the third-party tiny K3 (kimi-k3-in-c) and our own
+// generated checkpoints (tests/fixtures/tiny*, reference logits from tools/reference, fp64 torch).
+// Checks: teacher-forced logits vs reference, greedy ids, incremental decode == full pass,
+// chunked KDA == recurrent KDA, absorbed MLA == expanded MLA, prefill split anywhere == one pass.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/num_util.h"
+#include "model/model.h"
+
+namespace fs = std::filesystem;
+using k3test::rel_l2;
+
+namespace {
+
+constexpr double kRefTol = 1e-5;    // engine (fp32) vs fp64 reference, rel-L2 over all logits
+constexpr double kAlgoTol = 1e-5;   // two engine algorithms / decode paths against each other
+
+fs::path tp_tiny() { return fs::path(K3_SHARED_DIR) / "fixtures/third-party/kimi-k3-in-c-tiny"; }
+fs::path ours(const std::string& name) { return fs::path(K3_SOURCE_DIR) / "tests/fixtures" / name; }
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids, const k3::ForwardOptions& o = {}) {
+  k3::Session s(m);
+  std::vector<float> out(ids.size() * size_t(m.dims().vocab), k3test::qnan());
+  m.forward(s, ids.data(), int64_t(ids.size()), true, out.data(), o);
+  EXPECT_EQ(k3test::count_nan(out), 0u);
+  return out;
+}
+
+// Prefill `split` tokens, then feed the rest one token at a time; logits of every position.
+std::vector<float> incremental(const k3::Model& m, const std::vector<int32_t>& ids, size_t split,
+                               const k3::ForwardOptions& o = {}) {
+  k3::Session s(m);
+  const size_t V = size_t(m.dims().vocab);
+  std::vector<float> out(ids.size() * V, k3test::qnan());
+  m.forward(s, ids.data(), int64_t(split), true, out.data(), o);
+  for (size_t t = split; t < ids.size(); ++t) m.forward(s, &ids[t], 1, true, out.data() + t * V, o);
+  EXPECT_EQ(s.position(), int64_t(ids.size()));
+  EXPECT_EQ(k3test::count_nan(out), 0u);
+  return out;
+}
+
+std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prompt, int n) {
+  k3::Session s(m);
+  const size_t V = size_t(m.dims().vocab);
+  std::vector<float> l(V);
+  m.forward(s, prompt.data(), int64_t(prompt.size()), false, l.data());
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    const int32_t tok = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+    out.push_back(tok);
+    m.forward(s, &tok, 1, false, l.data());
+  }
+  return out;
+}
+
+void check_decode_paths(const k3::Model& m, const std::vector<int32_t>& ids) {
+  k3::ForwardOptions rec, chunk4, chunk64, expanded;
+  rec.kda_algo = k3::KdaAlgo::Recurrent;
+  chunk4.kda_chunk = 4;
+  expanded.mla_algo = k3::MlaAlgo::Expanded;
+  const auto base = full_pass(m, ids, chunk64);
+  EXPECT_LT(rel_l2(full_pass(m, ids, rec), base), kAlgoTol) << "chunked vs recurrent KDA";
+  EXPECT_LT(rel_l2(full_pass(m, ids, chunk4), base), kAlgoTol) << "chunk 4 vs chunk 64";
+  EXPECT_LT(rel_l2(full_pass(m, ids, expanded), base), kAlgoTol) << "absorbed vs expanded MLA";
+  for (size_t split : {size_t(1), size_t(5), ids.size() - 1})
+    EXPECT_LT(rel_l2(incremental(m, ids, split), base), kAlgoTol) << "prefill " << split << " then decode";
+  // Two prefill chunks (KDA chunked state + conv history + MLA cache carried across calls).
+  k3::Session s(m);
+  const size_t V = size_t(m.dims().vocab), a = ids.size() / 3;
+  std::vector<float> two(ids.size() * V, k3test::qnan());
+  m.forward(s, ids.data(), int64_t(a), true, two.data());
+  m.forward(s, ids.data() + a, int64_t(ids.size() - a), true, two.data() + a * V);
+  EXPECT_LT(rel_l2(two, base), kAlgoTol) << "two prefill chunks";
+}
+
+}  // namespace
+
+TEST(ThirdPartyTiny, TeacherForcedGreedyAndLogitsHead) {
+  if (!fs::exists(tp_tiny())) GTEST_SKIP() << "../shared third-party fixtures absent: " << tp_tiny();
+  auto m = k3::Model::load(tp_tiny().string());
+  const auto e = read_json(tp_tiny() / "expected.json");
+  const auto full = e["full_ids"].get<std::vector<int32_t>>();
+  const auto prompt = e["prompt_ids"].get<std::vector<int32_t>>();
+  const auto tf = e["tf_pred"].get<std::vector<int32_t>>();
+  const size_t V = size_t(m->dims().vocab);
+  const auto logits = full_pass(*m, full);
+  for (size_t t = 0; t < full.size(); ++t) {
+    const auto row = logits.begin() + std::ptrdiff_t(t * V);
+    EXPECT_EQ(int32_t(std::max_element(row, row + std::ptrdiff_t(V)) - row), tf[t]) << "position " << t;
+    for (size_t j = 0; j < 8; ++j) EXPECT_NEAR(logits[t * V + j], e["logits_head"][t][j].get<double>(), 1e-4);
+  }
+  const auto gen = greedy(*m, prompt, int(full.size() - prompt.size()));
+  EXPECT_EQ(gen, std::vector<int32_t>(full.begin() + std::ptrdiff_t(prompt.size()), full.end()));
+}
+
+TEST(ThirdPartyTiny, DecodePathsAgree) {
+  if (!fs::exists(tp_tiny())) GTEST_SKIP() << "../shared third-party fixtures absent: " << tp_tiny();
+  auto m = k3::Model::load(tp_tiny().string());
+  const auto full = read_json(tp_tiny() / "expected.json")["full_ids"].get<std::vector<int32_t>>();
+  check_decode_paths(*m, full);
+}
+
+class OwnFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(OwnFixture, MatchesReference) {
+  const fs::path dir = ours(GetParam());
+  ASSERT_TRUE(fs::exists(dir / "reference.json")) << "missing committed fixture " << dir;
+  auto m = k3::Model::load(dir.string());
+  const auto ref = read_json(dir / "reference.json");
+  const auto ids = ref["ids"].get<std::vector<int32_t>>();
+  const size_t V = size_t(m->dims().vocab);
+  ASSERT_EQ(ref["vocab_size"].get<size_t>(), V);
+  std::vector<float> expect(ids.size() * V);
+  std::ifstream f(dir / ref["logits_file"].get<std::string>(), std::ios::binary);
+  f.read(reinterpret_cast<char*>(expect.data()), std::streamsize(expect.size() * 4));
+  ASSERT_TRUE(f) << "reference logits file too short";
+  for (auto algo : {k3::KdaAlgo::Chunked, k3::KdaAlgo::Recurrent}) {
+    k3::ForwardOptions o;
+    o.kda_algo = algo;
+    EXPECT_LT(rel_l2(full_pass(*m, ids, o), expect), kRefTol);
+  }
+  EXPECT_LT(rel_l2(incremental(*m, ids, 3), expect), kRefTol);
+  const auto& g = ref["greedy"];
+  EXPECT_EQ(greedy(*m, g["prompt"].get<std::vector<int32_t>>(), g["n"].get<int>()), g["ids"].get<std::vector<int32_t>>());
+  check_decode_paths(*m, ids);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat"));
