@@ -1,0 +1,585 @@
+// Tests for the strict config reader (src/config/model_config.*): the released nested K3 config,
+// the flat kimi_linear form, the third-party tiny config, and every rejection path with its message.
+// Must not: rely on values computed by the code under test; expectations come from the spec (§1).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+#include <unistd.h>
+
+#include "config/model_config.h"
+#include "core/error.h"
+
+using nlohmann::json;
+
+namespace {
+
+const std::string kRealConfig = std::string(K3_SOURCE_DIR) + "/tests/fixtures/k3-config-only/config.json";
+const std::string kTinyDir = std::string(K3_SHARED_DIR) + "/fixtures/third-party/kimi-k3-in-c-tiny";
+
+json real_json() {
+  std::ifstream in(kRealConfig);
+  EXPECT_TRUE(in.good()) << "cannot open " << kRealConfig;
+  return json::parse(in);
+}
+
+// Flat kimi_linear form carrying the same text keys (and the special tokens) as the nested file.
+json flat_from(const json& nested) {
+  json flat = nested["text_config"];
+  flat["bos_token_id"] = nested["bos_token_id"];
+  flat["eos_token_id"] = nested["eos_token_id"];
+  flat["pad_token_id"] = nested["pad_token_id"];
+  return flat;
+}
+
+k3::ModelConfig parse(const json& j) { return k3::parse_model_config(j.dump(), "cfg.json"); }
+
+// Returns the k3::Error message, or fails the test when nothing (or something else) is thrown.
+std::string error_of(const json& j) {
+  try {
+    parse(j);
+  } catch (const k3::Error& e) {
+    EXPECT_EQ(e.exit_code(), 2);
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "unexpected exception type: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "config was accepted but should have been rejected";
+  return "";
+}
+
+std::string error_of_text(const std::string& text) {
+  try {
+    k3::parse_model_config(text, "cfg.json");
+  } catch (const k3::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "text was accepted: " << text;
+  return "";
+}
+
+#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nmissing: " << (part)
+
+void expect_same_text_model(const k3::ModelConfig& a, const k3::ModelConfig& b) {
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_EQ(a.situ_beta, b.situ_beta);
+  EXPECT_EQ(a.situ_linear_beta, b.situ_linear_beta);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.first_k_dense_replace, b.first_k_dense_replace);
+  EXPECT_EQ(a.moe_layer_freq, b.moe_layer_freq);
+  EXPECT_EQ(a.num_experts, b.num_experts);
+  EXPECT_EQ(a.num_experts_per_token, b.num_experts_per_token);
+  EXPECT_EQ(a.num_shared_experts, b.num_shared_experts);
+  EXPECT_EQ(a.moe_intermediate_size, b.moe_intermediate_size);
+  EXPECT_EQ(a.routed_expert_hidden_size, b.routed_expert_hidden_size);
+  EXPECT_EQ(a.latent_moe_use_norm, b.latent_moe_use_norm);
+  EXPECT_EQ(a.moe_renormalize, b.moe_renormalize);
+  EXPECT_EQ(a.routed_scaling_factor, b.routed_scaling_factor);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.q_lora_rank, b.q_lora_rank);
+  EXPECT_EQ(a.kv_lora_rank, b.kv_lora_rank);
+  EXPECT_EQ(a.qk_nope_head_dim, b.qk_nope_head_dim);
+  EXPECT_EQ(a.qk_rope_head_dim, b.qk_rope_head_dim);
+  EXPECT_EQ(a.v_head_dim, b.v_head_dim);
+  EXPECT_EQ(a.mla_use_output_gate, b.mla_use_output_gate);
+  EXPECT_EQ(a.mla_lora_norm_eps, b.mla_lora_norm_eps);
+  EXPECT_EQ(a.attn_res_block_size, b.attn_res_block_size);
+  EXPECT_EQ(a.full_attn_layers, b.full_attn_layers);
+  EXPECT_EQ(a.kda_layers, b.kda_layers);
+  EXPECT_EQ(a.kda_num_heads, b.kda_num_heads);
+  EXPECT_EQ(a.kda_head_dim, b.kda_head_dim);
+  EXPECT_EQ(a.short_conv_kernel_size, b.short_conv_kernel_size);
+  EXPECT_EQ(a.gate_lower_bound, b.gate_lower_bound);
+  EXPECT_EQ(a.use_full_rank_gate, b.use_full_rank_gate);
+  EXPECT_EQ(a.bos_token_id, b.bos_token_id);
+  EXPECT_EQ(a.eos_token_id, b.eos_token_id);
+  EXPECT_EQ(a.pad_token_id, b.pad_token_id);
+}
+
+// Every text_config key the engine requires (spec §1.2), relative to text_config.
+const std::vector<std::string> kRequiredTextKeys = {
+    "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+    "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "intermediate_size",
+    "first_k_dense_replace", "moe_layer_freq", "num_experts", "num_experts_per_token", "num_shared_experts",
+    "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
+    "moe_router_activation_func", "routed_scaling_factor", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
+    "attn_res_block_size"};
+const std::vector<std::string> kRequiredLinearKeys = {"full_attn_layers", "kda_layers", "num_heads", "head_dim",
+                                                      "short_conv_kernel_size", "gate_lower_bound",
+                                                      "use_full_rank_gate"};
+
+}  // namespace
+
+TEST(ModelConfig, RealReleasedConfigValues) {
+  const k3::ModelConfig c = k3::load_model_config(kRealConfig);
+  EXPECT_EQ(c.source, kRealConfig);
+  EXPECT_EQ(c.model_type, "kimi_k3");
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.num_hidden_layers, 93);
+  EXPECT_EQ(c.vocab_size, 163840);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.max_position_embeddings, 1048576);
+  EXPECT_DOUBLE_EQ(c.situ_beta, 4.0);
+  EXPECT_DOUBLE_EQ(c.situ_linear_beta, 25.0);
+  EXPECT_EQ(c.intermediate_size, 33792);
+  EXPECT_EQ(c.first_k_dense_replace, 1);
+  EXPECT_EQ(c.num_experts, 896);
+  EXPECT_EQ(c.num_experts_per_token, 16);
+  EXPECT_EQ(c.num_shared_experts, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 3072);
+  EXPECT_EQ(c.shared_intermediate(), 6144);
+  EXPECT_EQ(c.routed_expert_hidden_size, 3584);
+  EXPECT_TRUE(c.latent_moe_use_norm);
+  EXPECT_TRUE(c.moe_renormalize);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 1.0);
+  EXPECT_EQ(c.num_attention_heads, 96);
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.qk_rope_head_dim, 64);
+  EXPECT_EQ(c.mla_qk_head_dim(), 192);
+  EXPECT_EQ(c.v_head_dim, 128);
+  EXPECT_TRUE(c.mla_use_output_gate);
+  EXPECT_DOUBLE_EQ(c.mla_lora_norm_eps, 1e-6);
+  EXPECT_EQ(c.attn_res_block_size, 12);
+  EXPECT_EQ(c.full_attn_layers.size(), 24u);
+  EXPECT_EQ(c.kda_layers.size(), 69u);
+  EXPECT_EQ(c.kda_num_heads, 96);
+  EXPECT_EQ(c.kda_head_dim, 128);
+  EXPECT_EQ(c.kda_dim(), 12288);
+  EXPECT_EQ(c.short_conv_kernel_size, 4);
+  EXPECT_DOUBLE_EQ(c.gate_lower_bound, -5.0);
+  EXPECT_TRUE(c.use_full_rank_gate);
+  EXPECT_EQ(c.bos_token_id, 163584);
+  EXPECT_EQ(c.eos_token_id, 163586);
+  EXPECT_EQ(c.pad_token_id, 163839);
+}
+
+TEST(ModelConfig, RealConfigLayerPredicates) {
+  const k3::ModelConfig c = k3::load_model_config(std::filesystem::path(kRealConfig).parent_path().string());
+  // Spec §3.4: MLA at zero-based 3,7,...,87 (every fourth) plus 91 and 92; everything else KDA.
+  std::vector<int64_t> want_mla;
+  for (int64_t l = 3; l <= 91; l += 4) want_mla.push_back(l);
+  want_mla.push_back(92);
+  std::vector<int64_t> got_mla;
+  int n_kda = 0;
+  for (int64_t l = 0; l < 93; ++l) {
+    EXPECT_NE(c.is_kda(l), c.is_mla(l)) << l;
+    if (c.is_mla(l)) got_mla.push_back(l);
+    if (c.is_kda(l)) ++n_kda;
+  }
+  EXPECT_EQ(got_mla, want_mla);
+  EXPECT_EQ(n_kda, 69);
+  EXPECT_EQ(got_mla.size(), 24u);
+  EXPECT_TRUE(c.is_mla(91));
+  EXPECT_TRUE(c.is_mla(92));  // the last two layers are both MLA (trap §6.4.1)
+  EXPECT_TRUE(c.is_kda(90));
+  EXPECT_TRUE(c.is_kda(0));
+  EXPECT_TRUE(c.is_mla(3));
+  EXPECT_TRUE(c.is_kda(4));
+  EXPECT_TRUE(c.is_dense_ffn(0));
+  EXPECT_FALSE(c.is_dense_ffn(1));
+  EXPECT_FALSE(c.is_dense_ffn(92));
+}
+
+TEST(ModelConfig, FlatAndNestedParseIdentically) {
+  const json nested = real_json();
+  const k3::ModelConfig a = parse(nested);
+  const k3::ModelConfig b = parse(flat_from(nested));
+  EXPECT_EQ(a.model_type, "kimi_k3");
+  EXPECT_EQ(b.model_type, "kimi_linear");
+  expect_same_text_model(a, b);
+  // Special tokens may also live in text_config only (nested form without wrapper copies).
+  json inner_only = nested;
+  inner_only["text_config"]["bos_token_id"] = 163584;
+  inner_only.erase("bos_token_id");
+  EXPECT_EQ(parse(inner_only).bos_token_id, 163584);
+  // Special tokens are optional.
+  json no_tokens = nested;
+  no_tokens.erase("bos_token_id");
+  no_tokens.erase("eos_token_id");
+  no_tokens.erase("pad_token_id");
+  const k3::ModelConfig d = parse(no_tokens);
+  EXPECT_EQ(d.bos_token_id, -1);
+  EXPECT_EQ(d.eos_token_id, -1);
+  EXPECT_EQ(d.pad_token_id, -1);
+}
+
+TEST(ModelConfig, UnusedKeysAreIgnored) {
+  json j = real_json();
+  j["text_config"]["head_dim"] = 74;  // transformers-5 artefact, not a model dimension
+  j["text_config"]["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}};
+  j["text_config"]["some_future_key"] = json::array({1, "x", nullptr});
+  j["vision_config"] = "not even an object";
+  j["quantization_config"] = 12;
+  j.erase("auto_map");
+  const k3::ModelConfig c = parse(j);
+  expect_same_text_model(c, parse(real_json()));
+  // The flat form ignores the same keys.
+  json flat = flat_from(real_json());
+  flat["head_dim"] = 74;
+  flat["vision_config"] = json::object();
+  expect_same_text_model(parse(flat), c);
+}
+
+TEST(ModelConfig, ThirdPartyTinyConfig) {
+  if (!std::filesystem::exists(kTinyDir + "/config.json")) GTEST_SKIP() << "third-party fixture absent: " << kTinyDir;
+  const k3::ModelConfig c = k3::load_model_config(kTinyDir);
+  EXPECT_EQ(c.model_type, "kimi_k3");
+  EXPECT_EQ(c.hidden_size, 128);
+  EXPECT_EQ(c.num_hidden_layers, 13);
+  EXPECT_EQ(c.vocab_size, 256);
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_token, 2);
+  EXPECT_EQ(c.attn_res_block_size, 3);
+  EXPECT_EQ(c.kda_num_heads, 4);
+  EXPECT_EQ(c.kda_head_dim, 16);
+  std::vector<int64_t> mla;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.is_mla(l)) mla.push_back(l);
+  }
+  EXPECT_EQ(mla, (std::vector<int64_t>{3, 7, 11, 12}));
+  EXPECT_EQ(c.bos_token_id, -1);  // the tiny config carries no special tokens
+}
+
+TEST(ModelConfig, TwoMissingKeysNamedInOneError) {
+  json j = real_json();
+  j["text_config"].erase("hidden_size");
+  j["text_config"]["linear_attn_config"].erase("num_heads");
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 2 problems: missing key text_config.hidden_size; missing key "
+            "text_config.linear_attn_config.num_heads");
+}
+
+TEST(ModelConfig, AllMissingKeysAreNamed) {
+  json j = real_json();
+  for (const auto& k : kRequiredTextKeys) j["text_config"].erase(k);
+  for (const auto& k : kRequiredLinearKeys) j["text_config"]["linear_attn_config"].erase(k);
+  j["text_config"].erase("tie_word_embeddings");
+  j.erase("tie_word_embeddings");
+  const std::string msg = error_of(j);
+  const size_t n = kRequiredTextKeys.size() + kRequiredLinearKeys.size() + 1;
+  EXPECT_EQ(msg.rfind("cfg.json: " + std::to_string(n) + " problems: ", 0), 0u) << msg;
+  for (const auto& k : kRequiredTextKeys) EXPECT_HAS(msg, "missing key text_config." + k + ";");
+  for (const auto& k : kRequiredLinearKeys) EXPECT_HAS(msg, "missing key text_config.linear_attn_config." + k);
+  EXPECT_HAS(msg, "missing key text_config.tie_word_embeddings");
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+}
+
+TEST(ModelConfig, EachRequiredKeyAloneIsNamed) {
+  for (const auto& k : kRequiredTextKeys) {
+    json j = real_json();
+    j["text_config"].erase(k);
+    EXPECT_HAS(error_of(j), "missing key text_config." + k);
+    json flat = flat_from(real_json());
+    if (k == "model_type") continue;  // the flat form needs it to be recognised at all
+    flat.erase(k);
+    EXPECT_EQ(error_of(flat), "cfg.json: 1 problem: missing key " + k);
+  }
+  for (const auto& k : kRequiredLinearKeys) {
+    json j = real_json();
+    j["text_config"]["linear_attn_config"].erase(k);
+    EXPECT_EQ(error_of(j), "cfg.json: 1 problem: missing key text_config.linear_attn_config." + k);
+  }
+  json j = real_json();
+  j["text_config"].erase("linear_attn_config");
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: missing key text_config.linear_attn_config");
+  j = real_json();
+  j.erase("text_config");
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: missing key text_config");
+  j = real_json();
+  j.erase("model_type");
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: missing key model_type");
+}
+
+TEST(ModelConfig, TieWordEmbeddingsMayBeAtEitherLevel) {
+  json j = real_json();
+  j["text_config"].erase("tie_word_embeddings");
+  EXPECT_FALSE(parse(j).tie_word_embeddings);
+  j = real_json();
+  j.erase("tie_word_embeddings");
+  EXPECT_FALSE(parse(j).tie_word_embeddings);
+}
+
+TEST(ModelConfig, WrongTypes) {
+  json j = real_json();
+  j["text_config"]["hidden_size"] = "7168";
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.hidden_size must be an integer, got \"7168\"");
+  j = real_json();
+  j["text_config"]["hidden_size"] = 7168.5;
+  EXPECT_HAS(error_of(j), "text_config.hidden_size must be an integer, got 7168.5");
+  j = real_json();
+  j["text_config"]["rms_norm_eps"] = "1e-5";
+  EXPECT_HAS(error_of(j), "text_config.rms_norm_eps must be a number, got \"1e-5\"");
+  j = real_json();
+  j["text_config"]["mla_use_output_gate"] = 1;
+  EXPECT_HAS(error_of(j), "text_config.mla_use_output_gate must be a boolean, got 1");
+  j = real_json();
+  j["text_config"]["hidden_act"] = nullptr;
+  EXPECT_HAS(error_of(j), "text_config.hidden_act must be a string, got null");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["kda_layers"] = "1,2,3";
+  EXPECT_HAS(error_of(j), "text_config.linear_attn_config.kda_layers must be an array of integers, got \"1,2,3\"");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["full_attn_layers"][2] = "12";
+  EXPECT_HAS(error_of(j), "text_config.linear_attn_config.full_attn_layers[2] must be an integer, got \"12\"");
+  j = real_json();
+  j["text_config"]["linear_attn_config"] = json::array();
+  EXPECT_HAS(error_of(j), "text_config.linear_attn_config must be an object, got []");
+  j = real_json();
+  j["text_config"] = 5;
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config must be an object, got 5");
+  j = real_json();
+  j["text_config"]["vocab_size"] = 18446744073709551615ull;
+  EXPECT_HAS(error_of(j), "text_config.vocab_size = 18446744073709551615 is out of range");
+  j = real_json();
+  j["bos_token_id"] = "163584";
+  EXPECT_HAS(error_of(j), "bos_token_id must be an integer, got \"163584\"");
+}
+
+TEST(ModelConfig, ValueRanges) {
+  json j = real_json();
+  j["text_config"]["hidden_size"] = 0;
+  j["text_config"]["kv_lora_rank"] = -512;
+  j["text_config"]["linear_attn_config"]["head_dim"] = 0;
+  std::string msg = error_of(j);
+  EXPECT_HAS(msg, "cfg.json: 3 problems:");
+  EXPECT_HAS(msg, "text_config.hidden_size = 0 is outside 1..");
+  EXPECT_HAS(msg, "text_config.kv_lora_rank = -512 is outside 1..");
+  EXPECT_HAS(msg, "text_config.linear_attn_config.head_dim = 0 is outside 1..");
+
+  j = real_json();
+  j["text_config"]["num_experts_per_token"] = 897;
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.num_experts_per_token = 897 exceeds num_experts 896");
+  j = real_json();
+  j["text_config"]["first_k_dense_replace"] = 94;
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.first_k_dense_replace = 94 exceeds num_hidden_layers 93");
+  j = real_json();
+  j["text_config"]["rms_norm_eps"] = 0.0;
+  EXPECT_HAS(error_of(j), "text_config.rms_norm_eps = 0 must be in (0, 1)");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["gate_lower_bound"] = 5.0;
+  EXPECT_HAS(error_of(j), "text_config.linear_attn_config.gate_lower_bound = 5 must be < 0");
+  j = real_json();
+  j["eos_token_id"] = 163840;
+  EXPECT_HAS(error_of(j), "eos_token_id = 163840 is outside 0..163839");
+  j = real_json();
+  j["text_config"]["eos_token_id"] = 163585;
+  EXPECT_HAS(error_of(j), "eos_token_id 163586 disagrees with text_config.eos_token_id 163585");
+}
+
+TEST(ModelConfig, LayerListOutOfRange) {
+  json j = real_json();
+  j["text_config"]["linear_attn_config"]["full_attn_layers"][23] = 94;  // was 93
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 2 problems: text_config.linear_attn_config.full_attn_layers[23] = 94 is outside 1..93 "
+            "(layer lists are one-based); layer 93 is in neither text_config.linear_attn_config.full_attn_layers "
+            "nor kda_layers (one-based)");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["kda_layers"][0] = 0;  // was 1: a zero-based entry
+  EXPECT_HAS(error_of(j), "text_config.linear_attn_config.kda_layers[0] = 0 is outside 1..93");
+}
+
+TEST(ModelConfig, ZeroBasedListsAreRejected) {
+  // Someone "fixes" the lists to zero-based: MLA 3,7,...,91,92 and KDA 0,1,2,4,...
+  json j = real_json();
+  json full = json::array(), kda = json::array();
+  for (int64_t l = 0; l < 93; ++l) ((l + 1) % 4 == 0 || l == 92 ? full : kda).push_back(l);
+  j["text_config"]["linear_attn_config"]["full_attn_layers"] = full;
+  j["text_config"]["linear_attn_config"]["kda_layers"] = kda;
+  const std::string msg = error_of(j);
+  EXPECT_HAS(msg, "kda_layers[0] = 0 is outside 1..93 (layer lists are one-based)");
+  EXPECT_HAS(msg, "in neither");
+}
+
+TEST(ModelConfig, LayerListDuplicateOverlapUncovered) {
+  json j = real_json();
+  j["text_config"]["linear_attn_config"]["kda_layers"].push_back(5);
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.linear_attn_config.kda_layers lists layer 5 more than once");
+
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["kda_layers"].push_back(4);
+  j["text_config"]["linear_attn_config"]["kda_layers"].push_back(8);
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 1 problem: layers 4, 8 are in both text_config.linear_attn_config.full_attn_layers and "
+            "kda_layers");
+
+  j = real_json();
+  auto& full = j["text_config"]["linear_attn_config"]["full_attn_layers"];
+  full.erase(full.size() - 1);  // drop 93
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 1 problem: layer 93 is in neither text_config.linear_attn_config.full_attn_layers nor "
+            "kda_layers (one-based)");
+
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["kda_layers"] = json::array({1, 2, 3});
+  const std::string msg = error_of(j);
+  EXPECT_HAS(msg, "layers 5-7, 9-11, ");  // ranges are compressed
+  EXPECT_HAS(msg, "85-87, 89-91 are in neither");
+}
+
+TEST(ModelConfig, UnsupportedValues) {
+  struct Case {
+    const char* key;
+    json value;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {"hidden_act", "silu", "unsupported text_config.hidden_act \"silu\" (only \"situ\" is implemented)"},
+      {"moe_router_activation_func", "softmax",
+       "unsupported text_config.moe_router_activation_func \"softmax\" (only \"sigmoid\" is implemented)"},
+      {"topk_method", "greedy", "unsupported text_config.topk_method \"greedy\" (only \"noaux_tc\" is implemented)"},
+      {"num_expert_group", 8,
+       "unsupported text_config.num_expert_group = 8 (grouped top-k is not implemented; need 1)"},
+      {"topk_group", 4, "unsupported text_config.topk_group = 4 (grouped top-k is not implemented; need 1)"},
+      {"mla_use_nope", false, "unsupported text_config.mla_use_nope false (RoPE in MLA is not implemented)"},
+      {"q_lora_rank", nullptr, "text_config.q_lora_rank is null (MLA without a query LoRA is not supported)"},
+      {"tie_word_embeddings", true, "tie_word_embeddings true is not supported (K3 ships a separate lm_head)"},
+      {"moe_layer_freq", 2,
+       "unsupported text_config.moe_layer_freq = 2 (only 1: every layer after first_k_dense_replace is MoE)"},
+      {"model_type", "deepseek_v3", "unsupported text_config.model_type \"deepseek_v3\" (expected \"kimi_linear\")"},
+  };
+  for (const auto& cs : cases) {
+    json j = real_json();
+    j["text_config"][cs.key] = cs.value;
+    EXPECT_EQ(error_of(j), "cfg.json: 1 problem: " + cs.expect) << cs.key;
+  }
+  json j = real_json();
+  j["text_config"]["linear_attn_config"]["use_full_rank_gate"] = false;
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 1 problem: unsupported text_config.linear_attn_config.use_full_rank_gate false (low-rank KDA "
+            "output gate is not implemented)");
+  j = real_json();
+  j["tie_word_embeddings"] = true;  // wrapper level only
+  EXPECT_HAS(error_of(j), "tie_word_embeddings true is not supported");
+  // Grouped top-k keys are optional; absent means ungrouped.
+  j = real_json();
+  j["text_config"].erase("topk_method");
+  j["text_config"].erase("num_expert_group");
+  j["text_config"].erase("topk_group");
+  j["text_config"].erase("use_grouped_topk");
+  EXPECT_EQ(parse(j).num_experts, 896);
+}
+
+TEST(ModelConfig, UnknownModelType) {
+  json j = real_json();
+  j["model_type"] = "llama";
+  EXPECT_EQ(error_of(j),
+            "cfg.json: unsupported model_type \"llama\" (expected \"kimi_k3\" with a text_config, or a flat "
+            "\"kimi_linear\" config)");
+}
+
+TEST(ModelConfig, BadJson) {
+  const std::string msg = error_of_text("{\"model_type\": \"kimi_k3\", ");
+  EXPECT_EQ(msg.rfind("cfg.json: invalid JSON: ", 0), 0u) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+  EXPECT_EQ(error_of_text("[1, 2]"), "cfg.json: config must be a JSON object, got array");
+  EXPECT_EQ(error_of_text("").rfind("cfg.json: invalid JSON: ", 0), 0u);
+}
+
+TEST(ModelConfig, FileErrors) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("k3_cfg_test_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  // Directory without config.json.
+  try {
+    k3::load_model_config(dir.string());
+    ADD_FAILURE() << "missing config accepted";
+  } catch (const k3::Error& e) {
+    EXPECT_EQ(std::string(e.what()), (dir / "config.json").string() + ": config file not found");
+  }
+  // A path that does not exist at all.
+  try {
+    k3::load_model_config((dir / "nope.json").string());
+    ADD_FAILURE() << "missing file accepted";
+  } catch (const k3::Error& e) {
+    EXPECT_EQ(std::string(e.what()), (dir / "nope.json").string() + ": config file not found");
+  }
+  // Invalid JSON on disk: the message starts with the file path.
+  {
+    std::ofstream(dir / "config.json") << "{ not json";
+  }
+  try {
+    k3::load_model_config(dir.string());
+    ADD_FAILURE() << "bad JSON accepted";
+  } catch (const k3::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind((dir / "config.json").string() + ": invalid JSON: ", 0), 0u) << msg;
+  }
+  // A valid file on disk loads by directory and by file path, with the same result.
+  {
+    std::ofstream(dir / "config.json") << real_json().dump();
+  }
+  const k3::ModelConfig by_dir = k3::load_model_config(dir.string());
+  const k3::ModelConfig by_file = k3::load_model_config((dir / "config.json").string());
+  expect_same_text_model(by_dir, by_file);
+  EXPECT_EQ(by_dir.source, (dir / "config.json").string());
+  // Problems from a file carry the path too.
+  {
+    json j = real_json();
+    j["text_config"].erase("vocab_size");
+    std::ofstream(dir / "config.json") << j.dump();
+  }
+  try {
+    k3::load_model_config(dir.string());
+    ADD_FAILURE() << "missing key accepted";
+  } catch (const k3::Error& e) {
+    EXPECT_EQ(std::string(e.what()), (dir / "config.json").string() + ": 1 problem: missing key text_config.vocab_size");
+  }
+  fs::remove_all(dir);
+}
+
+// Robustness: every key of text_config / linear_attn_config replaced by every odd value either
+// parses or fails with k3::Error whose message starts with the label (never another exception).
+TEST(ModelConfig, HostileValuesOnlyRaiseK3Error) {
+  const json base = real_json();
+  const std::vector<json> odd = {nullptr, -1, 0, 1, "x", json::array(), json::object(), 1e300, -1e300, true,
+                                 9223372036854775807LL, json::array({0, 94, -3}), 0.5};
+  int rejected = 0, total = 0;
+  auto try_one = [&](const json& j) {
+    ++total;
+    try {
+      parse(j);
+    } catch (const k3::Error& e) {
+      ++rejected;
+      EXPECT_EQ(std::string(e.what()).rfind("cfg.json: ", 0), 0u) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "non-k3 exception: " << e.what() << " for " << j.dump().substr(0, 200);
+    }
+  };
+  for (const auto& [key, unused] : base["text_config"].items()) {
+    for (const json& v : odd) {
+      json j = base;
+      j["text_config"][key] = v;
+      try_one(j);
+    }
+  }
+  for (const auto& [key, unused] : base["text_config"]["linear_attn_config"].items()) {
+    for (const json& v : odd) {
+      json j = base;
+      j["text_config"]["linear_attn_config"][key] = v;
+      try_one(j);
+    }
+  }
+  for (const char* key : {"model_type", "text_config", "bos_token_id", "tie_word_embeddings"}) {
+    for (const json& v : odd) {
+      json j = base;
+      j[key] = v;
+      try_one(j);
+    }
+  }
+  EXPECT_GT(rejected, total / 2);  // most of these values are invalid for the keys the engine uses
+}
