@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The test command (README, and what .ci/run calls): installs dependencies, builds the release
+# tree and runs every ctest test, then builds with ASan+UBSan and runs the suite again.
+# Set K3_TEST_NO_SANITIZE=1 to skip the sanitizer pass locally.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/install_deps.sh
+jobs=$(nproc)
+
+echo "== release build"
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j"$jobs"
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 900)
+
+if [[ "${K3_TEST_NO_SANITIZE:-0}" != 1 ]]; then
+  echo "== ASan + UBSan build"
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DK3_SANITIZE=ON >/dev/null
+  cmake --build build-asan -j"$jobs"
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+     ctest --output-on-failure -j"$jobs" --timeout 1800)
+fi
