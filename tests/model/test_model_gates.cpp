@@ -18,7 +18,7 @@ using k3test::rel_l2;
 namespace {
 
 constexpr double kRefTol = 1e-5;    // engine (fp32) vs fp64 reference, rel-L2 over all logits
-constexpr double kAlgoTol = 1e-5;   // two engine algorithms / decode paths against each other
+constexpr double kAlgoTol = 1e-5;   // a decode path vs the reference or vs the default full pass
 
 fs::path tp_tiny() { return fs::path(K3_SHARED_DIR) / "fixtures/third-party/kimi-k3-in-c-tiny"; }
 fs::path ours(const std::string& name) { return fs::path(K3_SOURCE_DIR) / "tests/fixtures" / name; }
@@ -63,17 +63,25 @@ std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prom
   return out;
 }
 
-void check_decode_paths(const k3::Model& m, const std::vector<int32_t>& ids) {
+// Every decode path (KDA chunked/recurrent, chunk sizes, MLA absorbed/expanded, prefill + decode,
+// two prefill chunks) against `base`: the fp64 reference logits where we have them, else the
+// engine's own default full pass.
+void check_decode_paths(const k3::Model& m, const std::vector<int32_t>& ids, const std::vector<float>& base) {
   k3::ForwardOptions rec, chunk4, chunk64, expanded;
   rec.kda_algo = k3::KdaAlgo::Recurrent;
   chunk4.kda_chunk = 4;
   expanded.mla_algo = k3::MlaAlgo::Expanded;
-  const auto base = full_pass(m, ids, chunk64);
+  EXPECT_LT(rel_l2(full_pass(m, ids, chunk64), base), kAlgoTol) << "chunked KDA (64)";
   EXPECT_LT(rel_l2(full_pass(m, ids, rec), base), kAlgoTol) << "chunked vs recurrent KDA";
   EXPECT_LT(rel_l2(full_pass(m, ids, chunk4), base), kAlgoTol) << "chunk 4 vs chunk 64";
   EXPECT_LT(rel_l2(full_pass(m, ids, expanded), base), kAlgoTol) << "absorbed vs expanded MLA";
-  for (size_t split : {size_t(1), size_t(5), ids.size() - 1})
-    EXPECT_LT(rel_l2(incremental(m, ids, split), base), kAlgoTol) << "prefill " << split << " then decode";
+  // Carried state (KDA recurrent + conv history, MLA latent cache): prefill then one token at a
+  // time must equal one full pass with the same per-token KDA algorithm.
+  const auto full_rec = full_pass(m, ids, rec);
+  for (size_t split : {size_t(1), size_t(5), ids.size() - 1}) {
+    EXPECT_LT(rel_l2(incremental(m, ids, split, rec), full_rec), kAlgoTol) << "prefill " << split << " then decode";
+    EXPECT_LT(rel_l2(incremental(m, ids, split), base), kAlgoTol) << "chunked prefill " << split << " then decode";
+  }
   // Two prefill chunks (KDA chunked state + conv history + MLA cache carried across calls).
   k3::Session s(m);
   const size_t V = size_t(m.dims().vocab), a = ids.size() / 3;
@@ -107,7 +115,7 @@ TEST(ThirdPartyTiny, DecodePathsAgree) {
   if (!fs::exists(tp_tiny())) GTEST_SKIP() << "../shared third-party fixtures absent: " << tp_tiny();
   auto m = k3::Model::load(tp_tiny().string());
   const auto full = read_json(tp_tiny() / "expected.json")["full_ids"].get<std::vector<int32_t>>();
-  check_decode_paths(*m, full);
+  check_decode_paths(*m, full, full_pass(*m, full));
 }
 
 class OwnFixture : public ::testing::TestWithParam<std::string> {};
@@ -124,15 +132,12 @@ TEST_P(OwnFixture, MatchesReference) {
   std::ifstream f(dir / ref["logits_file"].get<std::string>(), std::ios::binary);
   f.read(reinterpret_cast<char*>(expect.data()), std::streamsize(expect.size() * 4));
   ASSERT_TRUE(f) << "reference logits file too short";
-  for (auto algo : {k3::KdaAlgo::Chunked, k3::KdaAlgo::Recurrent}) {
-    k3::ForwardOptions o;
-    o.kda_algo = algo;
-    EXPECT_LT(rel_l2(full_pass(*m, ids, o), expect), kRefTol);
-  }
-  EXPECT_LT(rel_l2(incremental(*m, ids, 3), expect), kRefTol);
+  // Each path is held to the fp64 reference itself (two fp32 paths may then differ from each
+  // other by up to twice that: on tiny-flat, recurrent vs chunked measure 1.8e-5 apart while both
+  // are within 1e-5 of the reference; one position there amplifies fp32 rounding tenfold).
+  check_decode_paths(*m, ids, expect);
   const auto& g = ref["greedy"];
   EXPECT_EQ(greedy(*m, g["prompt"].get<std::vector<int32_t>>(), g["n"].get<int>()), g["ids"].get<std::vector<int32_t>>());
-  check_decode_paths(*m, ids);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat"));

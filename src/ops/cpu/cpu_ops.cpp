@@ -49,14 +49,16 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
   }
 }
 
+// fp32 products, fp64 accumulation in 8 lanes: long dot products (up to 33792 terms in K3) would
+// otherwise lose ~1e-6 relative per layer, which a deep model amplifies.
 inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+    for (int j = 0; j < 8; ++j) acc[j] += double(a[i + j] * b[i + j]);
+  double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < n; ++i) s += double(a[i] * b[i]);
+  return float(s);
 }
 }  // namespace
 
@@ -135,37 +137,39 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
 
 void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
                    int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
+  // The state is held in fp64 within a call (fp32 between calls, as the session stores it), the
+  // same internal precision as kda_chunked, so prefill and decode paths agree to fp32 rounding.
 #pragma omp parallel for schedule(static) if (T * H * Dk * Dv > kParallelMin)
   for (int64_t h = 0; h < H; ++h) {
-    float* s = S + h * Dk * Dv;
-    std::vector<float> u(static_cast<size_t>(Dv));
+    std::vector<double> s(S + h * Dk * Dv, S + (h + 1) * Dk * Dv), u(static_cast<size_t>(Dv)), ot(static_cast<size_t>(Dv));
     for (int64_t t = 0; t < T; ++t) {
       const float* qt = q + (t * H + h) * Dk;
       const float* kt = k + (t * H + h) * Dk;
       const float* vt = v + (t * H + h) * Dv;
       const float* gt = g + (t * H + h) * Dk;
-      const float b = beta[t * H + h];
+      const double b = beta[t * H + h];
       // decay -> read prediction -> delta write -> read output from the updated state
-      std::fill(u.begin(), u.end(), 0.0f);
+      std::fill(u.begin(), u.end(), 0.0);
       for (int64_t a = 0; a < Dk; ++a) {
-        const float al = std::exp(gt[a]);
-        float* row = s + a * Dv;
+        const double al = std::exp(double(gt[a]));
+        double* row = &s[size_t(a * Dv)];
         for (int64_t j = 0; j < Dv; ++j) {
           row[j] *= al;
           u[size_t(j)] += row[j] * kt[a];
         }
       }
       for (int64_t j = 0; j < Dv; ++j) u[size_t(j)] = b * (vt[j] - u[size_t(j)]);
-      float* ot = o + (t * H + h) * Dv;
-      std::fill(ot, ot + Dv, 0.0f);
+      std::fill(ot.begin(), ot.end(), 0.0);
       for (int64_t a = 0; a < Dk; ++a) {
-        float* row = s + a * Dv;
+        double* row = &s[size_t(a * Dv)];
         for (int64_t j = 0; j < Dv; ++j) {
           row[j] += kt[a] * u[size_t(j)];
-          ot[j] += row[j] * qt[a];
+          ot[size_t(j)] += row[j] * qt[a];
         }
       }
+      for (int64_t j = 0; j < Dv; ++j) o[(t * H + h) * Dv + j] = float(ot[size_t(j)]);
     }
+    for (int64_t i = 0; i < Dk * Dv; ++i) S[h * Dk * Dv + i] = float(s[size_t(i)]);
   }
 }
 
