@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cmd_tokenize.h"
 #include "cli/ids.h"
 #include "config/arch_stats.h"
 #include "core/error.h"
@@ -125,7 +126,7 @@ int cmd_info(const std::string& dir, int64_t ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"k3: inference engine for Kimi K3-architecture models"};
+  CLI::App app{"k3: inference engine for Kimi K3-architecture models\n(also: k3 tokenize --vocab DIR --text T, k3 detokenize --vocab DIR --ids ...)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("k3 ") + k3::version());
 
@@ -150,6 +151,9 @@ int main(int argc, char** argv) {
   info->add_option("-m,--model", info_dir, "checkpoint directory (config.json alone is enough)")->required();
   info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")->check(CLI::Range(int64_t(0), int64_t(1) << 40));
 
+  // tokenize / detokenize parse their own flags (they never load a model).
+  if (argc > 1 && std::string(argv[1]) == "tokenize") return cmd_tokenize(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "detokenize") return cmd_detokenize(argc - 1, argv + 1);
   const auto is_subcommand = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;
