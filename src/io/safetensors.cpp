@@ -25,7 +25,7 @@ namespace {
 
 // std::map-backed JSON (O(log n) lookups even for 100k-entry weight maps); header order is
 // recovered separately from the parser's key events.
-using ojson = nlohmann::json;
+using Json = nlohmann::json;
 
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // 100 MB, far above any real header
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;   // model.safetensors.index.json
@@ -59,55 +59,93 @@ std::string one_line(std::string s) {
 
 std::string tensor_ctx(std::string_view name) { return " (tensor '" + printable(name) + "')"; }
 
-// Parses JSON text, rejecting syntax errors and duplicate keys in any object (nlohmann would
-// otherwise keep the last one silently). Throws k3::Error "<label>: bad JSON ...". When
-// `top_keys` is given it receives the keys of the top-level object in document order.
-ojson parse_json_strict(const char* begin, const char* end, const std::string& label, const char* what,
-                        std::vector<std::string>* top_keys = nullptr) {
+// First pass over JSON text (SAX, no DOM): records the top-level keys in document order and the
+// first duplicate key of any object (nlohmann's DOM would silently keep the last one). A SAX pass
+// is used because nlohmann's parse callbacks rescan the parent object at every object end, which
+// is quadratic for headers with many tensors.
+struct KeyScan {
   std::vector<std::set<std::string>> keys;  // one key set per open object
+  std::vector<bool> is_object;              // open containers, innermost last
+  std::vector<std::string>* top_keys = nullptr;
   std::string duplicate;
   bool top_level_dup = false;
-  ojson::parser_callback_t cb = [&](int /*depth*/, ojson::parse_event_t ev, ojson& parsed) {
-    switch (ev) {
-      case ojson::parse_event_t::object_start:
-        keys.emplace_back();
-        break;
-      case ojson::parse_event_t::object_end:
-        if (!keys.empty()) keys.pop_back();
-        break;
-      case ojson::parse_event_t::key:
-        if (!keys.empty() && parsed.is_string()) {
-          const std::string& k = parsed.get_ref<const std::string&>();
-          if (!keys.back().insert(k).second) {
-            if (duplicate.empty()) {
-              duplicate = k;
-              top_level_dup = keys.size() == 1;
-            }
-          } else if (top_keys != nullptr && keys.size() == 1) {
-            top_keys->push_back(k);
-          }
-        }
-        break;
-      default:
-        break;
+  std::string error;
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(Json::number_integer_t) { return true; }
+  bool number_unsigned(Json::number_unsigned_t) { return true; }
+  bool number_float(Json::number_float_t, const Json::string_t&) { return true; }
+  bool string(Json::string_t&) { return true; }
+  bool binary(Json::binary_t&) { return true; }
+  bool start_object(std::size_t) {
+    keys.emplace_back();
+    is_object.push_back(true);
+    return true;
+  }
+  bool key(Json::string_t& k) {
+    if (keys.empty()) return true;
+    if (!keys.back().insert(k).second) {
+      if (duplicate.empty()) {
+        duplicate = k;
+        top_level_dup = is_object.size() == 1;
+      }
+    } else if (top_keys != nullptr && is_object.size() == 1) {
+      top_keys->push_back(k);
     }
     return true;
-  };
-  ojson j;
+  }
+  bool end_object() {
+    if (!keys.empty()) keys.pop_back();
+    if (!is_object.empty()) is_object.pop_back();
+    return true;
+  }
+  bool start_array(std::size_t) {
+    is_object.push_back(false);
+    return true;
+  }
+  bool end_array() {
+    if (!is_object.empty()) is_object.pop_back();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception& ex) {
+    error = ex.what();
+    return false;
+  }
+};
+
+// Parses JSON text, rejecting syntax errors and duplicate keys in any object. Throws k3::Error
+// "<label>: bad JSON ...". When `top_keys` is given it receives the keys of the top-level object
+// in document order.
+Json parse_json_strict(const char* begin, const char* end, const std::string& label, const char* what,
+                        std::vector<std::string>* top_keys = nullptr) {
+  KeyScan scan;
+  scan.top_keys = top_keys;
+  bool ok = false;
   try {
-    j = ojson::parse(begin, end, cb, /*allow_exceptions=*/true);
+    ok = Json::sax_parse(begin, end, &scan);
+  } catch (const std::exception& e) {
+    scan.error = e.what();
+  }
+  if (!ok) {
+    if (scan.error.empty()) scan.error = "parse error";
+    fail(label + ": bad JSON in " + what + ": " + printable(one_line(scan.error)));
+  }
+  if (!scan.duplicate.empty()) {
+    if (scan.top_level_dup) fail(label + ": duplicate name in " + what + tensor_ctx(scan.duplicate));
+    fail(label + ": duplicate key '" + printable(scan.duplicate) + "' in " + what);
+  }
+  Json j;
+  try {
+    j = Json::parse(begin, end);
   } catch (const std::exception& e) {
     fail(label + ": bad JSON in " + what + ": " + printable(one_line(e.what())));
-  }
-  if (!duplicate.empty()) {
-    if (top_level_dup) fail(label + ": duplicate name in " + what + tensor_ctx(duplicate));
-    fail(label + ": duplicate key '" + printable(duplicate) + "' in " + what);
   }
   return j;
 }
 
 // Reads a JSON non-negative integer that must fit `limit`; false on any other JSON value.
-bool get_uint(const ojson& v, uint64_t limit, uint64_t& out) {
+bool get_uint(const Json& v, uint64_t limit, uint64_t& out) {
   if (v.is_number_unsigned()) {
     out = v.get<uint64_t>();
   } else if (v.is_number_integer()) {
@@ -189,7 +227,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
 
   const char* text = reinterpret_cast<const char*>(bytes + 8);
   std::vector<std::string> key_order;
-  const ojson j = parse_json_strict(text, text + n, label, "header", &key_order);
+  const Json j = parse_json_strict(text, text + n, label, "header", &key_order);
   if (!j.is_object()) fail(label + ": header is not a JSON object");
 
   SafetensorsHeader h;
@@ -199,7 +237,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
 
   h.tensors.reserve(key_order.size());
   for (const std::string& name : key_order) {
-    const ojson& e = j.at(name);
+    const Json& e = j.at(name);
     if (name == "__metadata__") {
       if (!e.is_object()) fail(label + ": __metadata__ is not a JSON object");
       for (const auto& [k, v] : e.items()) {
@@ -220,13 +258,13 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
     if (!e.contains("dtype") || !e.contains("shape") || !e.contains("data_offsets"))
       fail(label + ": entry needs dtype, shape and data_offsets" + ctx);
 
-    const ojson& jd = e["dtype"];
+    const Json& jd = e["dtype"];
     if (!jd.is_string()) fail(label + ": dtype is not a string" + ctx);
     const std::string& dname = jd.get_ref<const std::string&>();
     const std::optional<DType> dt = dtype_from_name(dname);
     if (!dt) fail(label + ": unknown dtype '" + printable(dname) + "'" + ctx);
 
-    const ojson& js = e["shape"];
+    const Json& js = e["shape"];
     if (!js.is_array()) fail(label + ": shape is not an array" + ctx);
     TensorView v;
     v.name = name;
@@ -235,7 +273,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
     // Running product checked at every step so TensorView::numel() can never overflow either.
     uint64_t numel = 1;
     constexpr uint64_t kMaxI64 = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
-    for (const ojson& d : js) {
+    for (const Json& d : js) {
       uint64_t dim = 0;
       if (!get_uint(d, kMaxI64, dim))
         fail(label + ": shape entry " + printable(d.dump()) + " is not a non-negative integer" + ctx);
@@ -247,7 +285,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype_size(*dt)), &nbytes))
       fail(label + ": shape " + printable(js.dump()) + " has too many bytes" + ctx);
 
-    const ojson& jo = e["data_offsets"];
+    const Json& jo = e["data_offsets"];
     uint64_t begin = 0, end = 0;
     if (!jo.is_array() || jo.size() != 2 || !get_uint(jo[0], std::numeric_limits<uint64_t>::max(), begin) ||
         !get_uint(jo[1], std::numeric_limits<uint64_t>::max(), end))
@@ -395,7 +433,7 @@ Loaded load_checkpoint(const std::string& dir, bool headers_only) {
            std::to_string(kMaxIndexBytes) + ")");
     text.assign(reinterpret_cast<const char*>(m->data()), m->size());
   }
-  const ojson j = parse_json_strict(text.data(), text.data() + text.size(), index_path, "index");
+  const Json j = parse_json_strict(text.data(), text.data() + text.size(), index_path, "index");
   if (!j.is_object()) fail(index_path + ": index is not a JSON object");
   if (j.contains("metadata") && !j["metadata"].is_object() && !j["metadata"].is_null())
     fail(index_path + ": 'metadata' is not a JSON object");

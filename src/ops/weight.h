@@ -3,6 +3,7 @@
 // Must not: copy or re-quantize weights; MXFP4 is used exactly as shipped.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "core/dtype.h"
@@ -11,6 +12,12 @@ namespace k3 {
 
 enum class WFormat : uint8_t { F32, F16, BF16, MXFP4 };
 const char* wformat_name(WFormat f);
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
 
 struct WeightMat {
   WFormat fmt = WFormat::F32;
@@ -21,10 +28,16 @@ struct WeightMat {
   bool empty() const { return data == nullptr; }
   // Exact value of W[r, c] (slow; for reference code and tests).
   float at(int64_t r, int64_t c) const {
+    // Views point into mmap'd shards whose data section need not be aligned: load via memcpy.
+    const uint8_t* bytes = static_cast<const uint8_t*>(data);
     switch (fmt) {
-      case WFormat::F32: return static_cast<const float*>(data)[r * cols + c];
-      case WFormat::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[r * cols + c]);
-      case WFormat::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[r * cols + c]);
+      case WFormat::F32: {
+        float f;
+        std::memcpy(&f, bytes + 4 * (r * cols + c), 4);
+        return f;
+      }
+      case WFormat::F16: return f16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
+      case WFormat::BF16: return bf16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
       case WFormat::MXFP4: {
         const uint8_t b = static_cast<const uint8_t*>(data)[r * (cols / 2) + c / 2];
         const uint8_t code = (c & 1) ? (b >> 4) : (b & 0x0f);

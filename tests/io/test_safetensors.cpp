@@ -3,6 +3,7 @@
 // kind of bad input. Must not: compute expected values with the reader under test.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -228,6 +229,28 @@ TEST(Safetensors, EmptyTensorsHeaderPaddingAndNoMetadata) {
   EXPECT_EQ(f->find("z")->numel(), 0);
   EXPECT_EQ(load<int16_t>(f->find("x")->data, 1), int16_t(6 << 8 | 7));
   EXPECT_TRUE(f->metadata().empty());
+}
+
+TEST(Safetensors, ManyTensorsParseInLinearTime) {
+  // 20000 tensors: a quadratic parser (e.g. nlohmann parse callbacks) takes seconds here.
+  std::string h = "{";
+  std::vector<uint8_t> data;
+  for (int i = 0; i < 20000; ++i) {
+    const size_t off = data.size();
+    data.push_back(uint8_t(1 + i % 200));
+    data.push_back(uint8_t(2 + i % 100));
+    h += (i ? "," : "") + std::string("\"layers.") + std::to_string(i) + ".w\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[" +
+         std::to_string(off) + "," + std::to_string(off + 2) + "]}";
+  }
+  h += "}";
+  const auto img = st_raw(h, data);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto hd = k3::io::parse_safetensors_header(img.data(), img.size(), img.size(), "many");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(hd.tensors.size(), 20000u);
+  EXPECT_EQ(hd.tensors[12345].name, "layers.12345.w");  // document order kept
+  EXPECT_EQ(hd.offsets[12345], 2u * 12345u);
+  EXPECT_LT(secs, 3.0);  // ~0.1 s normally, well under a second even with sanitizers
 }
 
 TEST(MappedFile, EmptyFileAndMissingFile) {

@@ -21,16 +21,16 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
   const int64_t n = W.cols;
   switch (W.fmt) {
     case WFormat::F32:
-      std::memcpy(out, static_cast<const float*>(W.data) + r * n, size_t(n) * 4);
+      std::memcpy(out, static_cast<const uint8_t*>(W.data) + 4 * r * n, size_t(n) * 4);
       break;
-    case WFormat::BF16: {
-      const uint16_t* p = static_cast<const uint16_t*>(W.data) + r * n;
-      for (int64_t c = 0; c < n; ++c) out[c] = bf16_to_f32(p[c]);
+    case WFormat::BF16: {  // rows may be unaligned inside the mmap'd shard: byte loads only
+      const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
+      for (int64_t c = 0; c < n; ++c) out[c] = bf16_to_f32(load_u16(p + 2 * c));
       break;
     }
     case WFormat::F16: {
-      const uint16_t* p = static_cast<const uint16_t*>(W.data) + r * n;
-      for (int64_t c = 0; c < n; ++c) out[c] = f16_to_f32(p[c]);
+      const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
+      for (int64_t c = 0; c < n; ++c) out[c] = f16_to_f32(load_u16(p + 2 * c));
       break;
     }
     case WFormat::MXFP4: {
