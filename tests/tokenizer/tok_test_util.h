@@ -63,7 +63,8 @@ inline std::vector<std::vector<uint32_t>> read_id_records(const std::string& pat
     std::memcpy(&n, d.data() + p, 4);
     p += 4;
     std::vector<uint32_t> ids(n);
-    std::memcpy(ids.data(), d.data() + p, 4ull * n);
+    if (p + 4ull * n > d.size()) break;  // truncated record file
+    if (n) std::memcpy(ids.data(), d.data() + p, 4ull * n);
     p += 4ull * n;
     out.push_back(std::move(ids));
   }
