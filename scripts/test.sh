@@ -17,7 +17,7 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
 fi
 
 echo "== release build"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON >/dev/null
 cmake --build build -j"$jobs"
 (cd build && ctest --output-on-failure -j"$jobs" --timeout 900)
 
