@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cmd_bench.h"
 #include "cli/cmd_tokenize.h"
 #include "cli/ids.h"
 #include "config/arch_stats.h"
@@ -154,6 +155,7 @@ int main(int argc, char** argv) {
   // tokenize / detokenize parse their own flags (they never load a model).
   if (argc > 1 && std::string(argv[1]) == "tokenize") return cmd_tokenize(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "detokenize") return cmd_detokenize(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "bench") return cmd_bench(argc - 1, argv + 1);
   const auto is_subcommand = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;
