@@ -140,4 +140,4 @@ TEST_P(OwnFixture, MatchesReference) {
   EXPECT_EQ(greedy(*m, g["prompt"].get<std::vector<int32_t>>(), g["n"].get<int>()), g["ids"].get<std::vector<int32_t>>());
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat"));
+INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from typing import Dict, List, Tuple
 
@@ -67,6 +68,21 @@ PRESETS: Dict[str, dict] = {
         dense_inter=2048, first_dense=1,
         experts=64, topk=8, shared=2, moe_inter=512, latent=512,
         vocab=163840, vision=True,
+    ),
+    # tiny with the committed 2,256-rank test tokenizer (+256 K3 specials): text-level CLI tests
+    # (run/chat/bench). Special ids follow the real K3 layout: bos=[BOS], eos=<|end_of_msg|>.
+    "tiny-chat": dict(
+        nested=True, trunk_dtype="bf16", shards=1,
+        hidden=64, layers=13, mla_layers=[4, 8, 12, 13], block=3,
+        kda_heads=4, kda_dim=16, conv=4,
+        mla_heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+        dense_inter=96, first_dense=1,
+        experts=8, topk=3, shared=2, moe_inter=32, latent=64,
+        vocab=2512, vision=True,
+        special_ids=dict(bos_token_id=2256, eos_token_id=2258, pad_token_id=2511),
+        tokenizer_dir="tests/fixtures/tokenizer-small",
+        generation_config={"do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 40,
+                           "bos_token_id": 2256, "eos_token_id": 2258},
     ),
 }
 
@@ -165,7 +181,7 @@ def make_config(p: dict) -> dict:
         },
         "quantization_config": quant,
     }
-    ids = {"bos_token_id": V - 12, "eos_token_id": V - 10, "pad_token_id": V - 1}
+    ids = p.get("special_ids") or {"bos_token_id": V - 12, "eos_token_id": V - 10, "pad_token_id": V - 1}
     if not p["nested"]:
         flat = dict(text)
         flat.update(ids)
@@ -340,6 +356,14 @@ def write_checkpoint(out: str, preset: str, seed: int) -> dict:
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
+    if "tokenizer_dir" in p:  # the model's own tokenizer files, as in a released checkpoint
+        root = os.path.dirname(os.path.dirname(HERE))
+        for fn in ("tiktoken.model", "tokenizer_config.json"):
+            shutil.copyfile(os.path.join(root, p["tokenizer_dir"], fn), os.path.join(out, fn))
+    if "generation_config" in p:
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump(p["generation_config"], f, indent=2)
+            f.write("\n")
     tensors = make_weights(p, seed)
     for fn in os.listdir(out):  # remove stale weight files of an earlier run
         if fn.startswith("model") and (fn.endswith(".safetensors") or fn.endswith(".index.json")):

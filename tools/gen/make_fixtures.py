@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 import gen_tiny_checkpoint as G  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(HERE))
-COMMITTED = {"tiny": 1, "tiny-flat": 2}
+COMMITTED = {"tiny": 1, "tiny-flat": 2, "tiny-chat": 3}
 GREEDY_N = 12
 MIN_GREEDY_MARGIN = 0.01
 
@@ -133,8 +133,16 @@ def make_fixture(preset: str, seed: int, out: str) -> dict:
         f.write(dumps(ref) + "\n")
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write(FIXTURE_README.format(preset=preset, seed=seed, n=len(ids), vocab=vocab))
+        if "tokenizer_dir" in G.PRESETS[preset]:
+            f.write(TOKENIZER_NOTE.format(src=G.PRESETS[preset]["tokenizer_dir"]))
     return ref
 
+
+TOKENIZER_NOTE = """
+Also holds the model's tokenizer (`tiktoken.model`, `tokenizer_config.json`: copies of
+`{src}`) and a `generation_config.json`, as a released checkpoint does, so text-level
+commands (`k3 run`, `k3 chat`, `k3 bench`) can be tested on it.
+"""
 
 FIXTURE_README = """# tests/fixtures/{preset} (generated, do not edit)
 
