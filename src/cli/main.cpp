@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/cmd_bench.h"
+#include "cli/cmd_run.h"
 #include "cli/cmd_tokenize.h"
 #include "cli/ids.h"
 #include "config/arch_stats.h"
@@ -22,6 +23,7 @@
 #include "io/safetensors.h"
 #include "k3/version.h"
 #include "model/model.h"
+#include "runtime/memory.h"
 
 namespace {
 
@@ -121,13 +123,26 @@ int cmd_info(const std::string& dir, int64_t ctx) {
     std::printf("  %-8s %20llu B  (%s)\n", k3::dtype_name(dt), (unsigned long long)bytes, human_bytes(bytes).c_str());
   std::printf("  %-8s %20llu B  (%s)\n", "total", (unsigned long long)ck->total_tensor_bytes(),
               human_bytes(ck->total_tensor_bytes()).c_str());
+  if (ck->missing_shards().empty()) {
+    // What `k3 run` / `k3 chat` will check against MemAvailable (fp32 state, as this engine holds it).
+    const int64_t at = ctx > 0 ? ctx : std::min<int64_t>(cfg.max_position_embeddings, 32768);
+    const k3::MemoryPlan p = k3::plan_memory(cfg, ck->total_tensor_bytes(), at, 512);
+    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch 512)%s\n", (long long)at,
+                ctx > 0 ? "" : " [--ctx N to change]");
+    std::printf("  weights %s + KDA state %s + MLA cache %s + buffers ~%s = %s\n", k3::human_bytes(p.weights).c_str(),
+                k3::human_bytes(p.kda_state).c_str(), k3::human_bytes(p.mla_cache).c_str(),
+                k3::human_bytes(p.scratch).c_str(), k3::human_bytes(p.total()).c_str());
+    if (auto avail = k3::mem_available_bytes())
+      std::printf("  this machine: %s available (%s)\n", k3::human_bytes(*avail).c_str(),
+                  p.total() <= *avail ? "fits" : "does NOT fit: lower --ctx");
+  }
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"k3: inference engine for Kimi K3-architecture models\n(also: k3 tokenize --vocab DIR --text T, k3 detokenize --vocab DIR --ids ...)"};
+  CLI::App app{"k3: inference engine for Kimi K3-architecture models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("k3 ") + k3::version());
 
@@ -152,10 +167,18 @@ int main(int argc, char** argv) {
   info->add_option("-m,--model", info_dir, "checkpoint directory (config.json alone is enough)")->required();
   info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")->check(CLI::Range(int64_t(0), int64_t(1) << 40));
 
+  // These parse their own flags; listed here so that `k3 --help` shows every subcommand.
+  app.add_subcommand("run", "raw text completion streamed to stdout (k3 run --help)");
+  app.add_subcommand("chat", "interactive multi-turn chat in the K3 format (k3 chat --help)");
+  app.add_subcommand("bench", "prefill/decode throughput at several context depths (k3 bench --help)");
+  app.add_subcommand("tokenize", "text -> token ids (k3 tokenize --help)");
+  app.add_subcommand("detokenize", "token ids -> text (k3 detokenize --help)");
   // tokenize / detokenize parse their own flags (they never load a model).
   if (argc > 1 && std::string(argv[1]) == "tokenize") return cmd_tokenize(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "detokenize") return cmd_detokenize(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "bench") return cmd_bench(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "run") return k3::cli::cmd_run(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "chat") return k3::cli::cmd_chat(argc - 1, argv + 1);
   const auto is_subcommand = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;

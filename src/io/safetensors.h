@@ -3,6 +3,7 @@
 // Must not: know tensor names of any model or convert data; views point into the mapping.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -58,6 +59,7 @@ class SafetensorsFile {
   const TensorView* find(std::string_view name) const;
   const std::map<std::string, std::string>& metadata() const { return header_.metadata; }
   size_t file_size() const { return map_->size(); }
+  const uint8_t* mapped_data() const { return map_->data(); }
 
  private:
   std::unique_ptr<MappedFile> map_;
@@ -83,6 +85,10 @@ class Checkpoint {
   std::map<DType, uint64_t> bytes_by_dtype() const;
   uint64_t total_tensor_bytes() const;
   bool has_index() const { return has_index_; }
+  // Reads every mapped page once (madvise WILLNEED + one touch per page) so the first tokens do not
+  // stall on page faults. progress(done_bytes, total_bytes) is called every 64 MiB and at the end.
+  void prefault(const std::function<void(uint64_t, uint64_t)>& progress) const;
+  uint64_t mapped_bytes() const;  // sum of shard file sizes
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

@@ -2,6 +2,9 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <bit>
+#include <istream>
+#include <ostream>
 #include <cstring>
 #include <set>
 
@@ -337,6 +340,118 @@ void Session::reset() {
   for (int64_t L = 0; L < d.layers; ++L)
     if (model_->layers[size_t(L)].is_kda) layers_[size_t(L)].kda.reset(d.kda);
   pos_ = 0;
+}
+
+uint64_t Model::fingerprint() const {
+  // FNV-1a over the dimensions that shape a session, the layer kinds and the checkpoint size.
+  uint64_t h = 1469598103934665603ull;
+  const auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) h = (h ^ uint64_t((uint64_t(v) >> (8 * i)) & 0xff)) * 1099511628211ull;
+  };
+  const ModelDims& d = dims_;
+  for (int64_t v : {d.hidden, d.vocab, d.layers, d.block_size, d.kda.heads, d.kda.head_dim, d.kda.conv_k, d.mla.heads,
+                    d.mla.q_lora, d.mla.kv_lora, d.mla.nope, d.mla.rope, d.mla.v})
+    mix(v);
+  for (const auto& l : layers) mix(l.is_kda ? 1 : 2);
+  mix(int64_t(ckpt_->total_tensor_bytes()));
+  return h;
+}
+
+Session::Mark Session::mark() const {
+  Mark m;
+  m.pos = pos_;
+  m.kda.resize(layers_.size());
+  m.mla_len.resize(layers_.size());
+  for (size_t L = 0; L < layers_.size(); ++L) {
+    if (model_->layers[L].is_kda) m.kda[L] = layers_[L].kda;
+    m.mla_len[L] = layers_[L].mla.len;
+  }
+  return m;
+}
+
+void Session::rollback(const Mark& m) {
+  if (m.kda.size() != layers_.size() || m.pos > pos_) fail("session rollback: the mark is not an earlier point of this session");
+  const int64_t kv = model_->dims().mla.kv_lora, rope = model_->dims().mla.rope;
+  for (size_t L = 0; L < layers_.size(); ++L)
+    if (m.mla_len[L] > layers_[L].mla.len) fail("session rollback: the MLA cache is shorter than the mark");
+  for (size_t L = 0; L < layers_.size(); ++L) {
+    if (model_->layers[L].is_kda) layers_[L].kda = m.kda[L];
+    MlaCache& c = layers_[L].mla;
+    c.len = m.mla_len[L];
+    c.c.resize(size_t(c.len * kv));
+    c.kr.resize(size_t(c.len * rope));
+  }
+  pos_ = m.pos;
+}
+
+namespace {
+constexpr char kSessionMagic[8] = {'K', '3', 'S', 'E', 'S', 'S', '0', '1'};
+
+void put_u64(std::ostream& o, uint64_t v) {
+  unsigned char b[8];
+  for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(v >> (8 * i));
+  o.write(reinterpret_cast<const char*>(b), 8);
+}
+uint64_t get_u64(std::istream& in) {
+  unsigned char b[8];
+  if (!in.read(reinterpret_cast<char*>(b), 8)) fail("session file is truncated");
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= uint64_t(b[i]) << (8 * i);
+  return v;
+}
+void put_floats(std::ostream& o, const std::vector<float>& v) {
+  static_assert(sizeof(float) == 4 && std::endian::native == std::endian::little, "session files are little-endian");
+  put_u64(o, v.size());
+  o.write(reinterpret_cast<const char*>(v.data()), std::streamsize(v.size() * 4));  // little-endian hosts only
+}
+void get_floats(std::istream& in, std::vector<float>& v, size_t expect, const char* what) {
+  const uint64_t n = get_u64(in);
+  if (n != expect) fail(std::string("session file: ") + what + " has " + std::to_string(n) + " values, expected " + std::to_string(expect));
+  v.resize(size_t(n));
+  if (n && !in.read(reinterpret_cast<char*>(v.data()), std::streamsize(n * 4))) fail("session file is truncated");
+}
+}  // namespace
+
+void Session::save(std::ostream& out) const {
+  out.write(kSessionMagic, 8);
+  put_u64(out, model_->fingerprint());
+  put_u64(out, uint64_t(pos_));
+  put_u64(out, layers_.size());
+  for (const auto& l : layers_) {
+    put_floats(out, l.kda.S);
+    put_floats(out, l.kda.conv_q);
+    put_floats(out, l.kda.conv_k);
+    put_floats(out, l.kda.conv_v);
+    put_u64(out, uint64_t(l.mla.len));
+    put_floats(out, l.mla.c);
+    put_floats(out, l.mla.kr);
+  }
+  if (!out) fail("session file: write failed");
+}
+
+void Session::load(std::istream& in) {
+  char magic[8];
+  if (!in.read(magic, 8) || std::memcmp(magic, kSessionMagic, 8) != 0) fail("not a k3 session file (bad magic)");
+  if (get_u64(in) != model_->fingerprint()) fail("session file was saved with a different model");
+  const uint64_t pos = get_u64(in);
+  if (get_u64(in) != layers_.size()) fail("session file: layer count differs from the model");
+  Session tmp(*model_);  // fill a copy so a bad file leaves this session untouched
+  const ModelDims& d = model_->dims();
+  for (size_t L = 0; L < layers_.size(); ++L) {
+    LayerState& l = tmp.layers_[L];
+    get_floats(in, l.kda.S, l.kda.S.size(), "KDA state");
+    get_floats(in, l.kda.conv_q, l.kda.conv_q.size(), "KDA conv state");
+    get_floats(in, l.kda.conv_k, l.kda.conv_k.size(), "KDA conv state");
+    get_floats(in, l.kda.conv_v, l.kda.conv_v.size(), "KDA conv state");
+    const uint64_t len = get_u64(in);
+    if (len > pos) fail("session file: MLA cache longer than the position");
+    l.mla.len = int64_t(len);
+    get_floats(in, l.mla.c, size_t(len) * size_t(d.mla.kv_lora), "MLA latent cache");
+    get_floats(in, l.mla.kr, size_t(len) * size_t(d.mla.rope), "MLA rope-key cache");
+  }
+  tmp.pos_ = int64_t(pos);
+  layers_ = std::move(tmp.layers_);
+  pos_ = tmp.pos_;
 }
 
 size_t Session::state_bytes() const {

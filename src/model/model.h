@@ -4,6 +4,7 @@
 // Must not: copy big weights (they stay views into the mmap'd shards) or read files after load.
 #pragma once
 #include <cstdint>
+#include <iosfwd>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,9 @@ class Model {
   const ModelConfig& config() const { return cfg_; }
   const ModelDims& dims() const { return dims_; }
   const io::Checkpoint& checkpoint() const { return *ckpt_; }
+  // Identifies the architecture and checkpoint size (not the weight values): session files saved
+  // with one model refuse to load into a model with a different fingerprint.
+  uint64_t fingerprint() const;
 
   // Runs T tokens through the model, appending to the session's state. logits: [T, vocab] when
   // all_logits, else [1, vocab] for the last token only.
@@ -91,6 +95,20 @@ class Session {
   int64_t position() const { return pos_; }
   // KDA fp32 recurrent + conv state bytes, and MLA latent cache bytes (fp32 as held here).
   size_t state_bytes() const;
+
+  // A rollback point. KDA state cannot be un-applied, so a mark copies it (fixed size); the MLA
+  // cache is only truncated back to the marked length, never copied.
+  struct Mark {
+    int64_t pos = 0;
+    std::vector<KdaState> kda;      // per layer (empty for MLA layers)
+    std::vector<int64_t> mla_len;   // per layer
+  };
+  Mark mark() const;
+  void rollback(const Mark& m);  // k3::Error if the session no longer extends the mark
+
+  // Exact binary image of the state (little-endian fp32), tagged with the model fingerprint.
+  void save(std::ostream& out) const;
+  void load(std::istream& in);  // k3::Error on a different model, bad magic or truncation
 
  private:
   friend class Model;

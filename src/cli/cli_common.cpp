@@ -1,0 +1,210 @@
+// Shared flags, loading with progress and a memory check, Ctrl-C, summary (see cli_common.h).
+#include "cli/cli_common.h"
+
+#include <omp.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+
+#include "config/model_config.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "runtime/memory.h"
+
+namespace fs = std::filesystem;
+
+namespace k3::cli {
+
+void RunEngineFlags::add(CLI::App* app) {
+  app->add_option("-m,--model", model, "checkpoint directory (default: $K3_MODEL, else the bundled K3-nano)");
+  app->add_option("--tokenizer", tokenizer, "directory with tiktoken.model + tokenizer_config.json (default: the model directory)");
+  app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
+  app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
+  app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
+  app->add_option("--ubatch", ubatch, "prefill piece size in tokens (bounds activation memory)")->check(CLI::Range(1, 1 << 20));
+  app->add_option("--ctx", ctx, "context limit in tokens (default: the model's max_position_embeddings)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
+  app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
+  app->add_option("--mem-limit", mem_limit, "refuse to load when the model needs more than SIZE (default: MemAvailable)");
+  app->add_flag("--no-prefault", no_prefault, "do not read the weights in at load time (first tokens then fault pages in)");
+  app->add_flag("-q,--quiet", quiet, "no loading progress");
+}
+
+ForwardOptions RunEngineFlags::forward() const {
+  ForwardOptions o;
+  o.kda_algo = kda == "recurrent" ? KdaAlgo::Recurrent : KdaAlgo::Chunked;
+  o.mla_algo = mla == "expanded" ? MlaAlgo::Expanded : MlaAlgo::Absorbed;
+  o.kda_chunk = chunk;
+  return o;
+}
+
+void SamplingFlags::add(CLI::App* app) {
+  temp = app->add_option("--temp,--temperature", v_temp, "temperature; 0 = greedy (default 1, or generation_config.json)");
+  top_k = app->add_option("--top-k", v_top_k, "keep the k most likely tokens; 0 = off");
+  top_p = app->add_option("--top-p", v_top_p, "nucleus: smallest set with cumulative probability >= p; 1 = off");
+  min_p = app->add_option("--min-p", v_min_p, "drop tokens with p < min_p * p_max; 0 = off");
+  rep = app->add_option("--repeat-penalty", v_rep, "CTRL repetition penalty; 1 = off");
+  rep_n = app->add_option("--repeat-last-n", v_rep_n, "tokens the penalties look back over; -1 = all, 0 = off (default 64)");
+  pres = app->add_option("--presence-penalty", v_pres, "subtract this from tokens seen at least once; 0 = off");
+  freq = app->add_option("--frequency-penalty", v_freq, "subtract this times the count of each seen token; 0 = off");
+  seed = app->add_option("--seed", v_seed, "RNG seed (default: random, printed in the summary)");
+}
+
+SamplingParams SamplingFlags::resolve(const std::string& model_dir, std::string* source) const {
+  SamplingParams p = sampling_defaults_from_dir(model_dir, source);
+  bool any = false;
+  const auto set = [&](CLI::Option* o, auto& field, auto value) {
+    if (o && o->count()) {
+      field = value;
+      any = true;
+    }
+  };
+  set(temp, p.temperature, v_temp);
+  set(top_k, p.top_k, v_top_k);
+  set(top_p, p.top_p, v_top_p);
+  set(min_p, p.min_p, v_min_p);
+  set(rep, p.repetition_penalty, v_rep);
+  set(rep_n, p.penalty_last_n, v_rep_n);
+  set(pres, p.presence_penalty, v_pres);
+  set(freq, p.frequency_penalty, v_freq);
+  if (seed && seed->count()) {
+    p.seed = v_seed;
+  } else {
+    std::random_device rd;
+    p.seed = (uint64_t(rd()) << 32) ^ rd();
+  }
+  if (any && source) *source += " + command line";
+  validate_sampling(p);
+  return p;
+}
+
+std::string resolve_model_dir(const std::string& flag) {
+  if (!flag.empty()) return flag;
+  if (const char* env = std::getenv("K3_MODEL"); env && *env) return env;
+#ifdef K3_DEFAULT_MODEL_DIR
+  if (fs::exists(fs::path(K3_DEFAULT_MODEL_DIR) / "config.json")) return K3_DEFAULT_MODEL_DIR;
+#endif
+  fail("no model given: pass -m DIR (a checkpoint directory) or set K3_MODEL");
+}
+
+bool stderr_is_tty() { return ::isatty(2) == 1; }
+bool stdout_is_tty() { return ::isatty(1) == 1; }
+
+Progress::Progress(std::string label, bool enabled) : label_(std::move(label)), enabled_(enabled), tty_(stderr_is_tty()) {}
+
+void Progress::update(uint64_t done, uint64_t total, const std::string& unit_text) {
+  if (!enabled_ || total == 0) return;
+  const double frac = std::min(1.0, double(done) / double(total));
+  if (tty_) {
+    const double now = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    if (done < total && last_draw_ >= 0 && now - last_draw_ < 0.1) return;  // at most ~10 redraws a second
+    last_draw_ = now;
+    constexpr int kWidth = 30;
+    const int fill = int(frac * kWidth + 0.5);
+    std::fprintf(stderr, "\r%s [%s%s] %3d%% %s\x1b[K", label_.c_str(), std::string(size_t(fill), '#').c_str(),
+                 std::string(size_t(kWidth - fill), '.').c_str(), int(frac * 100), unit_text.c_str());
+    drawn_ = true;
+  } else {
+    const int q = int(frac * 4);
+    if (q > last_quarter_) {
+      last_quarter_ = q;
+      std::fprintf(stderr, "%s: %d%% %s\n", label_.c_str(), q * 25, unit_text.c_str());
+    }
+  }
+  std::fflush(stderr);
+}
+
+void Progress::finish() {
+  if (enabled_ && tty_ && drawn_) std::fprintf(stderr, "\n");
+  drawn_ = false;
+}
+
+LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who, int64_t ctx_tokens) {
+  if (f.threads > 0) omp_set_num_threads(f.threads);
+  LoadedModel lm;
+  lm.dir = resolve_model_dir(f.model);
+  if (!fs::is_directory(lm.dir)) fail("model directory " + lm.dir + " does not exist");
+  const ModelConfig cfg = load_model_config(lm.dir);
+  if (ctx_tokens > cfg.max_position_embeddings)
+    fail("context of " + std::to_string(ctx_tokens) + " tokens exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + ")");
+
+  // Memory check before anything is mapped: weights (resident once read) + state at ctx.
+  uint64_t weight_bytes = 0;
+  {
+    auto heads = io::Checkpoint::open_headers(lm.dir);
+    weight_bytes = heads->total_tensor_bytes();
+  }
+  const MemoryPlan plan = plan_memory(cfg, weight_bytes, ctx_tokens, f.ubatch);
+  uint64_t limit = 0;
+  std::string limit_src;
+  if (!f.mem_limit.empty()) {
+    limit = parse_size(f.mem_limit, "--mem-limit");
+    limit_src = "--mem-limit";
+  } else if (auto avail = mem_available_bytes()) {
+    limit = *avail;
+    limit_src = "MemAvailable";
+  }
+  if (limit && plan.total() > limit)
+    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
+         std::to_string(ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
+         human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
+         "); lower --ctx or raise --mem-limit");
+
+  const std::string tok_dir = f.tokenizer.empty() ? lm.dir : f.tokenizer;
+  if (!fs::exists(fs::path(tok_dir) / "tiktoken.model"))
+    fail(tok_dir + " has no tiktoken.model: text commands need the model's tokenizer (pass --tokenizer DIR, or use "
+         "`k3 generate --ids` for token-id runs)");
+  lm.tok = std::make_unique<tok::Tokenizer>(tok::Tokenizer::load_dir(tok_dir));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  lm.model = Model::load(lm.dir);
+  if (int64_t(lm.tok->vocab_size()) > lm.model->dims().vocab)
+    fail("the tokenizer in " + tok_dir + " has " + std::to_string(lm.tok->vocab_size()) +
+         " ids but the model's vocabulary is " + std::to_string(lm.model->dims().vocab));
+  if (!f.no_prefault) {
+    Progress bar(who + ": loading", !f.quiet);
+    lm.model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
+      bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));
+    });
+    bar.finish();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!f.quiet)
+    std::fprintf(stderr, "%s: loaded %s: %s of weights, %zu tensors, in %.2f s\n", who.c_str(), lm.dir.c_str(),
+                 human_bytes(weight_bytes).c_str(), lm.model->checkpoint().tensor_count(), secs);
+  return lm;
+}
+
+namespace {
+std::atomic<bool> g_interrupt{false};
+extern "C" void on_sigint(int) {
+  if (g_interrupt.exchange(true)) ::_exit(130);  // second Ctrl-C: leave now
+}
+}  // namespace
+
+std::atomic<bool>& interrupt_flag() { return g_interrupt; }
+
+void install_interrupt_handler() {
+  struct sigaction sa {};
+  sa.sa_handler = on_sigint;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: a blocking read at the chat prompt returns EINTR
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+std::string summary_line(const GenStats& st, StopReason reason) {
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "prompt %lld tok | generated %lld tok | prefill %.1f tok/s | decode %.1f tok/s | peak RSS %s | stop: %s",
+                (long long)st.prompt_tokens, (long long)st.generated_tokens, st.prefill_tps(), st.decode_tps(),
+                human_bytes(peak_rss_bytes()).c_str(), stop_reason_name(reason));
+  return buf;
+}
+
+}  // namespace k3::cli

@@ -1,0 +1,83 @@
+// Pieces shared by the model-running subcommands (run, chat, and later serve): engine and
+// sampling flags, model-directory resolution, loading with a progress bar and a memory check,
+// Ctrl-C handling, the summary line. Must not: contain model math or chat-format logic.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "model/model.h"
+#include "runtime/generate.h"
+#include "runtime/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace k3::cli {
+
+// -m/--model, --kda, --mla, --chunk, --ubatch, -t/--threads, --ctx, --mem-limit, --no-prefault.
+struct RunEngineFlags {
+  std::string model, tokenizer;
+  std::string kda = "chunked", mla = "absorbed";
+  int64_t chunk = 64, ubatch = 512, ctx = 0;
+  int threads = 0;
+  std::string mem_limit;
+  bool no_prefault = false, quiet = false;
+  void add(CLI::App* app);
+  ForwardOptions forward() const;
+};
+
+// --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
+// --frequency-penalty, --seed. Unset flags keep the checkpoint's generation_config.json values.
+struct SamplingFlags {
+  CLI::Option *temp = nullptr, *top_k = nullptr, *top_p = nullptr, *min_p = nullptr, *rep = nullptr,
+              *rep_n = nullptr, *pres = nullptr, *freq = nullptr, *seed = nullptr;
+  float v_temp = 0, v_top_p = 0, v_min_p = 0, v_rep = 0, v_pres = 0, v_freq = 0;
+  int32_t v_top_k = 0, v_rep_n = 0;
+  uint64_t v_seed = 0;
+  void add(CLI::App* app);
+  // defaults from DIR/generation_config.json, then flags; a random seed when --seed is absent.
+  SamplingParams resolve(const std::string& model_dir, std::string* source) const;
+};
+
+// -m, else $K3_MODEL, else the bundled model (K3_DEFAULT_MODEL_DIR) when it exists.
+std::string resolve_model_dir(const std::string& flag);
+
+struct LoadedModel {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<tok::Tokenizer> tok;
+  std::string dir;
+};
+
+// Checks memory (weights + state at ctx vs --mem-limit or MemAvailable) before mapping anything,
+// loads, binds and (unless --no-prefault) reads the weights in with a progress bar on stderr
+// (a TTY gets one updating line; otherwise a few plain lines). The tokenizer comes from the
+// model directory or --tokenizer. `who` prefixes messages ("k3 run").
+LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who, int64_t ctx_tokens);
+
+// Ctrl-C: the first press raises the flag (generation stops cleanly); a second press exits 130.
+void install_interrupt_handler();
+std::atomic<bool>& interrupt_flag();
+
+// One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB | stop: eos"
+std::string summary_line(const GenStats& st, StopReason reason);
+
+bool stderr_is_tty();
+bool stdout_is_tty();
+
+// A progress bar on stderr: one redrawn line on a TTY, or a plain line at every 25% otherwise.
+class Progress {
+ public:
+  Progress(std::string label, bool enabled);
+  void update(uint64_t done, uint64_t total, const std::string& unit_text = "");
+  void finish();
+
+ private:
+  std::string label_;
+  bool enabled_, tty_, drawn_ = false;
+  int last_quarter_ = -1;
+  double last_draw_ = -1;
+};
+
+}  // namespace k3::cli
