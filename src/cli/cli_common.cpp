@@ -130,6 +130,9 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   lm.dir = resolve_model_dir(f.model);
   if (!fs::is_directory(lm.dir)) fail("model directory " + lm.dir + " does not exist");
   const ModelConfig cfg = load_model_config(lm.dir);
+  if (f.ctx > cfg.max_position_embeddings)
+    fail("--ctx " + std::to_string(f.ctx) + " exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + ")");
   if (ctx_tokens > cfg.max_position_embeddings)
     fail("context of " + std::to_string(ctx_tokens) + " tokens exceeds the model's max_position_embeddings (" +
          std::to_string(cfg.max_position_embeddings) + ")");

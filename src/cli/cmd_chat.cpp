@@ -139,6 +139,7 @@ int cmd_chat(int argc, char** argv) {
     return 2;
   }
   const bool interactive = ::isatty(0) == 1;
+  install_interrupt_handler();
   try {
     if (!system.empty() && !system_file.empty()) fail("give --system or --system-file, not both");
     if (!system_file.empty()) {
@@ -175,7 +176,10 @@ int cmd_chat(int argc, char** argv) {
     ChatSession chat(*lm.model, *lm.tok, co);
     if (!load_file.empty()) chat.load(load_file);
 
-    install_interrupt_handler();
+    if (interrupt_flag().load()) {
+      std::fprintf(stderr, "k3 chat: interrupted while loading\n");
+      return 130;
+    }
     const bool color = !no_color && stdout_is_tty();
     if (interactive)
       std::fprintf(stderr, "k3 chat: %s, context %lld tokens, seed %llu. /help for commands, Ctrl-D to leave.\n",

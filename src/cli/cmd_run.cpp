@@ -95,6 +95,7 @@ int cmd_run(int argc, char** argv) {
     return 2;
   }
 
+  install_interrupt_handler();  // before loading: a Ctrl-C at any point ends with the summary
   try {
     // Prompt intake.
     const int given = int(!prompt_arg.empty()) + int(app.count("--prompt") > 0) + int(!prompt_file.empty());
@@ -143,7 +144,6 @@ int cmd_run(int argc, char** argv) {
                    double(sp.min_p), double(sp.repetition_penalty), sp.penalty_last_n, double(sp.presence_penalty),
                    double(sp.frequency_penalty), (unsigned long long)sp.seed);
 
-    install_interrupt_handler();
     GenStats st;
     std::vector<float> logits(size_t(m.dims().vocab));
     if (echo) write_out(prompt);

@@ -17,12 +17,29 @@ namespace {
 struct Flags {
   std::string vocab, text, file, ids;
   bool has_text = false, has_file = false, has_ids = false;
+  bool help = false;
 };
+
+const char* kTokenizeHelp =
+    "k3 tokenize: text -> token ids (space-separated, one line)\n"
+    "Usage: k3 tokenize --vocab DIR (--text T | --file F)\n"
+    "  --vocab DIR   directory with tiktoken.model (+ tokenizer_config.json); a model directory works\n"
+    "  --text T      text to encode (special-token names in it stay plain text)\n"
+    "  --file F      read the text from F\n";
+const char* kDetokenizeHelp =
+    "k3 detokenize: token ids -> text\n"
+    "Usage: k3 detokenize --vocab DIR --ids 1,2,3\n"
+    "  --vocab DIR   directory with tiktoken.model (+ tokenizer_config.json)\n"
+    "  --ids LIST    ids separated by commas or spaces\n";
 
 Flags parse_flags(int argc, char** argv, bool detok) {
   Flags f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      f.help = true;
+      return f;
+    }
     auto value = [&]() -> std::string {
       if (i + 1 >= argc) throw k3::Error(a + " needs a value");
       return argv[++i];
@@ -49,6 +66,7 @@ int fail(const char* cmd, const std::string& msg, int code) {
 int cmd_tokenize(int argc, char** argv) {
   try {
     const Flags f = parse_flags(argc, argv, false);
+    if (f.help) return std::fputs(kTokenizeHelp, stdout), 0;
     std::string text = f.text;
     if (f.has_file) {
       std::ifstream in(f.file, std::ios::binary);
@@ -76,6 +94,7 @@ int cmd_tokenize(int argc, char** argv) {
 int cmd_detokenize(int argc, char** argv) {
   try {
     const Flags f = parse_flags(argc, argv, true);
+    if (f.help) return std::fputs(kDetokenizeHelp, stdout), 0;
     std::vector<k3::tok::TokenId> ids;
     std::string cur;
     auto flush = [&]() {

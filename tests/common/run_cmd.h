@@ -42,4 +42,21 @@ inline CmdResult run_k3(const std::string& args) {
 
 inline std::string quote(const std::string& s) { return "'" + s + "'"; }
 
+// Runs a shell command line (not necessarily k3) and captures exit code, stdout and stderr.
+inline CmdResult run_shell(const std::string& cmdline) {
+  static int counter = 0;
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string tag = std::to_string(::getpid()) + "_sh" + std::to_string(counter++);
+  const auto out = dir / ("k3test_out_" + tag), err = dir / ("k3test_err_" + tag);
+  const std::string cmd = "(" + cmdline + ") >" + out.string() + " 2>" + err.string();
+  const int st = std::system(cmd.c_str());
+  CmdResult r;
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.out = slurp(out);
+  r.err = slurp(err);
+  std::filesystem::remove(out);
+  std::filesystem::remove(err);
+  return r;
+}
+
 }  // namespace k3test
