@@ -1,0 +1,239 @@
+// The `k3 bench` contract on the tiny fixture: md rows per test, json/jsonl shape and statistics
+// recomputed from the raw samples, --json-out, and one-line exit-2 errors for every bad input.
+// Must not: assert on absolute speeds (only positive and finite).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/run_cmd.h"
+
+namespace fs = std::filesystem;
+using k3test::quote;
+using k3test::run_k3;
+
+namespace {
+
+fs::path tiny() { return fs::path(K3_SOURCE_DIR) / "tests/fixtures/tiny"; }
+std::string m() { return "-m " + quote(tiny().string()); }
+
+std::vector<std::string> lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::istringstream in(s);
+  for (std::string l; std::getline(in, l);) out.push_back(l);
+  return out;
+}
+
+std::vector<std::string> cells(const std::string& row) {  // "| a | b |" -> {"a", "b"}
+  std::vector<std::string> out;
+  size_t pos = row.find('|');
+  while (pos != std::string::npos) {
+    const size_t next = row.find('|', pos + 1);
+    if (next == std::string::npos) break;
+    std::string c = row.substr(pos + 1, next - pos - 1);
+    c.erase(0, c.find_first_not_of(' '));
+    c.erase(c.find_last_not_of(' ') + 1);
+    out.push_back(c);
+    pos = next;
+  }
+  return out;
+}
+
+void expect_bad(const k3test::CmdResult& r, const std::string& fragment) {
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(r.err.rfind("k3 bench: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(fragment), std::string::npos) << "stderr was: " << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << "want exactly one line: " << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+// avg/stddev of tokens/s recomputed from samples_ns (sample stddev, n - 1).
+void check_stats(const nlohmann::json& res, int64_t n_tokens) {
+  const auto ns = res["samples_ns"].get<std::vector<int64_t>>();
+  std::vector<double> ts;
+  for (int64_t v : ns) {
+    EXPECT_GT(v, 0);
+    ts.push_back(double(n_tokens) * 1e9 / double(v));
+  }
+  double mean = 0;
+  for (double v : ts) mean += v;
+  mean /= double(ts.size());
+  double ss = 0;
+  for (double v : ts) ss += (v - mean) * (v - mean);
+  const double sd = ts.size() > 1 ? std::sqrt(ss / double(ts.size() - 1)) : 0.0;
+  EXPECT_NEAR(res["avg_ts"].get<double>(), mean, 1e-9 * mean) << res.dump();
+  EXPECT_NEAR(res["stddev_ts"].get<double>(), sd, 1e-9 * mean + 1e-12) << res.dump();
+  EXPECT_TRUE(std::isfinite(mean) && mean > 0) << res.dump();
+}
+
+}  // namespace
+
+TEST(CliBench, MarkdownRows) {
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1 --no-progress");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_GE(ls.size(), 7u) << r.out;
+  EXPECT_EQ(ls[0].rfind("k3 ", 0), 0u) << ls[0];
+  EXPECT_NE(ls[0].find("CPU: "), std::string::npos) << ls[0];
+  EXPECT_NE(ls[0].find("KDA chunked"), std::string::npos) << ls[0];
+  EXPECT_NE(ls[0].find("MLA absorbed"), std::string::npos) << ls[0];
+  EXPECT_TRUE(ls[1].empty());
+  EXPECT_EQ(cells(ls[2]), (std::vector<std::string>{"model", "size", "params", "threads", "test", "t/s"}));
+  const std::vector<std::string> want = {"pp8", "tg4", "pp8 @ d16", "tg4 @ d16"};
+  ASSERT_EQ(ls.size(), 4u + want.size()) << r.out;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto c = cells(ls[4 + i]);
+    ASSERT_EQ(c.size(), 6u) << ls[4 + i];
+    EXPECT_EQ(c[0], "tiny");
+    EXPECT_NE(c[1].find("iB"), std::string::npos) << c[1];
+    EXPECT_EQ(c[3], "1");
+    EXPECT_EQ(c[4], want[i]);
+    const size_t pm = c[5].find(" ± ");
+    ASSERT_NE(pm, std::string::npos) << c[5];
+    const double ts = std::stod(c[5].substr(0, pm)), sd = std::stod(c[5].substr(pm + 4));
+    EXPECT_TRUE(std::isfinite(ts) && ts > 0) << c[5];
+    EXPECT_TRUE(std::isfinite(sd) && sd >= 0) << c[5];
+  }
+}
+
+TEST(CliBench, JsonDocumentAndJsonOut) {
+  const fs::path file = fs::temp_directory_path() / ("k3bench_" + std::to_string(::getpid()) + ".json");
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1,2 -o json --no-progress --json-out " +
+                        quote(file.string()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(k3test::slurp(file), r.out) << "--json-out must hold the same document";
+  fs::remove(file);
+  ASSERT_TRUE(doc.contains("build"));
+  EXPECT_FALSE(doc["build"]["version"].get<std::string>().empty());
+  EXPECT_FALSE(doc["build"]["cpu"].get<std::string>().empty());
+  const auto& res = doc["results"];
+  ASSERT_EQ(res.size(), 8u);  // 2 depths x 2 thread counts x {pp8, tg4}
+  size_t i = 0;
+  for (int64_t d : {0, 16})
+    for (int64_t t : {1, 2})
+      for (bool pp : {true, false}) {
+        const auto& x = res[i++];
+        EXPECT_EQ(x["model"], "tiny");
+        EXPECT_GT(x["model_bytes"].get<int64_t>(), 0);
+        EXPECT_GT(x["n_params"].get<int64_t>(), x["n_active_params"].get<int64_t>());
+        EXPECT_EQ(x["threads"].get<int64_t>(), t);
+        EXPECT_EQ(x["n_depth"].get<int64_t>(), d);
+        EXPECT_EQ(x["n_prompt"].get<int64_t>(), pp ? 8 : 0);
+        EXPECT_EQ(x["n_gen"].get<int64_t>(), pp ? 0 : 4);
+        EXPECT_EQ(x["test"], std::string(pp ? "pp8" : "tg4") + (d ? " @ d16" : ""));
+        EXPECT_EQ(x["kda"], "chunked");
+        EXPECT_EQ(x["mla"], "absorbed");
+        ASSERT_EQ(x["samples_ns"].size(), 2u);
+        check_stats(x, pp ? 8 : 4);
+      }
+}
+
+TEST(CliBench, JsonlAndAlgorithms) {
+  const fs::path file = fs::temp_directory_path() / ("k3bench_l_" + std::to_string(::getpid()) + ".json");
+  const auto r = run_k3("bench " + m() + " -p 5 -n 3 -d 7 -r 3 --kda recurrent --mla expanded --ubatch 2 -o jsonl "
+                        "--no-progress --json-out " + quote(file.string()));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_EQ(ls.size(), 2u) << r.out;
+  const auto doc = nlohmann::json::parse(k3test::slurp(file));
+  fs::remove(file);
+  ASSERT_EQ(doc["results"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const auto x = nlohmann::json::parse(ls[i]);
+    EXPECT_EQ(x["test"], i == 0 ? "pp5 @ d7" : "tg3 @ d7");
+    EXPECT_EQ(x["kda"], "recurrent");
+    EXPECT_EQ(x["mla"], "expanded");
+    EXPECT_EQ(x["n_ubatch"], 2);
+    ASSERT_EQ(x["samples_ns"].size(), 3u);
+    check_stats(x, i == 0 ? 5 : 3);
+    EXPECT_EQ(x["test"], doc["results"][i]["test"]);
+  }
+}
+
+TEST(CliBench, ProgressOnStderrOnly) {
+  const auto r = run_k3("bench " + m() + " -p 4 -n 0 -d 12 -r 1 --ubatch 5 -o jsonl");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("k3 bench: depth 12: prefill 10/12"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("k3 bench: depth 12: prefill 12/12"), std::string::npos) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_EQ(ls.size(), 1u) << r.out;  // only the result
+  EXPECT_EQ(nlohmann::json::parse(ls[0])["test"], "pp4 @ d12");
+}
+
+TEST(CliBench, DepthsInAnyOrder) {
+  // 16 is built, 8 starts over, 16 again extends 8: rows keep the -d order.
+  const auto r = run_k3("bench " + m() + " -p 4 -n 2 -d 16,8,16 -r 1 -o jsonl --no-progress");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_EQ(ls.size(), 6u) << r.out;
+  const std::vector<std::string> want = {"pp4 @ d16", "tg2 @ d16", "pp4 @ d8", "tg2 @ d8", "pp4 @ d16", "tg2 @ d16"};
+  for (size_t i = 0; i < ls.size(); ++i) {
+    const auto x = nlohmann::json::parse(ls[i]);
+    EXPECT_EQ(x["test"], want[i]);
+    EXPECT_EQ(x["n_depth"], i < 2 || i >= 4 ? 16 : 8);
+    check_stats(x, i % 2 == 0 ? 4 : 2);
+  }
+}
+
+TEST(CliBench, Help) {
+  const auto r = run_k3("bench --help");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* s : {"-p", "-n", "-d", "-r", "-t", "--json-out", "--ubatch", "--no-progress"})
+    EXPECT_NE(r.out.find(s), std::string::npos) << s;
+}
+
+TEST(CliBenchBadInput, Lists) {
+  expect_bad(run_k3("bench " + m() + " -p ''"), "-p: empty list");
+  expect_bad(run_k3("bench " + m() + " -p 8,,4"), "-p: empty item");
+  expect_bad(run_k3("bench " + m() + " -n 4,"), "-n: empty item");
+  expect_bad(run_k3("bench " + m() + " -p 8,x"), "-p: 'x' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -d 1.5"), "-d: '1.5' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -d 0,-16"), "-d: '-16' is negative");
+  expect_bad(run_k3("bench " + m() + " -n -3"), "-n: '-3' is negative");
+  expect_bad(run_k3("bench " + m() + " -t 0"), "-t: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -p 99999999999999999999999"), "-p: 99999999999999999999999 is too large");
+  expect_bad(run_k3("bench " + m() + " -p 0 -n 0"), "nothing to run");
+}
+
+TEST(CliBenchBadInput, Scalars) {
+  expect_bad(run_k3("bench " + m() + " -r 0"), "-r: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -r 2,3"), "-r: '2,3' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -o csv"), "-o: unknown format 'csv'");
+  expect_bad(run_k3("bench " + m() + " --kda magic"), "--kda: unknown algorithm 'magic'");
+  expect_bad(run_k3("bench " + m() + " --mla magic"), "--mla: unknown form 'magic'");
+  expect_bad(run_k3("bench " + m() + " --chunk 0"), "--chunk: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " --ubatch 0"), "--ubatch: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " --seed -1"), "--seed: '-1' is negative");
+  expect_bad(run_k3("bench " + m() + " -p"), "-p needs a value");
+  expect_bad(run_k3("bench " + m() + " --bogus"), "unknown flag '--bogus'");
+  expect_bad(run_k3("bench " + m() + " --no-progress=1"), "--no-progress takes no value");
+  expect_bad(run_k3("bench " + m() + " --json-out /nonexistent/dir/x.json"), "--json-out: cannot write /nonexistent/dir/x.json");
+}
+
+TEST(CliBenchBadInput, Model) {
+  expect_bad(run_k3("bench -p 8"), "-m/--model DIR is required");
+  expect_bad(run_k3("bench -m /nonexistent/k3"), "model directory '/nonexistent/k3' does not exist");
+  const std::string file = (tiny() / "config.json").string();
+  expect_bad(run_k3("bench -m " + quote(file)), "is not a directory");
+  const fs::path empty = fs::temp_directory_path() / ("k3bench_empty_" + std::to_string(::getpid()));
+  fs::create_directories(empty);
+  const auto r = run_k3("bench -m " + quote(empty.string()));
+  fs::remove_all(empty);
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+}
+
+TEST(CliBenchBadInput, BeyondMaxPositions) {
+  // tiny: max_position_embeddings 4096.
+  expect_bad(run_k3("bench " + m() + " -p 8 -n 0 -d 0,4090"), "depth 4090 + prompt 8 = 4098 tokens exceeds the model's max_position_embeddings 4096");
+  expect_bad(run_k3("bench " + m() + " -p 0 -n 100 -d 4000"), "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings 4096");
+  expect_bad(run_k3("bench " + m() + " -p 5000 -n 0"), "prompt 5000");
+}
