@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -186,8 +187,21 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
 
 namespace {
 std::atomic<bool> g_interrupt{false};
+std::atomic<int64_t> g_first_ns{0};
+int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
+  struct timespec ts {};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
 extern "C" void on_sigint(int) {
-  if (g_interrupt.exchange(true)) ::_exit(130);  // second Ctrl-C: leave now
+  const int64_t now = monotonic_ns();
+  if (!g_interrupt.exchange(true)) {
+    g_first_ns.store(now);
+    return;
+  }
+  // A second Ctrl-C leaves at once. One that follows within 300 ms is the same press delivered
+  // twice (to the process and to its group, as `timeout` and some shells do) and is ignored.
+  if (now - g_first_ns.load() > 300000000) ::_exit(130);
 }
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/chat_display.h"
 #include "cli/cli_common.h"
 #include "cli/cmd_run.h"
 #include "core/error.h"
@@ -29,62 +30,6 @@ const char* kHelp =
     "  /help           this text\n"
     "  /exit, /quit    leave (so does Ctrl-D; Ctrl-C stops a reply, or leaves at the prompt)\n"
     "  a line ending in \\ continues on the next line; start a message with // to send a literal /\n";
-
-// Prints reply events: a "[thinking]" section (dim on a terminal), an "[answer]" section, and one
-// "[tool call] NAME ARGS" line per call.
-class Display {
- public:
-  explicit Display(bool color) : color_(color) {}
-  void on_event(const chat::Event& e) {
-    switch (e.kind) {
-      case chat::EventKind::Reasoning:
-        section(Section::Reasoning, "[thinking] ");
-        out(e.text);
-        break;
-      case chat::EventKind::Content:
-        section(Section::Content, "[answer] ");
-        out(e.text);
-        break;
-      case chat::EventKind::ToolCallStart:
-        section(Section::Tool, "");
-        out(std::string(at_line_start_ ? "" : "\n") + (color_ ? "\x1b[1m" : "") + "[tool call] " + e.text +
-            (color_ ? "\x1b[0m" : "") + " ");
-        break;
-      case chat::EventKind::ToolArgs:
-        out(e.text);
-        break;
-      case chat::EventKind::ToolCallEnd:
-        out("\n");
-        break;
-    }
-  }
-  void end_reply() {
-    if (color_ && section_ == Section::Reasoning) std::fputs("\x1b[0m", stdout);
-    if (!at_line_start_) out("\n");
-    section_ = Section::None;
-    std::fflush(stdout);
-  }
-
- private:
-  enum class Section { None, Reasoning, Content, Tool };
-  void section(Section s, const char* label) {
-    if (section_ == s) return;
-    if (color_ && section_ == Section::Reasoning) std::fputs("\x1b[0m", stdout);
-    if (!at_line_start_) out("\n");
-    section_ = s;
-    if (color_ && s == Section::Reasoning) std::fputs("\x1b[2m", stdout);
-    out(label);
-  }
-  void out(const std::string& t) {
-    if (t.empty()) return;
-    std::fwrite(t.data(), 1, t.size(), stdout);
-    std::fflush(stdout);
-    at_line_start_ = t.back() == '\n';
-  }
-  bool color_;
-  Section section_ = Section::None;
-  bool at_line_start_ = true;
-};
 
 // Reads one logical line (a trailing backslash continues it). False on EOF or Ctrl-C.
 bool read_message(bool interactive, std::string& msg) {

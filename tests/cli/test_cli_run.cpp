@@ -116,8 +116,8 @@ TEST(Run, PromptFromFileAndStdinAndEcho) {
 
 TEST(Run, CtrlCStopsCleanlyWithSummary) {
   // SIGINT after 1.5 s into an endless generation: exit 130, summary line, stop: interrupted.
-  const auto r = k3test::run_shell("timeout --preserve-status -s INT 1.5 " + std::string(K3_BIN) + " run -m " + model() +
-                                   " --ignore-eos -n 100000000 --ctx 4096 -q 'x'");
+  const auto r = k3test::run_shell("timeout --foreground --preserve-status -s INT 1.5 " + std::string(K3_BIN) + " run -m " + model() +
+                                   " --ignore-eos -n 100000000 -q 'x'");
   EXPECT_EQ(r.code, 130) << r.err;
   EXPECT_NE(r.err.find("stop: "), std::string::npos) << r.err;
   EXPECT_TRUE(r.err.find("stop: interrupted") != std::string::npos || r.err.find("stop: context-full") != std::string::npos)
@@ -231,6 +231,7 @@ TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
   ASSERT_EQ(t.cmd("new-session -d -s k3 -x 160 -y 50 " + quote(cmd)), 0);
   ASSERT_TRUE(t.wait_for([](const std::string& s) { return prompts(s) >= 1; }, 60)) << t.screen();
   EXPECT_NE(t.screen().find("/help for commands"), std::string::npos) << t.screen();
+  EXPECT_NE(t.screen().find("k3 chat: loading [##############################] 100%"), std::string::npos) << t.screen();
   t.cmd("send-keys -t k3 -l 'Hello, who are you?'");
   t.cmd("send-keys -t k3 Enter");
   // The reply is shown as a thinking section, then the prompt returns.
@@ -273,4 +274,28 @@ TEST(Chat, TmuxCtrlCStopsAReplyThenCtrlDLeaves) {
   EXPECT_EQ(k3test::slurp(status), "EXIT=0\n");
   EXPECT_NE(t.screen().find("k3 chat: prompt"), std::string::npos) << t.screen();  // the closing summary
   fs::remove(status);
+}
+
+TEST(Chat, ReasoningEffortNoneOpensTheAnswer) {
+  const fs::path in = tmp("effort.txt");
+  std::ofstream(in) << "Hi\n";
+  const auto r = run_k3("chat -m " + model() + " --seed 4 -n 6 -q --reasoning-effort none < " + in.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("[answer]"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("[thinking]"), std::string::npos) << r.out;
+  const auto t = run_k3("chat -m " + model() + " --seed 4 -n 6 -q --reasoning-effort high < " + in.string());
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("[thinking]"), std::string::npos) << t.out;
+  fs::remove(in);
+}
+
+TEST(Run, LoadingProgressAndLoadedLine) {
+  // stderr is a file here: plain progress lines (a terminal gets one redrawn bar, see the tmux test).
+  const auto r = run_k3("run -m " + model() + " -n 2 --seed 1 x");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("k3 run: loading: 100%"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("k3 run: loaded "), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\r'), std::string::npos);
+  const auto q = run_k3("run -m " + model() + " -n 2 --seed 1 -q x");
+  EXPECT_EQ(q.err.find("loading"), std::string::npos) << q.err;
 }
