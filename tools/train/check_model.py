@@ -48,11 +48,23 @@ def main() -> int:
     g = -5 * torch.sigmoid(torch.randn(B, T, H, D, dtype=torch.float64))
     beta = torch.sigmoid(torch.randn(B, T, H, dtype=torch.float64))
     o_r, s_r = K.kda_recurrent(q, k, v, g, beta)
-    for C in (1, 4, 16, 64):
+    for C in (1, 4, 16, 32):
         o_c, s_c = K.kda_chunked(q, k, v, g, beta, chunk=C)
         e = max(rel_l2(o_c.double(), o_r), rel_l2(s_c.double(), s_r))
         print(f"kda chunked({C}) vs recurrent: {e:.2e}")
         ok &= e < 1e-5  # chunked runs in float32
+    # float32 at the decay extremes (every gate at the -5 bound, and at 0): finite values and
+    # gradients, and agreement with the float64 recurrence
+    for gval in (-5.0, -1e-4):
+        g32 = torch.full((B, T, H, D), gval, dtype=torch.float32)
+        qs, ks, vs, bs = (t.float().clone().requires_grad_(True) for t in (q, k, v, beta))
+        o32, _ = K.kda_chunked(qs, ks, vs, g32, bs, chunk=32)
+        o64, _ = K.kda_recurrent(q, k, v, g32.double(), beta)
+        o32.square().sum().backward()
+        finite = all(torch.isfinite(t.grad).all() for t in (qs, ks, vs, bs)) and bool(torch.isfinite(o32).all())
+        e = rel_l2(o32.detach().double(), o64)
+        print(f"kda chunked(32) float32, all gates {gval}: vs float64 recurrence {e:.2e}, finite grads {finite}")
+        ok &= finite and e < 1e-5
     for name in ("tiny", "tiny-flat", "tiny-chat"):
         d = os.path.join(REPO, "tests", "fixtures", name)
         cfg = K.config_from_json(json.load(open(os.path.join(d, "config.json"))))

@@ -219,7 +219,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         per_step = (time.time() - t0) / 20
         steps = max(10, int(a.minutes * 60 / per_step))
-        emit({"event": "auto_steps", "seconds_per_step": per_step, "steps": steps})
+        emit({"event": "auto_steps", "seconds_per_step": per_step, "steps": steps,
+              "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None})
         # restart from a clean model and optimiser with the same seed: the measurement is not training
         torch.manual_seed(a.seed)
         model = K.K3Model(cfg).to(device)
