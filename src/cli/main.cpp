@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/cmd_bench.h"
+#include "cli/cmd_eval.h"
 #include "cli/cmd_run.h"
 #include "cli/cmd_tokenize.h"
 #include "cli/ids.h"
@@ -173,12 +174,14 @@ int main(int argc, char** argv) {
   app.add_subcommand("bench", "prefill/decode throughput at several context depths (k3 bench --help)");
   app.add_subcommand("tokenize", "text -> token ids (k3 tokenize --help)");
   app.add_subcommand("detokenize", "token ids -> text (k3 detokenize --help)");
+  app.add_subcommand("eval", "perplexity of a model over a text file (k3 eval --help)");
   // tokenize / detokenize parse their own flags (they never load a model).
   if (argc > 1 && std::string(argv[1]) == "tokenize") return cmd_tokenize(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "detokenize") return cmd_detokenize(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "bench") return cmd_bench(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "run") return k3::cli::cmd_run(argc - 1, argv + 1);
   if (argc > 1 && std::string(argv[1]) == "chat") return k3::cli::cmd_chat(argc - 1, argv + 1);
+  if (argc > 1 && std::string(argv[1]) == "eval") return k3::cli::cmd_eval(argc - 1, argv + 1);
   const auto is_subcommand = [&](const std::string& name) {
     for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; }))
       if (sub->get_name() == name) return true;

@@ -146,7 +146,7 @@ TEST(Run, BadInputIsOneLineAndExit2) {
 }
 
 TEST(Cli, HelpForEverySubcommand) {
-  for (const char* sub : {"run", "chat", "bench", "info", "logits", "generate", "tokenize", "detokenize"}) {
+  for (const char* sub : {"run", "chat", "eval", "bench", "info", "logits", "generate", "tokenize", "detokenize"}) {
     const auto r = run_k3(std::string(sub) + " --help");
     EXPECT_EQ(r.code, 0) << sub << ": " << r.err;
     EXPECT_NE((r.out + r.err).find("--"), std::string::npos) << sub;
