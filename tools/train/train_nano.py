@@ -163,9 +163,10 @@ def main(argv=None) -> int:
     np.random.seed(a.seed)
     meta = json.load(open(os.path.join(a.data, "meta.json")))
     train_ids, valid_ids = load_ids(os.path.join(a.data, "train.u16")), load_ids(os.path.join(a.data, "valid.u16"))
-    cfg = K.NanoConfig(vocab=int(meta["model_vocab"]))
+    vocab = int(meta.get("model_vocab") or meta["vocab_size"])  # ranks + the 256 K3 special tokens
+    cfg = K.NanoConfig(vocab=vocab)
     if a.tiny:
-        cfg = K.NanoConfig(vocab=int(meta["model_vocab"]), hidden=64, kda_heads=2, kda_dim=32, mla_heads=2, q_lora=32,
+        cfg = K.NanoConfig(vocab=vocab, hidden=64, kda_heads=2, kda_dim=32, mla_heads=2, q_lora=32,
                            kv_lora=32, nope=16, rope=8, v=16, dense_inter=128, experts=8, topk=2, moe_inter=64, latent=32)
     model = K.K3Model(cfg).to(device)
     model.kda_chunk = a.kda_chunk
