@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=0)
     ap.add_argument("--batch", type=int, default=8, help="windows per forward")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (float64 either way)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.threads:
@@ -80,23 +81,27 @@ def main(argv=None) -> int:
     N = len(x)
     stride = a.stride or max(1, a.ctx // 2)
     C, S, starts = windows(N, a.ctx, stride)
-    m = load_model(a.model)
-    xt = torch.tensor(x)
+    dev = torch.device(a.device)
+    if dev.type == "cuda":  # exact fp64 matmuls: no TF32 anywhere
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    m = load_model(a.model).to(dev)
+    xt = torch.tensor(x, device=dev)
     nll, done, t0 = 0.0, 0, time.time()
     for i in range(0, len(starts), a.batch):
         grp = starts[i:i + a.batch]
         with torch.no_grad():
             z = m(torch.stack([xt[s:s + C] for s in grp]))  # float64 [b, C, V]
-        lp = torch.log_softmax(z.float().double(), dim=-1)  # from fp32 logits, like the engine
+        lp = torch.log_softmax(z.float().double(), dim=-1).cpu()  # from fp32 logits, like the engine
         for j, s in enumerate(grp):
-            for t in range(done + 1, s + C + 1):
-                nll -= float(lp[j, t - 1 - s, x[t]])
+            t = torch.arange(done + 1, s + C + 1)
+            nll -= float(lp[j, t - 1 - s, xt.cpu()[t]].sum())
             done = s + C
         print(f"eval_reference: {min(i + a.batch, len(starts))}/{len(starts)} windows, "
               f"ppl so far {math.exp(nll / done):.4f}", file=sys.stderr, flush=True)
     res = {"model": a.model, "file": a.file or a.ids, "tokens": N, "tokens_scored": done, "ctx": C, "stride": S,
            "windows": len(starts), "nll_sum": nll, "nll_mean": nll / done, "perplexity": math.exp(nll / done),
-           "seconds": time.time() - t0, "implementation": "tools/train/k3_model.py float64 (torch " + torch.__version__ + ")"}
+           "seconds": time.time() - t0, "implementation": "tools/train/k3_model.py float64 on " + a.device + " (torch " + torch.__version__ + ")"}
     print(f"perplexity {res['perplexity']:.6f} over {done} tokens (ctx {C}, stride {S})")
     if a.json:
         with open(a.json, "w") as f:
