@@ -93,6 +93,21 @@ std::string resolve_model_dir(const std::string& flag) {
   fail("no model given: pass -m DIR (a checkpoint directory) or set K3_MODEL");
 }
 
+int run_guarded(const char* who, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who, e.what());
+    return e.exit_code();
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "%s: error: out of memory\n", who);
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", who, e.what());
+    return 1;
+  }
+}
+
 bool stderr_is_tty() { return ::isatty(2) == 1; }
 bool stdout_is_tty() { return ::isatty(1) == 1; }
 

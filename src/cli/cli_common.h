@@ -4,6 +4,7 @@
 #pragma once
 #include <CLI/CLI.hpp>
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -62,6 +63,10 @@ std::atomic<bool>& interrupt_flag();
 
 // One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB | stop: eos"
 std::string summary_line(const GenStats& st, StopReason reason);
+
+// Runs a subcommand body: k3::Error -> "WHO: error: ..." and its exit code (2), out of memory and
+// other exceptions -> one line and exit 1. Every failure is one line on stderr.
+int run_guarded(const char* who, const std::function<int()>& body);
 
 bool stderr_is_tty();
 bool stdout_is_tty();

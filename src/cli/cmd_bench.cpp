@@ -29,6 +29,7 @@
 #include "io/safetensors.h"
 #include "k3/version.h"
 #include "model/model.h"
+#include "runtime/memory.h"
 
 namespace {
 
@@ -199,15 +200,7 @@ std::string utc_now() {
   return buf;
 }
 
-std::string human_bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = double(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
-  return buf;
-}
+using k3::human_bytes;
 
 std::string human_count(int64_t n) {
   char buf[64];

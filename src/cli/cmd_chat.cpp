@@ -85,7 +85,7 @@ int cmd_chat(int argc, char** argv) {
   }
   const bool interactive = ::isatty(0) == 1;
   install_interrupt_handler();
-  try {
+  return run_guarded("k3 chat", [&]() -> int {
     if (!system.empty() && !system_file.empty()) fail("give --system or --system-file, not both");
     if (!system_file.empty()) {
       std::ifstream f(system_file, std::ios::binary);
@@ -222,16 +222,7 @@ int cmd_chat(int argc, char** argv) {
     }
     std::fprintf(stderr, "k3 chat: %s\n", summary_line(total, last).c_str());
     return 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "k3 chat: error: %s\n", e.what());
-    return e.exit_code();
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "k3 chat: error: out of memory\n");
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3 chat: internal error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace k3::cli

@@ -105,7 +105,7 @@ int cmd_eval(int argc, char** argv) {
   }
 
   install_interrupt_handler();
-  try {
+  return run_guarded("k3 eval", [&]() -> int {
     // Flags that need nothing loaded.
     const bool ctx_given = app.count("--ctx") > 0, stride_given = app.count("--stride") > 0;
     if (ctx_given && ef.ctx < 2) fail("--ctx must be at least 2 (got " + std::to_string(ef.ctx) + ")");
@@ -278,16 +278,7 @@ int cmd_eval(int argc, char** argv) {
       if (!jf) fail("write failed for --json " + json_path);
     }
     return interrupted ? 130 : 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "k3 eval: error: %s\n", e.what());
-    return e.exit_code();
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "k3 eval: error: out of memory\n");
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3 eval: internal error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace k3::cli

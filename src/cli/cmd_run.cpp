@@ -96,7 +96,7 @@ int cmd_run(int argc, char** argv) {
   }
 
   install_interrupt_handler();  // before loading: a Ctrl-C at any point ends with the summary
-  try {
+  return run_guarded("k3 run", [&]() -> int {
     // Prompt intake.
     const int given = int(!prompt_arg.empty()) + int(app.count("--prompt") > 0) + int(!prompt_file.empty());
     if (given > 1) fail("give the prompt one way: as the argument, -p or -f");
@@ -180,16 +180,7 @@ int cmd_run(int argc, char** argv) {
     if (stdout_is_tty()) write_out("\n");
     std::fprintf(stderr, "k3 run: %s | seed %llu\n", summary_line(st, reason).c_str(), (unsigned long long)sp.seed);
     return reason == StopReason::Interrupted ? 130 : 0;
-  } catch (const Error& e) {
-    std::fprintf(stderr, "k3 run: error: %s\n", e.what());
-    return e.exit_code();
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "k3 run: error: out of memory\n");
-    return 1;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3 run: internal error: %s\n", e.what());
-    return 1;
-  }
+  });
 }
 
 }  // namespace k3::cli

@@ -95,15 +95,7 @@ int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, int64_t n, b
   return 0;
 }
 
-std::string human_bytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = double(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
-  return buf;
-}
+using k3::human_bytes;
 
 int cmd_info(const std::string& dir, int64_t ctx) {
   const k3::ModelConfig cfg = k3::load_model_config(dir);

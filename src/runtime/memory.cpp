@@ -88,7 +88,7 @@ std::string human_bytes(uint64_t b) {
   int u = 0;
   while (v >= 1024 && u < 4) v /= 1024, ++u;
   char buf[64];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  std::snprintf(buf, sizeof buf, "%.2f %s", v, units[u]);
   return buf;
 }
 

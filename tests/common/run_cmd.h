@@ -23,25 +23,6 @@ inline std::string slurp(const std::filesystem::path& p) {
   return ss.str();
 }
 
-// `args` is appended to the binary path verbatim (the caller quotes).
-inline CmdResult run_k3(const std::string& args) {
-  static int counter = 0;
-  const auto dir = std::filesystem::temp_directory_path();
-  const std::string tag = std::to_string(::getpid()) + "_" + std::to_string(counter++);
-  const auto out = dir / ("k3test_out_" + tag), err = dir / ("k3test_err_" + tag);
-  const std::string cmd = std::string(K3_BIN) + " " + args + " >" + out.string() + " 2>" + err.string();
-  const int st = std::system(cmd.c_str());
-  CmdResult r;
-  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
-  r.out = slurp(out);
-  r.err = slurp(err);
-  std::filesystem::remove(out);
-  std::filesystem::remove(err);
-  return r;
-}
-
-inline std::string quote(const std::string& s) { return "'" + s + "'"; }
-
 // Runs a shell command line (not necessarily k3) and captures exit code, stdout and stderr.
 inline CmdResult run_shell(const std::string& cmdline) {
   static int counter = 0;
@@ -58,5 +39,11 @@ inline CmdResult run_shell(const std::string& cmdline) {
   std::filesystem::remove(err);
   return r;
 }
+
+// `args` is appended to the binary path verbatim (the caller quotes).
+inline CmdResult run_k3(const std::string& args) { return run_shell(std::string(K3_BIN) + " " + args); }
+
+inline std::string quote(const std::string& s) { return "'" + s + "'"; }
+
 
 }  // namespace k3test
