@@ -168,16 +168,21 @@ def main(argv=None) -> int:
     if a.tiny:
         cfg = K.NanoConfig(vocab=vocab, hidden=64, kda_heads=2, kda_dim=32, mla_heads=2, q_lora=32,
                            kv_lora=32, nope=16, rope=8, v=16, dense_inter=128, experts=8, topk=2, moe_inter=64, latent=32)
-    model = K.K3Model(cfg).to(device)
-    model.kda_chunk = a.kda_chunk
+    def build():
+        """Model, optimiser and data stream, all from the seed (the auto-step measurement rebuilds)."""
+        torch.manual_seed(a.seed)
+        m = K.K3Model(cfg).to(device)
+        m.kda_chunk = a.kda_chunk
+        decay, no_decay = [], []
+        for n, p in m.named_parameters():
+            (decay if p.ndim >= 2 and "conv1d" not in n else no_decay).append(p)
+        o = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
+                              lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+        g = torch.Generator().manual_seed(a.seed)
+        return m, o, batches(train_ids, a.batch, a.seq, g), [l.block_sparse_moe for l in m.layers if l.block_sparse_moe is not None]
+
+    model, opt, data, moes = build()
     n_params = sum(p.numel() for p in model.parameters())
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (decay if p.ndim >= 2 and "conv1d" not in n else no_decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(a.seed)
-    data = batches(train_ids, a.batch, a.seq, gen)
     os.makedirs(a.out, exist_ok=True)
     log = open(os.path.join(a.out, "train_log.jsonl"), "w")
 
@@ -189,7 +194,6 @@ def main(argv=None) -> int:
     emit({"event": "start", "params": n_params, "device": str(device), "config": cfg.__dict__, "args": vars(a),
           "train_tokens": int(len(train_ids)), "valid_tokens": int(len(valid_ids)),
           "torch": torch.__version__})
-    moes = [l.block_sparse_moe for l in model.layers if l.block_sparse_moe is not None]
 
     def step_fn(x, lr):
         for gr in opt.param_groups:
@@ -223,17 +227,7 @@ def main(argv=None) -> int:
         emit({"event": "auto_steps", "seconds_per_step": per_step, "steps": steps,
               "max_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None})
         # restart from a clean model and optimiser with the same seed: the measurement is not training
-        torch.manual_seed(a.seed)
-        model = K.K3Model(cfg).to(device)
-        model.kda_chunk = a.kda_chunk
-        moes = [l.block_sparse_moe for l in model.layers if l.block_sparse_moe is not None]
-        decay, no_decay = [], []
-        for n, p in model.named_parameters():
-            (decay if p.ndim >= 2 and "conv1d" not in n else no_decay).append(p)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": a.wd}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-        gen.manual_seed(a.seed)
-        data = batches(train_ids, a.batch, a.seq, gen)
+        model, opt, data, moes = build()
     else:
         steps = int(a.steps)
     qat_from = int(steps * (1 - a.qat_fraction))
