@@ -93,6 +93,19 @@ std::string resolve_model_dir(const std::string& flag) {
   fail("no model given: pass -m DIR (a checkpoint directory) or set K3_MODEL");
 }
 
+std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    const std::string who = app.get_name();
+    std::fprintf(stderr, "%s: error: %s (see %s --help)\n", who.c_str(), e.what(), who.c_str());
+    return 2;
+  }
+  return std::nullopt;
+}
+
 int run_guarded(const char* who, const std::function<int()>& body) {
   try {
     return body();

@@ -64,6 +64,10 @@ std::atomic<bool>& interrupt_flag();
 // One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB | stop: eos"
 std::string summary_line(const GenStats& st, StopReason reason);
 
+// Parses a subcommand's flags (app.get_name() is "k3 run" etc.). Returns the exit code when the
+// program should end now: 0 after --help, 2 after a one-line "k3 run: error: ..."; else nothing.
+std::optional<int> parse_flags(CLI::App& app, int argc, char** argv);
+
 // Runs a subcommand body: k3::Error -> "WHO: error: ..." and its exit code (2), out of memory and
 // other exceptions -> one line and exit 1. Every failure is one line on stderr.
 int run_guarded(const char* who, const std::function<int()>& body);

@@ -75,14 +75,7 @@ int cmd_chat(int argc, char** argv) {
   app.add_flag("--stats", show_stats, "print a statistics line after each reply");
   ef.add(&app);
   sf.add(&app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "k3 chat: error: %s (see k3 chat --help)\n", e.what());
-    return 2;
-  }
+  if (const auto code = parse_flags(app, argc, argv)) return *code;
   const bool interactive = ::isatty(0) == 1;
   install_interrupt_handler();
   return run_guarded("k3 chat", [&]() -> int {

@@ -95,14 +95,7 @@ int cmd_eval(int argc, char** argv) {
   // --ctx comes from the engine flags; here it is the window size.
   app.get_option("--ctx")->description("window size in tokens (default 512, capped by the text and max_position_embeddings)");
   app.get_option("-q")->description("no loading progress, header or evaluation progress on stderr");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "k3 eval: error: %s (see k3 eval --help)\n", e.what());
-    return 2;
-  }
+  if (const auto code = parse_flags(app, argc, argv)) return *code;
 
   install_interrupt_handler();
   return run_guarded("k3 eval", [&]() -> int {

@@ -86,14 +86,7 @@ int cmd_run(int argc, char** argv) {
   app.add_flag("-v,--verbose", verbose, "print the sampling settings and prompt size");
   ef.add(&app);
   sf.add(&app);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "k3 run: error: %s (see k3 run --help)\n", e.what());
-    return 2;
-  }
+  if (const auto code = parse_flags(app, argc, argv)) return *code;
 
   install_interrupt_handler();  // before loading: a Ctrl-C at any point ends with the summary
   return run_guarded("k3 run", [&]() -> int {
