@@ -10,6 +10,7 @@
 #include <vector>
 #include <unistd.h>
 
+#include "common/error_util.h"
 #include "config/model_config.h"
 #include "core/error.h"
 
@@ -39,17 +40,7 @@ k3::ModelConfig parse(const json& j) { return k3::parse_model_config(j.dump(), "
 
 // Returns the k3::Error message, or fails the test when nothing (or something else) is thrown.
 std::string error_of(const json& j) {
-  try {
-    parse(j);
-  } catch (const k3::Error& e) {
-    EXPECT_EQ(e.exit_code(), 2);
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "unexpected exception type: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "config was accepted but should have been rejected";
-  return "";
+  return k3test::error_of_call([&] { parse(j); }, "config was accepted but should have been rejected");
 }
 
 std::string error_of_text(const std::string& text) {

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "core/error.h"
+#include "common/error_util.h"
 #include "runtime/sampler.h"
 
 namespace {
@@ -47,17 +48,7 @@ std::vector<float> random_logits(size_t n, uint64_t seed, double lo, double hi) 
 // The k3::Error message of f(), or a test failure when f() throws nothing or something else.
 template <class F>
 std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const k3::Error& e) {
-    EXPECT_EQ(e.exit_code(), 2);
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "unexpected exception type: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "no k3::Error was thrown";
-  return "";
+  return k3test::error_of_call(std::forward<F>(f));
 }
 
 std::set<int32_t> ids_of(const Dist& d) {
