@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/num_util.h"
+#include "common/weight_util.h"
 #include "core/dtype.h"
 #include "ops/ops.h"
 #include "ops/weight.h"
@@ -22,6 +23,8 @@ using k3test::count_nan;
 using k3test::nan_vec;
 using k3test::rand_vec;
 using k3test::rel_l2;
+using k3test::make_weight;
+using k3test::OwnedW;
 
 // ---- Tolerances (relative L2 error, CPU fp32 kernel vs fp64 twin unless stated) ----------------
 // Elementwise ops (situ_glu, kda_gate, rmsnorm, l2norm_scale): a handful of fp32 roundings per
@@ -40,47 +43,6 @@ constexpr double kTolMla = 1e-5;
 // Router weights: one sigmoid + one division per weight in fp32.
 constexpr double kTolRouter = 1e-6;
 // dequant_row is exact by definition: decoded values must be bit-identical to WeightMat::at.
-
-// A random weight matrix in a given format that owns its bytes.
-struct OwnedW {
-  std::vector<float> f32;
-  std::vector<uint16_t> h16;
-  std::vector<uint8_t> packed, scales;
-  k3::WeightMat w;
-};
-
-OwnedW make_weight(std::mt19937& rng, k3::WFormat fmt, int64_t rows, int64_t cols, float amp = 1.0f) {
-  OwnedW o;
-  o.w.fmt = fmt;
-  o.w.rows = rows;
-  o.w.cols = cols;
-  const size_t n = size_t(rows * cols);
-  switch (fmt) {
-    case k3::WFormat::F32:
-      o.f32 = rand_vec(rng, n, 0.05f * amp, amp);
-      o.w.data = o.f32.data();
-      break;
-    case k3::WFormat::F16:
-    case k3::WFormat::BF16: {
-      const auto v = rand_vec(rng, n, 0.05f * amp, amp);
-      o.h16.resize(n);
-      for (size_t i = 0; i < n; ++i) o.h16[i] = fmt == k3::WFormat::F16 ? k3::f32_to_f16(v[i]) : k3::f32_to_bf16(v[i]);
-      o.w.data = o.h16.data();
-      break;
-    }
-    case k3::WFormat::MXFP4: {
-      std::uniform_int_distribution<int> byte(0, 255), sc(120, 130);
-      o.packed.resize(n / 2);
-      for (auto& b : o.packed) b = uint8_t(byte(rng));
-      o.scales.resize(n / 32);
-      for (auto& s : o.scales) s = uint8_t(sc(rng));
-      o.w.data = o.packed.data();
-      o.w.scales = o.scales.data();
-      break;
-    }
-  }
-  return o;
-}
 
 // ================================================================ matmul / dequant_row
 struct MatmulCase {

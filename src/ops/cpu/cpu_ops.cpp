@@ -17,38 +17,6 @@ constexpr int64_t kParallelMin = int64_t(1) << 18;
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
-  const int64_t n = W.cols;
-  switch (W.fmt) {
-    case WFormat::F32:
-      std::memcpy(out, static_cast<const uint8_t*>(W.data) + 4 * r * n, size_t(n) * 4);
-      break;
-    case WFormat::BF16: {  // rows may be unaligned inside the mmap'd shard: byte loads only
-      const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
-      for (int64_t c = 0; c < n; ++c) out[c] = bf16_to_f32(load_u16(p + 2 * c));
-      break;
-    }
-    case WFormat::F16: {
-      const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
-      for (int64_t c = 0; c < n; ++c) out[c] = f16_to_f32(load_u16(p + 2 * c));
-      break;
-    }
-    case WFormat::MXFP4: {
-      const uint8_t* p = static_cast<const uint8_t*>(W.data) + r * (n / 2);
-      const uint8_t* s = W.scales + r * (n / 32);
-      for (int64_t gi = 0; gi < n / 32; ++gi) {
-        const float sc = e8m0_to_f32(s[gi]);
-        for (int64_t j = 0; j < 16; ++j) {
-          const uint8_t b = p[gi * 16 + j];
-          out[gi * 32 + 2 * j] = kE2M1[b & 0x0f] * sc;       // low nibble = even column
-          out[gi * 32 + 2 * j + 1] = kE2M1[b >> 4] * sc;     // high nibble = odd column
-        }
-      }
-      break;
-    }
-  }
-}
-
 // fp32 products, fp64 accumulation in 8 lanes: long dot products (up to 33792 terms in K3) would
 // otherwise lose ~1e-6 relative per layer, which a deep model amplifies.
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -61,24 +29,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return float(s);
 }
 }  // namespace
-
-void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W, r, out); }
-
-void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
-  constexpr int64_t kRowBlock = 8;
-  const int64_t nblocks = (W.rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel if (W.rows * W.cols * std::max<int64_t>(T, 4) > kParallelMin)
-  {
-    std::vector<float> buf(static_cast<size_t>(kRowBlock * W.cols));
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t r0 = b * kRowBlock, r1 = std::min(W.rows, r0 + kRowBlock);
-      for (int64_t r = r0; r < r1; ++r) dequant_row_impl(W, r, buf.data() + (r - r0) * W.cols);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t r = r0; r < r1; ++r) Y[t * W.rows + r] = dot(buf.data() + (r - r0) * W.cols, X + t * W.cols, W.cols);
-    }
-  }
-}
 
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out) {
   for (int64_t t = 0; t < T; ++t) {
@@ -293,8 +243,8 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
   for (int64_t h = 0; h < d.heads; ++h) {
     // This head's W_UK [nope, L] and W_UV [v, L], decoded once for all T queries.
     std::vector<float> wuk(static_cast<size_t>(d.nope * L)), wuv(static_cast<size_t>(d.v * L)), qt(static_cast<size_t>(L)), ch(static_cast<size_t>(L));
-    for (int64_t i = 0; i < d.nope; ++i) dequant_row_impl(kv_b, h * per_head + i, wuk.data() + i * L);
-    for (int64_t j = 0; j < d.v; ++j) dequant_row_impl(kv_b, h * per_head + d.nope + j, wuv.data() + j * L);
+    for (int64_t i = 0; i < d.nope; ++i) dequant_row(kv_b, h * per_head + i, wuk.data() + i * L);
+    for (int64_t j = 0; j < d.v; ++j) dequant_row(kv_b, h * per_head + d.nope + j, wuv.data() + j * L);
     std::vector<float> sc(static_cast<size_t>(S));
     for (int64_t t = 0; t < T; ++t) {
       const float* qh = q + (t * d.heads + h) * dq;

@@ -1,0 +1,229 @@
+// AVX2 + FMA + F16C weight-matmul kernels (the fallback level): GEMV from BF16/F16/F32 rows and
+// from packed MXFP4 nibbles + E8M0 scales, and a register-tiled fp32 GEMM. There is no bf16 dot
+// product at this level: the driver (gemm.cpp) serves Numerics::Fast by rounding activations to
+// bf16 and calling gemm_f32. Compiled with -mavx2 -mfma -mf16c; called only after cpu_isa() said so.
+// Must not: use std templates or anything with external linkage besides kGemm (see gemm_kernels.h).
+#include <immintrin.h>
+
+#include "ops/cpu/gemm_kernels.h"
+
+namespace k3::ops::cpu::avx2 {
+namespace {
+
+inline float e8m0(uint8_t s) {
+  const uint32_t u = s == 255 ? 0x7fc00000u : s == 0 ? 0x00400000u : uint32_t(s) << 23;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline float scalar_w(WFormat F, const uint8_t* row, int64_t c) {
+  uint32_t u;
+  if (F == WFormat::F32) {
+    float f;
+    __builtin_memcpy(&f, row + 4 * c, 4);
+    return f;
+  }
+  uint16_t h;
+  __builtin_memcpy(&h, row + 2 * c, 2);
+  if (F == WFormat::F16) return _cvtsh_ss(h);
+  u = uint32_t(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+template <WFormat F>
+inline __m256 load8(const uint8_t* row, int64_t c) {
+  if constexpr (F == WFormat::F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + c);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * c));
+  if constexpr (F == WFormat::F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+constexpr int64_t esize(WFormat F) { return F == WFormat::F32 ? 4 : 2; }
+
+// ------------------------------------------------------------------ GEMV, dense formats
+template <WFormat F, int R>
+inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float* y) {
+  __m256 a[R], b[R];
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+    for (int i = 0; i < R; ++i) {
+      a[i] = _mm256_fmadd_ps(load8<F>(p[i], c), x0, a[i]);
+      b[i] = _mm256_fmadd_ps(load8<F>(p[i], c + 8), x1, b[i]);
+    }
+  }
+  for (; c + 8 <= n; c += 8) {
+    const __m256 x0 = _mm256_loadu_ps(x + c);
+    for (int i = 0; i < R; ++i) a[i] = _mm256_fmadd_ps(load8<F>(p[i], c), x0, a[i]);
+  }
+  for (int i = 0; i < R; ++i) {
+    float s = hsum(_mm256_add_ps(a[i], b[i]));
+    for (int64_t k = c; k < n; ++k) s += scalar_w(F, p[i], k) * x[k];
+    y[i] = s;
+  }
+}
+
+template <WFormat F>
+void gemv_dense(const WeightMat& W, const float* x, const float*, int64_t r0, int64_t r1, float* y) {
+  const int64_t n = W.cols, rb = n * esize(F);
+  const uint8_t* base = static_cast<const uint8_t*>(W.data);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* p[4] = {base + r * rb, base + (r + 1) * rb, base + (r + 2) * rb, base + (r + 3) * rb};
+    gemv_rows<F, 4>(p, x, n, y + r);
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* p[1] = {base + r * rb};
+    gemv_rows<F, 1>(p, x, n, y + r);
+  }
+}
+
+// ------------------------------------------------------------------ MXFP4 decode
+// 8 nibbles (one per dword lane, low 4 bits used) -> values: magnitude through an 8-entry table
+// (vpermps reads the low 3 index bits), sign from nibble bit 3 moved to bit 31.
+inline __m256 e2m1_8(__m256i nib, int sign_shift) {
+  const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(nib, sign_shift), _mm256_set1_epi32(int(0x80000000u)));
+  return _mm256_xor_ps(_mm256_permutevar8x32_ps(mag, nib), _mm256_castsi256_ps(sign));
+}
+
+template <int R>
+inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, const float* xp, int64_t nb, float* y) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 xe0 = _mm256_loadu_ps(xp + 32 * b), xe1 = _mm256_loadu_ps(xp + 32 * b + 8);
+    const __m256 xo0 = _mm256_loadu_ps(xp + 32 * b + 16), xo1 = _mm256_loadu_ps(xp + 32 * b + 24);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* q = p[i] + 16 * b;
+      const __m256i i0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+      const __m256i i1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+      __m256 t = _mm256_mul_ps(e2m1_8(i0, 28), xe0);
+      t = _mm256_fmadd_ps(e2m1_8(i1, 28), xe1, t);
+      t = _mm256_fmadd_ps(e2m1_8(_mm256_srli_epi32(i0, 4), 28), xo0, t);
+      t = _mm256_fmadd_ps(e2m1_8(_mm256_srli_epi32(i1, 4), 28), xo1, t);
+      acc[i] = _mm256_fmadd_ps(t, _mm256_set1_ps(e8m0(s[i][b])), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]);
+}
+
+void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, int64_t r1, float* y) {
+  const int64_t nb = W.cols / 32;
+  const uint8_t* pb = static_cast<const uint8_t*>(W.data);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
+    const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
+    gemv_mxfp4_rows<4>(p, s, xp, nb, y + r);
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* p[1] = {pb + r * nb * 16};
+    const uint8_t* s[1] = {W.scales + r * nb};
+    gemv_mxfp4_rows<1>(p, s, xp, nb, y + r);
+  }
+}
+
+void gemv(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y) {
+  switch (W.fmt) {
+    case WFormat::F32: return gemv_dense<WFormat::F32>(W, x, xp, r0, r1, y);
+    case WFormat::F16: return gemv_dense<WFormat::F16>(W, x, xp, r0, r1, y);
+    case WFormat::BF16: return gemv_dense<WFormat::BF16>(W, x, xp, r0, r1, y);
+    case WFormat::MXFP4: return gemv_mxfp4(W, x, xp, r0, r1, y);
+  }
+}
+
+// ------------------------------------------------------------------ GEMM fp32 (exact)
+void widen_row(const WeightMat& W, int64_t r, float* out) {
+  const int64_t n = W.cols;
+  const uint8_t* base = static_cast<const uint8_t*>(W.data);
+  if (W.fmt == WFormat::MXFP4) {
+    const int64_t nb = n / 32;
+    const uint8_t* p = base + r * nb * 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float sc = e8m0(W.scales[r * nb + b]);
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t v = p[16 * b + j];
+        const __m256i two = _mm256_setr_epi32(v & 15, v >> 4, 0, 0, 0, 0, 0, 0);
+        float f[8];
+        _mm256_storeu_ps(f, e2m1_8(two, 28));
+        out[32 * b + 2 * j] = f[0] * sc;
+        out[32 * b + 2 * j + 1] = f[1] * sc;
+      }
+    }
+    return;
+  }
+  const int64_t rb = n * esize(W.fmt);
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    __m256 v;
+    if (W.fmt == WFormat::F32) v = load8<WFormat::F32>(base + r * rb, c);
+    else if (W.fmt == WFormat::F16) v = load8<WFormat::F16>(base + r * rb, c);
+    else v = load8<WFormat::BF16>(base + r * rb, c);
+    _mm256_storeu_ps(out + c, v);
+  }
+  for (; c < n; ++c) out[c] = scalar_w(W.fmt, base + r * rb, c);
+}
+
+template <int R, int N>
+inline void tile_f32(const float* const* w, const float* X, int64_t ldx, int64_t n, float* Y, int64_t ldy) {
+  __m256 acc[R][N];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    __m256 xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = _mm256_loadu_ps(X + j * ldx + c);
+    for (int i = 0; i < R; ++i) {
+      const __m256 wv = _mm256_loadu_ps(w[i] + c);
+      for (int j = 0; j < N; ++j) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t k = c; k < n; ++k) s += w[i][k] * X[j * ldx + k];
+      Y[j * ldy + i] = s;
+    }
+}
+
+template <int R>
+inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t n, float* Y, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + 2 <= T; t += 2) tile_f32<R, 2>(w, X + t * n, n, n, Y + t * ldy, ldy);
+  if (t < T) tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy);
+}
+
+void gemm_f32(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
+              float* scratch) {
+  const int64_t n = W.cols;
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t R = r1 - r < 4 ? r1 - r : 4;
+    const float* w[4];
+    for (int64_t i = 0; i < R; ++i) {
+      widen_row(W, r + i, scratch + i * n);  // also for F32: mmap'd rows need not be 4-byte aligned
+      w[i] = scratch + i * n;
+    }
+    switch (R) {
+      case 4: tiles_f32<4>(w, X, T, n, Y + r, ldy); break;
+      case 3: tiles_f32<3>(w, X, T, n, Y + r, ldy); break;
+      case 2: tiles_f32<2>(w, X, T, n, Y + r, ldy); break;
+      default: tiles_f32<1>(w, X, T, n, Y + r, ldy); break;
+    }
+  }
+}
+
+}  // namespace
+
+const GemmKernels kGemm = {gemv, gemm_f32, nullptr};
+
+}  // namespace k3::ops::cpu::avx2

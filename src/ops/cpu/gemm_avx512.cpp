@@ -1,0 +1,292 @@
+// AVX-512 (F/BW/VL/DQ + BF16) weight-matmul kernels: GEMV straight from BF16/F16/F32 rows and from
+// packed MXFP4 nibbles + E8M0 scales; register-tiled 4x4 GEMMs in fp32 (exact) and with vdpbf16ps
+// (fast). Compiled with -mavx512*; called only through gemm.cpp after cpu_isa() said avx512.
+// Must not: use std templates or anything with external linkage besides kGemm (see gemm_kernels.h).
+#include <immintrin.h>
+
+#include "ops/cpu/gemm_kernels.h"
+
+namespace k3::ops::cpu::avx512 {
+namespace {
+
+inline float e8m0(uint8_t s) {
+  const uint32_t u = s == 255 ? 0x7fc00000u : s == 0 ? 0x00400000u : uint32_t(s) << 23;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// E2M1 code -> value (bit 3 = sign), as one register for vpermps (which reads the low 4 index bits).
+inline __m512 e2m1_lut() {
+  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
+                        -4.0f, -6.0f);
+}
+
+inline __mmask16 tail16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+inline __mmask32 tail32(int64_t n) { return n >= 32 ? __mmask32(0xffffffffu) : __mmask32((1u << n) - 1u); }
+
+inline __m512 widen_bf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// 16 consecutive weights of a row from element c, masked to m (masked-off lanes read as 0).
+template <WFormat F>
+inline __m512 load16(const uint8_t* row, int64_t c, __mmask16 m) {
+  if constexpr (F == WFormat::F32) return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(row) + c);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, row + 2 * c);
+  if constexpr (F == WFormat::F16) return _mm512_cvtph_ps(h);
+  return widen_bf16(h);
+}
+template <WFormat F>
+inline __m512 load16(const uint8_t* row, int64_t c) {
+  if constexpr (F == WFormat::F32) return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + c);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c));
+  if constexpr (F == WFormat::F16) return _mm512_cvtph_ps(h);
+  return widen_bf16(h);
+}
+
+constexpr int64_t esize(WFormat F) { return F == WFormat::F32 ? 4 : 2; }
+
+// ------------------------------------------------------------------ GEMV, dense formats
+// R rows at once share each load of x; two accumulators per row hide the FMA latency.
+template <WFormat F, int R>
+inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float* y) {
+  __m512 a[R], b[R];
+  for (int i = 0; i < R; ++i) a[i] = b[i] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 32 <= n; c += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+    for (int i = 0; i < R; ++i) {
+      a[i] = _mm512_fmadd_ps(load16<F>(p[i], c), x0, a[i]);
+      b[i] = _mm512_fmadd_ps(load16<F>(p[i], c + 16), x1, b[i]);
+    }
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 m = tail16(n - c);
+    const __m512 x0 = _mm512_maskz_loadu_ps(m, x + c);
+    for (int i = 0; i < R; ++i) a[i] = _mm512_fmadd_ps(load16<F>(p[i], c, m), x0, a[i]);
+  }
+  for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i], b[i]));
+}
+
+template <WFormat F>
+void gemv_dense(const WeightMat& W, const float* x, const float*, int64_t r0, int64_t r1, float* y) {
+  const int64_t n = W.cols, rb = n * esize(F);
+  const uint8_t* base = static_cast<const uint8_t*>(W.data);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* p[4] = {base + r * rb, base + (r + 1) * rb, base + (r + 2) * rb, base + (r + 3) * rb};
+    gemv_rows<F, 4>(p, x, n, y + r);
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* p[1] = {base + r * rb};
+    gemv_rows<F, 1>(p, x, n, y + r);
+  }
+}
+
+// ------------------------------------------------------------------ GEMV, MXFP4
+// Per 32-column block and row: 16 packed bytes -> even columns (low nibbles) and odd columns (high
+// nibbles) through the E2M1 table, dotted with the matching halves of the permuted x, then scaled.
+template <int R>
+inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, const float* xp, int64_t nb, float* y) {
+  const __m512 lut = e2m1_lut();
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 xe = _mm512_loadu_ps(xp + 32 * b), xo = _mm512_loadu_ps(xp + 32 * b + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[i] + 16 * b)));
+      const __m512 we = _mm512_permutexvar_ps(idx, lut);
+      const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+      const __m512 t = _mm512_fmadd_ps(wo, xo, _mm512_mul_ps(we, xe));
+      acc[i] = _mm512_fmadd_ps(t, _mm512_set1_ps(e8m0(s[i][b])), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, int64_t r1, float* y) {
+  const int64_t nb = W.cols / 32;
+  const uint8_t* pb = static_cast<const uint8_t*>(W.data);
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
+    const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
+    gemv_mxfp4_rows<4>(p, s, xp, nb, y + r);
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* p[1] = {pb + r * nb * 16};
+    const uint8_t* s[1] = {W.scales + r * nb};
+    gemv_mxfp4_rows<1>(p, s, xp, nb, y + r);
+  }
+}
+
+void gemv(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y) {
+  switch (W.fmt) {
+    case WFormat::F32: return gemv_dense<WFormat::F32>(W, x, xp, r0, r1, y);
+    case WFormat::F16: return gemv_dense<WFormat::F16>(W, x, xp, r0, r1, y);
+    case WFormat::BF16: return gemv_dense<WFormat::BF16>(W, x, xp, r0, r1, y);
+    case WFormat::MXFP4: return gemv_mxfp4(W, x, xp, r0, r1, y);
+  }
+}
+
+// ------------------------------------------------------------------ row widening
+// Row r of W as fp32 in natural column order.
+void widen_row(const WeightMat& W, int64_t r, float* out) {
+  const int64_t n = W.cols;
+  const uint8_t* base = static_cast<const uint8_t*>(W.data);
+  switch (W.fmt) {
+    case WFormat::F32:
+      for (int64_t c = 0; c < n; c += 16)
+        _mm512_mask_storeu_ps(out + c, tail16(n - c), load16<WFormat::F32>(base + r * n * 4, c, tail16(n - c)));
+      return;
+    case WFormat::F16:
+      for (int64_t c = 0; c < n; c += 16)
+        _mm512_mask_storeu_ps(out + c, tail16(n - c), load16<WFormat::F16>(base + r * n * 2, c, tail16(n - c)));
+      return;
+    case WFormat::BF16:
+      for (int64_t c = 0; c < n; c += 16)
+        _mm512_mask_storeu_ps(out + c, tail16(n - c), load16<WFormat::BF16>(base + r * n * 2, c, tail16(n - c)));
+      return;
+    case WFormat::MXFP4: {
+      const int64_t nb = n / 32;
+      const uint8_t* p = base + r * nb * 16;
+      const uint8_t* s = W.scales + r * nb;
+      const __m512 lut = e2m1_lut();
+      const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * b)));
+        const __m512 sc = _mm512_set1_ps(e8m0(s[b]));
+        const __m512 we = _mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), sc);
+        const __m512 wo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut), sc);
+        _mm512_storeu_ps(out + 32 * b, _mm512_permutex2var_ps(we, lo, wo));
+        _mm512_storeu_ps(out + 32 * b + 16, _mm512_permutex2var_ps(we, hi, wo));
+      }
+      return;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ GEMM fp32 (exact)
+// Tile of R weight rows x N tokens: R*N accumulators, one FMA per (row, token) per 16 columns.
+template <int R, int N>
+inline void tile_f32(const float* const* w, const float* X, int64_t ldx, int64_t n, float* Y, int64_t ldy) {
+  __m512 acc[R][N];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 16) {
+    const __mmask16 m = tail16(n - c);
+    __m512 xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = _mm512_maskz_loadu_ps(m, X + j * ldx + c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 wv = _mm512_maskz_loadu_ps(m, w[i] + c);
+      for (int j = 0; j < N; ++j) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) Y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int R>
+inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t n, float* Y, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) tile_f32<R, 4>(w, X + t * n, n, n, Y + t * ldy, ldy);
+  switch (T - t) {
+    case 3: tile_f32<R, 3>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
+    case 2: tile_f32<R, 2>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
+    case 1: tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
+    default: break;
+  }
+}
+
+void gemm_f32(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
+              float* scratch) {
+  const int64_t n = W.cols;
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t R = r1 - r < 4 ? r1 - r : 4;
+    const float* w[4];
+    for (int64_t i = 0; i < R; ++i) {
+      widen_row(W, r + i, scratch + i * n);  // also for F32: mmap'd rows need not be 4-byte aligned
+      w[i] = scratch + i * n;
+    }
+    switch (R) {
+      case 4: tiles_f32<4>(w, X, T, n, Y + r, ldy); break;
+      case 3: tiles_f32<3>(w, X, T, n, Y + r, ldy); break;
+      case 2: tiles_f32<2>(w, X, T, n, Y + r, ldy); break;
+      default: tiles_f32<1>(w, X, T, n, Y + r, ldy); break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ GEMM bf16 (fast)
+// vdpbf16ps: each fp32 lane accumulates the products of one adjacent bf16 pair.
+template <int R, int N>
+inline void tile_bf16(const uint16_t* const* w, const uint16_t* X, int64_t ldx, int64_t n, float* Y, int64_t ldy) {
+  __m512 acc[R][N];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < n; c += 32) {
+    __m512i xv[N];
+    for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_si512(X + j * ldx + c);
+    for (int i = 0; i < R; ++i) {
+      const __m512i wv = _mm512_loadu_si512(w[i] + c);
+      for (int j = 0; j < N; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv, (__m512bh)xv[j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < N; ++j) Y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+template <int R>
+inline void tiles_bf16(const uint16_t* const* w, const uint16_t* X, int64_t ldx, int64_t T, float* Y, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) tile_bf16<R, 4>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy);
+  switch (T - t) {
+    case 3: tile_bf16<R, 3>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
+    case 2: tile_bf16<R, 2>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
+    case 1: tile_bf16<R, 1>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
+    default: break;
+  }
+}
+
+// Row r of W as bf16, zero padded to np columns (exact for BF16 and MXFP4; RNE for F32/F16).
+void row_bf16(const WeightMat& W, int64_t r, int64_t np, uint16_t* out, float* tmp) {
+  const int64_t n = W.cols;
+  if (W.fmt == WFormat::BF16) {
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
+    for (int64_t c = 0; c < np; c += 32)
+      _mm512_storeu_si512(out + c, _mm512_maskz_loadu_epi16(c < n ? tail32(n - c) : 0, p + 2 * c));
+    return;
+  }
+  widen_row(W, r, tmp);
+  for (int64_t c = 0; c < np; c += 32) {
+    const __m512 a = _mm512_maskz_loadu_ps(c < n ? tail16(n - c) : 0, tmp + c);
+    const __m512 b = _mm512_maskz_loadu_ps(c + 16 < n ? tail16(n - c - 16) : 0, tmp + c + 16);
+    _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  }
+}
+
+void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, int64_t r0, int64_t r1, float* Y,
+               int64_t ldy, uint16_t* scratch) {
+  // scratch: 4 bf16 rows of np, then (for non-BF16 formats) one fp32 row of W.cols.
+  float* tmp = reinterpret_cast<float*>(scratch + 4 * np);
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t R = r1 - r < 4 ? r1 - r : 4;
+    const uint16_t* w[4];
+    for (int64_t i = 0; i < R; ++i) {
+      row_bf16(W, r + i, np, scratch + i * np, tmp);
+      w[i] = scratch + i * np;
+    }
+    switch (R) {
+      case 4: tiles_bf16<4>(w, Xb, np, T, Y + r, ldy); break;
+      case 3: tiles_bf16<3>(w, Xb, np, T, Y + r, ldy); break;
+      case 2: tiles_bf16<2>(w, Xb, np, T, Y + r, ldy); break;
+      default: tiles_bf16<1>(w, Xb, np, T, Y + r, ldy); break;
+    }
+  }
+}
+
+}  // namespace
+
+const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16};
+
+}  // namespace k3::ops::cpu::avx512

@@ -1,0 +1,34 @@
+// Per-ISA weight-matmul kernels (one thread's share of rows) behind ops::matmul (gemm.cpp).
+// Owns: the contract between the threaded driver and the kernels compiled with -mavx2/-mavx512*.
+// Must not: be included by code that is not itself dispatch-guarded; the ISA translation units
+// use only raw pointers and intrinsics (no std templates), so no inline function compiled with
+// AVX-512 can be merged by the linker into code that runs on an older CPU.
+#pragma once
+#include <cstdint>
+
+#include "ops/weight.h"
+
+namespace k3::ops::cpu {
+
+// All kernels compute Y[t*ldy + r] for r in [r0, r1) with fp32 accumulation.
+struct GemmKernels {
+  // T = 1. x: [cols] fp32. For MXFP4, xp is x permuted per 32-block into (even cols, odd cols)
+  // (16 + 16 values), which matches the nibble order of the packed bytes; x is unused then.
+  void (*gemv)(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y);
+  // Exact: X [T, cols] fp32. scratch: >= 4*cols floats (rows of W widened to fp32).
+  void (*gemm_f32)(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
+                   float* scratch);
+  // Fast: Xb [T, cols_pad] bf16 (cols_pad = cols rounded up to 32, zero padded). scratch: >= 4*cols_pad
+  // uint16 (rows of W as bf16). nullptr when the ISA has no bf16 dot product.
+  void (*gemm_bf16)(const WeightMat& W, const uint16_t* Xb, int64_t cols_pad, int64_t T, int64_t r0, int64_t r1,
+                    float* Y, int64_t ldy, uint16_t* scratch);
+};
+
+namespace avx2 {
+extern const GemmKernels kGemm;
+}
+namespace avx512 {
+extern const GemmKernels kGemm;
+}
+
+}  // namespace k3::ops::cpu

@@ -1,0 +1,91 @@
+// CPU level detection and selection (see isa.h).
+#include "ops/cpu/isa.h"
+
+#include <atomic>
+#include <cstdlib>
+
+#include "core/error.h"
+
+namespace k3::ops {
+
+namespace {
+std::atomic<int> g_isa{-1};
+thread_local Numerics t_numerics = Numerics::Exact;
+
+bool has_avx2() {
+#if defined(__x86_64__) && defined(K3_HAVE_X86_KERNELS)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool has_avx512() {
+#if defined(__x86_64__) && defined(K3_HAVE_X86_KERNELS)
+  __builtin_cpu_init();
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::Scalar: return "scalar";
+    case CpuIsa::Avx2: return "avx2";
+    case CpuIsa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+CpuIsa cpu_isa_detected() {
+  if (has_avx512()) return CpuIsa::Avx512;
+  if (has_avx2()) return CpuIsa::Avx2;
+  return CpuIsa::Scalar;
+}
+
+CpuIsa parse_cpu_isa(const std::string& name) {
+  if (name == "scalar") return CpuIsa::Scalar;
+  if (name == "avx2") return CpuIsa::Avx2;
+  if (name == "avx512") return CpuIsa::Avx512;
+  fail("unknown CPU level '" + name + "' (expected scalar, avx2 or avx512)");
+}
+
+void set_cpu_isa(CpuIsa isa) {
+  const CpuIsa best = cpu_isa_detected();
+  if (int(isa) > int(best))
+    fail(std::string("this CPU cannot run the ") + cpu_isa_name(isa) + " kernels (best level: " + cpu_isa_name(best) + ")");
+  g_isa.store(int(isa));
+}
+
+CpuIsa cpu_isa() {
+  int v = g_isa.load(std::memory_order_relaxed);
+  if (v >= 0) return CpuIsa(v);
+  CpuIsa isa = cpu_isa_detected();
+  if (const char* env = std::getenv("K3_CPU_ISA"); env && *env) {
+    const CpuIsa want = parse_cpu_isa(env);
+    if (int(want) > int(isa))
+      fail(std::string("K3_CPU_ISA=") + env + ": this CPU cannot run it (best level: " + cpu_isa_name(isa) + ")");
+    isa = want;
+  }
+  g_isa.store(int(isa));
+  return isa;
+}
+
+const char* numerics_name(Numerics n) { return n == Numerics::Exact ? "exact" : "fast"; }
+
+Numerics parse_numerics(const std::string& name) {
+  if (name == "exact") return Numerics::Exact;
+  if (name == "fast") return Numerics::Fast;
+  fail("unknown numerics '" + name + "' (expected exact or fast)");
+}
+
+Numerics current_numerics() { return t_numerics; }
+NumericsScope::NumericsScope(Numerics n) : saved_(t_numerics) { t_numerics = n; }
+NumericsScope::~NumericsScope() { t_numerics = saved_; }
+
+}  // namespace k3::ops

@@ -1,0 +1,53 @@
+// CPU instruction-set levels for the SIMD kernels and the one process-wide choice among them.
+// Owns: detection (cpuid via the compiler builtins), the K3_CPU_ISA override, the name printed
+// by `k3 info`/`k3 bench`, and the Numerics mode of weight GEMMs (exact fp32 vs bf16 activations).
+// Must not: contain kernels. Kernels live in per-ISA translation units compiled with their own
+// -m flags (gemm_avx512.cpp, ...) that are only ever called after this module said the CPU has them.
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace k3::ops {
+
+// Ordered: a higher level may use everything a lower one does.
+//   Scalar  plain C++ (the compiler's baseline x86-64 / any architecture)
+//   Avx2    AVX2 + FMA + F16C
+//   Avx512  AVX-512 F/BW/VL/DQ + BF16 (vdpbf16ps) + FMA + F16C
+enum class CpuIsa : uint8_t { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+
+const char* cpu_isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512"
+CpuIsa cpu_isa_detected();             // best level this CPU (and this build) supports
+// The level the kernels use now: the detected one, capped by the environment variable
+// K3_CPU_ISA=scalar|avx2|avx512 when set (k3::Error naming the value if it is unknown or the CPU
+// lacks it). Resolved once, on first use.
+CpuIsa cpu_isa();
+// Forces a level (tests, `--cpu-isa`); k3::Error if this CPU cannot run it. Not thread-safe with
+// kernels running concurrently: call between forward passes.
+void set_cpu_isa(CpuIsa isa);
+CpuIsa parse_cpu_isa(const std::string& name);  // k3::Error on anything else
+
+// How weight GEMMs with several activation rows (prefill) round their inputs.
+//   Exact: fp32 activations, weights widened to fp32, fp32 FMA accumulation (matches the fp64
+//          reference to ~1e-6; the whole-model gates run in this mode).
+//   Fast:  activations rounded to bf16 and multiplied with vdpbf16ps (fp32 accumulation) when
+//          T >= kFastMinRows, as llama.cpp does for bf16 weights; ~3e-3 relative per product.
+// Single-row GEMVs (decode) are memory-bound and always exact.
+enum class Numerics : uint8_t { Exact = 0, Fast = 1 };
+constexpr int64_t kFastMinRows = 4;
+const char* numerics_name(Numerics n);
+Numerics parse_numerics(const std::string& name);  // "exact" | "fast", k3::Error otherwise
+
+// The numerics of the ops called on this thread (set per forward pass by Model::forward).
+Numerics current_numerics();
+class NumericsScope {
+ public:
+  explicit NumericsScope(Numerics n);
+  ~NumericsScope();
+  NumericsScope(const NumericsScope&) = delete;
+  NumericsScope& operator=(const NumericsScope&) = delete;
+
+ private:
+  Numerics saved_;
+};
+
+}  // namespace k3::ops

@@ -1,0 +1,182 @@
+// ops::matmul on every CPU level this machine has (scalar, avx2, avx512), both numerics modes,
+// against the fp64 twin k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of
+// the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T = 1 (GEMV), T < 4
+// (exact even in Fast mode), token tiles and the 64-token block boundary, and unaligned rows.
+// Owns: the GEMM tolerances below.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/num_util.h"
+#include "common/weight_util.h"
+#include "ops/cpu/isa.h"
+#include "ops/ops.h"
+
+namespace {
+
+using k3::ops::CpuIsa;
+using k3test::count_nan;
+using k3test::nan_vec;
+using k3test::rel_l2;
+
+// Exact mode: fp32 products and sums (16-lane partial sums) vs fp64: sqrt(cols)·ulp-level, far
+// below the project-wide fp32 reduction tolerance.
+constexpr double kTolExact = 1e-5;
+// Fast mode must equal the exact product of W with bf16-ROUNDED activations to fp32 accuracy (the
+// only approximation is the rounding of X), and be near the unrounded product: bf16 keeps 8
+// significant bits, so each activation moves by <= 2^-9 relative; over random-sign sums the
+// aggregate is ~1e-3. 1e-2 catches a kernel that drops or mis-pairs terms (error O(1)).
+constexpr double kTolFastVsRounded = 1e-5;
+constexpr double kTolFastVsExact = 1e-2;
+
+struct Case {
+  k3::WFormat fmt;
+  int64_t rows, cols, T;
+};
+
+const Case kCases[] = {
+    {k3::WFormat::BF16, 1, 16, 1},      {k3::WFormat::BF16, 7, 37, 1},     {k3::WFormat::BF16, 37, 300, 1},
+    {k3::WFormat::BF16, 33, 1000, 2},   {k3::WFormat::BF16, 21, 64, 3},    {k3::WFormat::BF16, 50, 96, 4},
+    {k3::WFormat::BF16, 19, 129, 5},    {k3::WFormat::BF16, 17, 200, 67},  {k3::WFormat::BF16, 70, 512, 130},
+    {k3::WFormat::F16, 13, 33, 1},      {k3::WFormat::F16, 9, 101, 6},     {k3::WFormat::F16, 40, 250, 65},
+    {k3::WFormat::F32, 11, 65, 1},      {k3::WFormat::F32, 23, 47, 9},     {k3::WFormat::F32, 18, 160, 64},
+    {k3::WFormat::MXFP4, 5, 32, 1},     {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
+    {k3::WFormat::MXFP4, 21, 96, 3},    {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
+};
+
+std::vector<CpuIsa> levels() {
+  std::vector<CpuIsa> v;
+  for (CpuIsa l : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512})
+    if (int(l) <= int(k3::ops::cpu_isa_detected())) v.push_back(l);
+  return v;
+}
+
+struct LevelGuard {
+  ~LevelGuard() { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
+};
+
+std::string name(const Case& c) {
+  return std::string(k3::wformat_name(c.fmt)) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
+         " T=" + std::to_string(c.T);
+}
+
+// The weights at an odd byte offset, as mmap'd shard data may be.
+struct Unaligned {
+  std::vector<uint8_t> bytes;
+  k3::WeightMat w;
+  Unaligned(const k3::WeightMat& src, size_t nbytes) : bytes(nbytes + 1), w(src) {
+    std::memcpy(bytes.data() + 1, src.data, nbytes);
+    w.data = bytes.data() + 1;
+  }
+};
+
+size_t data_bytes(const k3::WeightMat& w) {
+  switch (w.fmt) {
+    case k3::WFormat::F32: return size_t(w.rows * w.cols * 4);
+    case k3::WFormat::F16:
+    case k3::WFormat::BF16: return size_t(w.rows * w.cols * 2);
+    case k3::WFormat::MXFP4: return size_t(w.rows * w.cols / 2);
+  }
+  return 0;
+}
+
+}  // namespace
+
+TEST(GemmLevels, DetectedLevelIsReported) {
+  const CpuIsa best = k3::ops::cpu_isa_detected();
+  std::printf("detected CPU level: %s\n", k3::ops::cpu_isa_name(best));
+  EXPECT_EQ(k3::ops::parse_cpu_isa(k3::ops::cpu_isa_name(best)), best);
+  EXPECT_THROW(k3::ops::parse_cpu_isa("sse9"), std::exception);
+  if (best != CpuIsa::Avx512) {
+    EXPECT_THROW(k3::ops::set_cpu_isa(CpuIsa::Avx512), std::exception);
+  }
+}
+
+TEST(GemmLevels, ExactMatchesTwinOnEveryLevel) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(77);
+    for (const Case& c : kCases) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+      Unaligned U(W.w, data_bytes(W.w));
+      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+      auto y = nan_vec(size_t(c.T * c.rows)), y_ref = nan_vec(size_t(c.T * c.rows));
+      k3::ops::matmul(U.w, X.data(), c.T, y.data());
+      k3::ref::matmul(W.w, X.data(), c.T, y_ref.data());
+      ASSERT_EQ(count_nan(y), 0u);
+      EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+    }
+  }
+}
+
+TEST(GemmLevels, FastIsExactProductOfBf16RoundedActivations) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(78);
+    for (const Case& c : kCases) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+      std::vector<float> Xr(X.size());
+      for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
+      auto y = nan_vec(size_t(c.T * c.rows)), y_rounded = nan_vec(y.size()), y_exact = nan_vec(y.size());
+      {
+        k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
+        k3::ops::matmul(W.w, X.data(), c.T, y.data());
+      }
+      k3::ref::matmul(W.w, Xr.data(), c.T, y_rounded.data());
+      k3::ref::matmul(W.w, X.data(), c.T, y_exact.data());
+      ASSERT_EQ(count_nan(y), 0u);
+      if (c.T < k3::ops::kFastMinRows) {
+        EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
+      } else {
+        EXPECT_LT(rel_l2(y, y_rounded), kTolFastVsRounded);
+        EXPECT_LT(rel_l2(y, y_exact), kTolFastVsExact);
+      }
+    }
+  }
+}
+
+TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
+  LevelGuard guard;
+  const int saved = omp_get_max_threads();
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(79);
+    for (const Case& c : {Case{k3::WFormat::BF16, 301, 512, 1}, Case{k3::WFormat::MXFP4, 300, 512, 1},
+                          Case{k3::WFormat::BF16, 130, 256, 70}, Case{k3::WFormat::MXFP4, 99, 256, 33}}) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+      std::vector<std::vector<float>> outs;
+      for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::Fast}) {
+          k3::ops::NumericsScope scope(num);
+          outs.push_back(nan_vec(size_t(c.T * c.rows)));
+          k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
+        }
+      }
+      for (size_t i = 2; i < outs.size(); ++i)
+        EXPECT_EQ(std::memcmp(outs[i].data(), outs[i % 2].data(), outs[i].size() * 4), 0) << "run " << i;
+    }
+  }
+  omp_set_num_threads(saved);
+}
+
+TEST(GemmLevels, ForcedLevelFromEnvironmentIsValidated) {
+  EXPECT_EQ(k3::ops::parse_numerics("exact"), k3::ops::Numerics::Exact);
+  EXPECT_EQ(k3::ops::parse_numerics("fast"), k3::ops::Numerics::Fast);
+  EXPECT_THROW(k3::ops::parse_numerics("fastest"), std::exception);
+  for (CpuIsa l : levels()) {
+    k3::ops::set_cpu_isa(l);
+    EXPECT_EQ(k3::ops::cpu_isa(), l);
+  }
+  k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected());
+}
