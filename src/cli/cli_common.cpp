@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <cstdio>
@@ -33,6 +34,11 @@ void RunEngineFlags::add(CLI::App* app) {
   app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
   app->add_option("--mem-limit", mem_limit, "refuse to load when the model needs more than SIZE (default: MemAvailable)");
   app->add_flag("--no-prefault", no_prefault, "do not read the weights in at load time (first tokens then fault pages in)");
+  app->add_option("--ram-budget", ram_budget,
+                  "keep weights within SIZE of RAM: the trunk stays resident, routed experts are read from disk into "
+                  "an LRU cache of the rest (runs models larger than RAM; same output)")
+      ->option_text("SIZE");
+  app->add_flag("--direct-io", direct_io, "with --ram-budget: read experts with O_DIRECT (bypass the page cache)");
   app->add_flag("-q,--quiet", quiet, "no loading progress");
 }
 
@@ -166,13 +172,26 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     fail("context of " + std::to_string(ctx_tokens) + " tokens exceeds the model's max_position_embeddings (" +
          std::to_string(cfg.max_position_embeddings) + ")");
 
-  // Memory check before anything is mapped: weights (resident once read) + state at ctx.
-  uint64_t weight_bytes = 0;
+  // Memory check before anything is mapped: weights (resident once read) + state at ctx. Under
+  // --ram-budget the resident weights are the trunk plus the expert cache.
+  uint64_t budget = 0;
+  if (!f.ram_budget.empty()) budget = parse_size(f.ram_budget, "--ram-budget");
+  if (f.direct_io && !budget) fail("--direct-io needs --ram-budget (it is how streamed experts are read)");
+  uint64_t weight_bytes = 0, resident_bytes = 0;
+  ExpertTensorTotals totals;
   {
     auto heads = io::Checkpoint::open_headers(lm.dir);
     weight_bytes = heads->total_tensor_bytes();
+    resident_bytes = weight_bytes;
+    if (budget) {
+      // Whether the budget holds the trunk plus top_k experts is checked exactly (slot alignment
+      // included) once the model is bound, still before any weight is read.
+      totals = expert_tensor_totals(*heads);
+      const uint64_t cache = budget > totals.trunk_bytes ? budget - totals.trunk_bytes : 0;
+      resident_bytes = totals.trunk_bytes + std::min(cache, totals.expert_bytes);
+    }
   }
-  const MemoryPlan plan = plan_memory(cfg, weight_bytes, ctx_tokens, f.ubatch);
+  const MemoryPlan plan = plan_memory(cfg, resident_bytes, ctx_tokens, f.ubatch);
   uint64_t limit = 0;
   std::string limit_src;
   if (!f.mem_limit.empty()) {
@@ -186,7 +205,7 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
          std::to_string(ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
          human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
-         "); lower --ctx or raise --mem-limit");
+         (budget ? "); lower --ctx or --ram-budget" : "); lower --ctx, raise --mem-limit or set --ram-budget"));
 
   const std::string tok_dir = f.tokenizer.empty() ? lm.dir : f.tokenizer;
   if (!fs::exists(fs::path(tok_dir) / "tiktoken.model"))
@@ -199,18 +218,54 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   if (int64_t(lm.tok->vocab_size()) > lm.model->dims().vocab)
     fail("the tokenizer in " + tok_dir + " has " + std::to_string(lm.tok->vocab_size()) +
          " ids but the model's vocabulary is " + std::to_string(lm.model->dims().vocab));
+  if (budget) lm.experts = make_budget_expert_cache(*lm.model, budget, f.direct_io);
   if (!f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
-    lm.model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
+    const auto progress = [&](uint64_t done, uint64_t total) {
       bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));
-    });
+    };
+    if (budget)
+      lm.model->checkpoint().prefault(progress, is_routed_expert_tensor);  // the trunk only
+    else
+      lm.model->checkpoint().prefault(progress);
     bar.finish();
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!f.quiet)
-    std::fprintf(stderr, "%s: loaded %s: %s of weights, %zu tensors, in %.2f s\n", who.c_str(), lm.dir.c_str(),
-                 human_bytes(weight_bytes).c_str(), lm.model->checkpoint().tensor_count(), secs);
+  if (!f.quiet) {
+    std::string streamed;
+    if (lm.experts)
+      streamed = " (trunk " + human_bytes(totals.trunk_bytes) + " resident; routed experts " +
+                 human_bytes(lm.experts->expert_bytes()) + " streamed through a " +
+                 human_bytes(lm.experts->capacity_bytes()) + " cache, --ram-budget " + human_bytes(budget) +
+                 (f.direct_io ? ", O_DIRECT)" : ")");
+    std::fprintf(stderr, "%s: loaded %s: %s of weights%s, %zu tensors, in %.2f s\n", who.c_str(), lm.dir.c_str(),
+                 human_bytes(weight_bytes).c_str(), streamed.c_str(), lm.model->checkpoint().tensor_count(), secs);
+  }
   return lm;
+}
+
+ForwardOptions LoadedModel::forward(const RunEngineFlags& flags) const {
+  ForwardOptions o = flags.forward();
+  o.experts = experts.get();
+  return o;
+}
+
+std::string expert_summary(const LoadedModel& lm, const ExpertCacheStats& prefill, int64_t prefill_tokens,
+                           int64_t decode_tokens) {
+  if (!lm.experts) return "";
+  const ExpertCacheStats all = lm.experts->stats();
+  const auto per = [](uint64_t bytes, int64_t tokens) {
+    return human_bytes(tokens > 0 ? uint64_t(double(bytes) / double(tokens)) : 0) + "/tok";
+  };
+  std::string s = " | experts: read ";
+  if (decode_tokens < 0)
+    s += per(all.bytes_read, prefill_tokens);
+  else
+    s += per(prefill.bytes_read, prefill_tokens) + " prefill, " + per((all - prefill).bytes_read, decode_tokens) + " decode";
+  char buf[160];
+  std::snprintf(buf, sizeof buf, ", hit %.0f%%, %llu reads, %llu evictions", 100.0 * all.hit_rate(),
+                (unsigned long long)all.reads, (unsigned long long)all.evictions);
+  return s + buf;
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -29,6 +30,9 @@
 #include "io/safetensors.h"
 #include "k3/version.h"
 #include "model/model.h"
+#include "model/traffic.h"
+#include "ops/cpu/isa.h"
+#include "ops/cpu/roofline.h"
 #include "runtime/memory.h"
 
 namespace {
@@ -54,6 +58,10 @@ const char* kHelp =
     "      --chunk N          KDA chunk size for prefill, 1..1024                  (default 64)\n"
     "      --ubatch N         tokens per forward call when prefilling              (default 512)\n"
     "      --seed N           seed of the random token ids                         (default 1)\n"
+    "      --numerics MODE    fast (bf16 activations in prefill GEMMs) | exact     (default fast)\n"
+    "      --cpu-isa LEVEL    avx512 | avx2 | scalar kernels                       (default: best)\n"
+    "      --no-roofline      skip the bandwidth / peak-FLOP probes and the ratio column\n"
+    "      --roofline-mib N   buffer the bandwidth probe reads, >> last-level cache (default 1024)\n"
     "      --progress         progress on stderr (default)\n"
     "      --no-progress      no progress on stderr\n"
     "  -h, --help             this text\n"
@@ -63,7 +71,13 @@ const char* kHelp =
     "prefilled once from seeded random ids (a deeper one extends the previous one) and\n"
     "snapshotted; each run starts from a copy (not timed) and one warm-up run precedes -r runs.\n"
     "ppN: one prefill of N new tokens (in --ubatch pieces, last-token logits). tgN: N single-token\n"
-    "decode steps, each fed the argmax of the previous step. t/s = mean ± sample stddev over -r.\n";
+    "decode steps, each fed the argmax of the previous step. t/s = mean ± sample stddev over -r.\n"
+    "\n"
+    "Roofline (per thread count, measured in the same run before the tests): streaming read\n"
+    "bandwidth and the peak multiply-add rate of the widest product of the CPU level (vdpbf16ps on\n"
+    "avx512). tgN: t/s x bytes one decode step reads (weights touched: trunk + top-k experts +\n"
+    "lm_head, KDA state read+write, MLA cache at the depth) / bandwidth. ppN: t/s x weight FLOPs\n"
+    "per token (2 x active weight parameters; attention not counted) / peak.\n";
 
 struct Flags {
   std::string model;
@@ -73,7 +87,9 @@ struct Flags {
   std::string kda = "chunked", mla = "absorbed";
   int64_t chunk = 64, ubatch = 512;
   uint64_t seed = 1;
-  bool progress = true, help = false;
+  bool progress = true, help = false, roofline = true;
+  std::string numerics = "fast", cpu_isa;
+  int64_t roofline_mib = 1024;
 };
 
 bool all_digits(const std::string& s) {
@@ -155,6 +171,15 @@ Flags parse_flags(int argc, char** argv) {
       f.seed = uint64_t(parse_int(a, v, 0, std::numeric_limits<int64_t>::max()));
     } else if (a == "--progress") no_value(), f.progress = true;
     else if (a == "--no-progress") no_value(), f.progress = false;
+    else if (a == "--no-roofline") no_value(), f.roofline = false;
+    else if (a == "--roofline-mib") f.roofline_mib = parse_int(a, value(), 16, 1 << 20);
+    else if (a == "--numerics") {
+      f.numerics = value();
+      k3::ops::parse_numerics(f.numerics);
+    } else if (a == "--cpu-isa") {
+      f.cpu_isa = value();
+      k3::ops::parse_cpu_isa(f.cpu_isa);
+    }
     else throw Error("unknown flag '" + a + "' (see k3 bench --help)");
   }
   if (f.help) return f;
@@ -272,6 +297,9 @@ struct Result {
   Test test;
   std::vector<int64_t> samples_ns;
   double avg_ts = 0, stddev_ts = 0;
+  // Roofline ratio (0 when not measured): tg -> bytes/token x t/s / read bandwidth; pp -> weight
+  // FLOPs/token x t/s / peak.
+  double roofline_ratio = 0, work_per_token = 0, roof = 0;
 };
 
 void summarize(Result& r) {
@@ -295,6 +323,7 @@ struct Bench {
     opt.kda_algo = f.kda == "recurrent" ? k3::KdaAlgo::Recurrent : k3::KdaAlgo::Chunked;
     opt.mla_algo = f.mla == "expanded" ? k3::MlaAlgo::Expanded : k3::MlaAlgo::Absorbed;
     opt.kda_chunk = f.chunk;
+    opt.numerics = k3::ops::parse_numerics(f.numerics);
   }
 
   // Prefill `ids` in --ubatch pieces (last-token logits of each piece); `tick(done)` after each.
@@ -355,12 +384,22 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["mla"] = f.mla;
   j["kda_chunk"] = f.chunk;
   j["n_ubatch"] = f.ubatch;
+  j["numerics"] = f.numerics;
+  if (r.roof > 0) {
+    j["roofline"] = {{"kind", r.test.pp ? "peak_flops" : "read_bandwidth"},
+                     {r.test.pp ? "weight_flops_per_token" : "bytes_per_token", r.work_per_token},
+                     {r.test.pp ? "peak_gflops" : "read_gbs", r.roof},
+                     {"ratio", r.roofline_ratio}};
+  }
   return j;
 }
 
 struct MdTable {
   std::vector<size_t> w;
-  explicit MdTable(size_t model_w, size_t test_w) : w{std::max<size_t>(model_w, 5), 10, 10, 7, std::max<size_t>(test_w, 4), 20} {}
+  MdTable(size_t model_w, size_t test_w, bool roofline)
+      : w{std::max<size_t>(model_w, 5), 10, 10, 7, std::max<size_t>(test_w, 4), 20} {
+    if (roofline) w.push_back(12);
+  }
   static std::string pad(const std::string& s, size_t n, bool right) {
     // Width in characters, not bytes ("±" is two bytes of UTF-8).
     const size_t len = size_t(std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
@@ -373,7 +412,9 @@ struct MdTable {
     return line + "\n";
   }
   std::string header() const {
-    std::string line = row({"model", "size", "params", "threads", "test", "t/s"}) + "|";
+    std::vector<std::string> names{"model", "size", "params", "threads", "test", "t/s"};
+    if (w.size() > names.size()) names.push_back("roofline");
+    std::string line = row(names) + "|";
     for (size_t i = 0; i < w.size(); ++i) line += " " + (i == 0 ? std::string(w[i], '-') : std::string(w[i] - 1, '-') + ":") + " |";
     return line + "\n";
   }
@@ -396,6 +437,7 @@ int run(const Flags& f, int argc, char** argv) {
     if (!*json_file) throw Error("--json-out: cannot write " + f.json_out + ": " + std::strerror(errno));
   }
 
+  if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
   auto model = k3::Model::load(f.model);
   const k3::ModelConfig& cfg = model->config();
   const int64_t V = model->dims().vocab, max_pos = cfg.max_position_embeddings;
@@ -455,20 +497,51 @@ int run(const Flags& f, int argc, char** argv) {
                   {"date", utc_now()},
                   {"command", command}};
   doc["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
+                     {"numerics", f.numerics}, {"cpu_isa", k3::ops::cpu_isa_name(k3::ops::cpu_isa())},
                      {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
   doc["results"] = Json::array();
 
   size_t test_w = 4;
   for (const Test& t : tests) test_w = std::max(test_w, t.name().size());
-  const MdTable table(mi.name.size(), test_w);
+  const MdTable table(mi.name.size(), test_w, f.roofline);
+  Progress prog(f.progress);
+
+  // Roofline probes, per thread count, before any test (the machine is otherwise idle then).
+  std::map<int64_t, k3::ops::Roofline> roofs;
+  if (f.roofline) {
+    Json rj = Json::array();
+    for (int64_t t : threads) {
+      if (roofs.count(t)) continue;
+      prog.say("roofline probes (t=" + std::to_string(t) + ")");
+      const k3::ops::Roofline r = k3::ops::measure_roofline(int(t), uint64_t(f.roofline_mib) << 20);
+      roofs[t] = r;
+      rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops}, {"peak_kind", r.peak_kind},
+                    {"probe_bytes", r.probe_bytes}});
+    }
+    doc["roofline"] = rj;
+  }
   if (f.output == "md") {
-    out("k3 " + std::string(k3::version()) + " bench | CPU: " + cpu + " (" + std::to_string(omp_get_num_procs()) +
-        " cores) | " + algo + " | " + std::to_string(f.reps) + " reps + 1 warm-up\n\n" + table.header());
+    prog.done();
+    std::string head = "k3 " + std::string(k3::version()) + " bench | CPU: " + cpu + " (" +
+                       std::to_string(omp_get_num_procs()) + " cores, " + k3::ops::cpu_isa_name(k3::ops::cpu_isa()) +
+                       " kernels) | " + algo + " | numerics " + f.numerics + " | " + std::to_string(f.reps) +
+                       " reps + 1 warm-up\n";
+    for (const auto& [t, r] : roofs) {
+      char line[256];
+      std::snprintf(line, sizeof line, "roofline t=%lld: read %.1f GB/s, peak %.1f GFLOP/s (%s)\n", (long long)t,
+                    r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
+      head += line;
+    }
+    out(head + "\n" + table.header());
   }
 
-  Progress prog(f.progress);
   prog.say("loaded " + f.model + " (" + human_bytes(mi.bytes) + ", " + human_count(mi.n_params) + " params); " +
            std::to_string(tests.size()) + " tests");
+  // Read every weight page in once, so no timed run pays for page faults of experts that the
+  // warm-up happened not to route to.
+  model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
+    prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
+  });
   Bench bench(*model, f);
   // Depth contexts are prefixes of one id stream: a deeper context extends the previous one
   // (so -d 0,1024,2048 prefills 2048 tokens, not 3072); a shallower one starts over.
@@ -502,12 +575,25 @@ int run(const Flags& f, int argc, char** argv) {
         r.samples_ns.push_back(bench.run_once(base, t, prompt, first));
       }
       summarize(r);
+      if (auto it = roofs.find(t.threads); it != roofs.end()) {
+        const k3::DecodeTraffic tr = k3::decode_traffic(*model, d);
+        r.work_per_token = t.pp ? tr.weight_flops : double(tr.total());
+        r.roof = t.pp ? it->second.peak_gflops : it->second.read_gbs;
+        r.roofline_ratio = r.avg_ts * r.work_per_token / (r.roof * 1e9);
+      }
       Json rj = result_json(mi, f, r);
       if (f.output == "md") {
         char ts[64];
         std::snprintf(ts, sizeof ts, "%.2f ± %.2f", r.avg_ts, r.stddev_ts);
         prog.done();
-        out(table.row({mi.name, human_bytes(mi.bytes), human_count(mi.n_params), std::to_string(t.threads), t.name(), ts}));
+        std::vector<std::string> cells{mi.name, human_bytes(mi.bytes), human_count(mi.n_params), std::to_string(t.threads),
+                                       t.name(), ts};
+        if (f.roofline) {
+          char rl[64];
+          std::snprintf(rl, sizeof rl, "%.1f%% %s", 100 * r.roofline_ratio, t.pp ? "peak" : "BW");
+          cells.push_back(rl);
+        }
+        out(table.row(cells));
       } else if (f.output == "jsonl") {
         prog.done();
         out(rj.dump() + "\n");

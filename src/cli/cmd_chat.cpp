@@ -107,10 +107,10 @@ int cmd_chat(int argc, char** argv) {
     co.max_tokens = max_tokens;
     co.max_context = ctx;
     co.ubatch = ef.ubatch;
-    co.forward = ef.forward();
     RunEngineFlags f2 = ef;
     f2.model = dir;
     LoadedModel lm = load_for_generation(f2, "k3 chat", ctx);
+    co.forward = lm.forward(ef);
     ChatSession chat(*lm.model, *lm.tok, co);
     if (!load_file.empty()) chat.load(load_file);
 
@@ -213,7 +213,8 @@ int cmd_chat(int argc, char** argv) {
         std::fprintf(stderr, "k3 chat: error: %s\n", e.what());
       }
     }
-    std::fprintf(stderr, "k3 chat: %s\n", summary_line(total, last).c_str());
+    std::fprintf(stderr, "k3 chat: %s%s\n", summary_line(total, last).c_str(),
+                 expert_summary(lm, {}, total.prompt_tokens + total.generated_tokens, -1).c_str());
     return 0;
   });
 }

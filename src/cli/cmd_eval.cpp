@@ -188,7 +188,7 @@ int cmd_eval(int argc, char** argv) {
       if (lm.tok->is_valid_id(tok::TokenId(ids[size_t(t)])))
         tok_bytes[size_t(t)] = int64_t(lm.tok->token_bytes(tok::TokenId(ids[size_t(t)])).size());
 
-    const ForwardOptions opt = ef.forward();
+    const ForwardOptions opt = lm.forward(ef);
     const int64_t piece_max = std::min<int64_t>(std::max<int64_t>(1, ef.ubatch), C);
     std::vector<float> logits(static_cast<size_t>(piece_max * V));
     std::vector<double> row_nll(static_cast<size_t>(piece_max));

@@ -83,7 +83,7 @@ int cmd_run(int argc, char** argv) {
   app.add_flag("--echo", echo, "print the prompt before the completion");
   app.add_flag("--special", special, "print special tokens (e.g. <|open|>) instead of hiding them");
   app.add_flag("--bos,!--no-bos", bos, "prepend the BOS token (default: tokenizer_config.json add_bos_token)");
-  app.add_flag("-v,--verbose", verbose, "print the sampling settings and prompt size");
+  app.add_flag("-v,--verbose", verbose, "print the sampling settings and prompt size (and, under --ram-budget, exact expert-read counts)");
   ef.add(&app);
   sf.add(&app);
   if (const auto code = parse_flags(app, argc, argv)) return *code;
@@ -143,10 +143,12 @@ int cmd_run(int argc, char** argv) {
     Session session(m);
     Progress bar("k3 run: prefill", !ef.quiet && int64_t(ids.size()) > ef.ubatch);
     const bool complete = prefill(
-        m, session, ids, ef.ubatch, ef.forward(), logits.data(),
+        m, session, ids, ef.ubatch, lm.forward(ef), logits.data(),
         [&](int64_t d, int64_t n) { bar.update(uint64_t(d), uint64_t(n), std::to_string(d) + "/" + std::to_string(n) + " tokens"); },
         &interrupt_flag(), &st);
     bar.finish();
+    const ExpertCacheStats after_prefill = lm.experts ? lm.experts->stats() : ExpertCacheStats{};
+    int64_t decode_fed = 0;
     StopReason reason = StopReason::Interrupted;
     if (complete) {
       Sampler sampler(sp, m.dims().vocab);
@@ -159,7 +161,7 @@ int cmd_run(int argc, char** argv) {
       lim.interrupt = &interrupt_flag();
       if (!ignore_eos) lim.end_tokens = end_tokens(m, dir);
       const DecodeResult r = decode(
-          m, session, sampler, logits.data(), lim, ef.forward(),
+          m, session, sampler, logits.data(), lim, lm.forward(ef),
           [&](int32_t id) {
             if (!lm.tok->is_valid_id(tok::TokenId(id))) return true;  // an id the tokenizer lacks prints nothing
             write_out(stop.push(dec.push(tok::TokenId(id))));
@@ -169,9 +171,22 @@ int cmd_run(int argc, char** argv) {
       if (!stop.matched()) write_out(stop.push(dec.flush()));
       write_out(stop.flush());
       reason = r.reason;
+      decode_fed = r.fed;
     }
     if (stdout_is_tty()) write_out("\n");
-    std::fprintf(stderr, "k3 run: %s | seed %llu\n", summary_line(st, reason).c_str(), (unsigned long long)sp.seed);
+    if (verbose && lm.experts) {
+      const ExpertCacheStats all = lm.experts->stats(), dec = all - after_prefill;
+      std::fprintf(stderr,
+                   "k3 run: expert cache %llu bytes (%lld slots of %llu) for %llu bytes of experts; prefill %lld tok: "
+                   "%llu bytes read; decode %lld tok: %llu bytes read; %llu reads, %llu hits, %llu misses, %llu evictions\n",
+                   (unsigned long long)lm.experts->capacity_bytes(), (long long)lm.experts->max_batch(),
+                   (unsigned long long)lm.experts->slot_bytes(), (unsigned long long)lm.experts->expert_bytes(),
+                   (long long)st.prompt_tokens, (unsigned long long)after_prefill.bytes_read, (long long)decode_fed,
+                   (unsigned long long)dec.bytes_read, (unsigned long long)all.reads, (unsigned long long)all.hits,
+                   (unsigned long long)all.misses, (unsigned long long)all.evictions);
+    }
+    std::fprintf(stderr, "k3 run: %s | seed %llu%s\n", summary_line(st, reason).c_str(), (unsigned long long)sp.seed,
+                 expert_summary(lm, after_prefill, st.prompt_tokens, decode_fed).c_str());
     return reason == StopReason::Interrupted ? 130 : 0;
   });
 }

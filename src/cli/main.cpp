@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "k3/version.h"
+#include "ops/cpu/isa.h"
 #include "model/model.h"
 #include "runtime/memory.h"
 
@@ -129,6 +130,8 @@ int cmd_info(const std::string& dir, int64_t ctx) {
       std::printf("  this machine: %s available (%s)\n", k3::human_bytes(*avail).c_str(),
                   p.total() <= *avail ? "fits" : "does NOT fit: lower --ctx");
   }
+  std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512 to choose)\n",
+              k3::ops::cpu_isa_name(k3::ops::cpu_isa()), k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()));
   return 0;
 }
 

@@ -553,28 +553,91 @@ uint64_t Checkpoint::mapped_bytes() const {
   return n;
 }
 
-void Checkpoint::prefault(const std::function<void(uint64_t, uint64_t)>& progress) const {
-  constexpr size_t kStep = size_t(64) << 20;
-  const size_t page = size_t(::sysconf(_SC_PAGESIZE));
-  const uint64_t total = mapped_bytes();
-  uint64_t done = 0;
-  volatile uint8_t sink = 0;  // keeps the touches from being optimised away
-  for (const auto& f : files_) {
-    const uint8_t* base = f->mapped_data();
-    const size_t n = f->file_size();
+void Checkpoint::prefault(const std::function<void(uint64_t, uint64_t)>& progress,
+                          const std::function<bool(std::string_view)>& skip) const {
+  constexpr uint64_t kStep = uint64_t(64) << 20;
+  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  // Per file, the byte ranges to read in: everything, or the header plus the kept tensors
+  // (sorted and merged, so a page shared by neighbours is counted and touched once).
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges(files_.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const auto& f = files_[i];
+    const uint64_t n = f->file_size();
     if (n == 0) continue;
-    // Advice only: a failure (e.g. on a filesystem without readahead) changes speed, not results.
-    (void)::madvise(const_cast<uint8_t*>(base), n, MADV_WILLNEED);
-    for (size_t off = 0; off < n; off += kStep) {
-      const size_t end = std::min(n, off + kStep);
-      uint8_t acc = 0;
-      for (size_t p = off; p < end; p += page) acc ^= base[p];
-      sink = sink ^ acc;
-      done += end - off;
-      if (progress) progress(done, total);
+    auto& r = ranges[i];
+    if (!skip) {
+      r.emplace_back(0, n);
+    } else {
+      const uint8_t* base = f->mapped_data();
+      uint64_t data_start = n;
+      for (const TensorView& t : f->tensors()) data_start = std::min<uint64_t>(data_start, uint64_t(t.data - base));
+      r.emplace_back(0, data_start);
+      for (const TensorView& t : f->tensors())
+        if (t.nbytes > 0 && !skip(t.name)) r.emplace_back(uint64_t(t.data - base), uint64_t(t.data - base) + t.nbytes);
+      std::sort(r.begin(), r.end());
+      std::vector<std::pair<uint64_t, uint64_t>> merged;
+      for (const auto& [b, e] : r) {
+        if (b >= e) continue;
+        if (!merged.empty() && b <= merged.back().second) merged.back().second = std::max(merged.back().second, e);
+        else merged.emplace_back(b, e);
+      }
+      r = std::move(merged);
+    }
+    for (const auto& [b, e] : r) total += e - b;
+  }
+  uint64_t done = 0, since = 0;
+  volatile uint8_t sink = 0;  // keeps the touches from being optimised away
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const uint8_t* base = files_[i]->mapped_data();
+    for (const auto& [b, e] : ranges[i]) {
+      // Advice only: a failure (e.g. on a filesystem without readahead) changes speed, not results.
+      const uint64_t ab = b / page * page;
+      (void)::madvise(const_cast<uint8_t*>(base + ab), size_t(e - ab), MADV_WILLNEED);
+      for (uint64_t off = b; off < e; off += kStep) {
+        const uint64_t end = std::min(e, off + kStep);
+        uint8_t acc = 0;
+        // One touch per page: the range's first byte, then every page boundary inside it.
+        acc ^= base[off];
+        for (uint64_t p = (off / page + 1) * page; p < end; p += page) acc ^= base[p];
+        sink = sink ^ acc;
+        done += end - off;
+        since += end - off;
+        if (progress && since >= kStep) {
+          progress(done, total);
+          since = 0;
+        }
+      }
     }
   }
+  if (progress) progress(done, total);
   (void)sink;
+}
+
+std::optional<TensorLocation> Checkpoint::locate(std::string_view name) const {
+  const TensorView* t = find(name);
+  if (!t || !t->data) return std::nullopt;
+  return locate(t->data, t->nbytes);
+}
+
+std::optional<TensorLocation> Checkpoint::locate(const uint8_t* data, uint64_t nbytes) const {
+  if (!data) return std::nullopt;
+  for (size_t i = 0; i < files_.size(); ++i) {
+    const uint8_t* base = files_[i]->mapped_data();
+    const uint64_t size = files_[i]->file_size();
+    if (!base || data < base || data > base + size) continue;
+    const uint64_t off = uint64_t(data - base);
+    if (nbytes > size - off) return std::nullopt;
+    // shard_paths_ lists every shard in the same (sorted) order the files were opened.
+    TensorLocation loc;
+    loc.shard = i;
+    loc.path = files_[i]->path();
+    loc.offset = off;
+    loc.nbytes = nbytes;
+    loc.file_size = size;
+    return loc;
+  }
+  return std::nullopt;
 }
 
 uint64_t Checkpoint::total_tensor_bytes() const {

@@ -6,6 +6,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -67,6 +68,15 @@ class SafetensorsFile {
   std::unordered_map<std::string, size_t> by_name_;
 };
 
+// Where a tensor's bytes live on disk, for reading them without the mapping (streamed experts).
+struct TensorLocation {
+  size_t shard = 0;        // index into Checkpoint::shard_paths()
+  std::string path;        // the shard file
+  uint64_t offset = 0;     // absolute byte offset in the file
+  uint64_t nbytes = 0;
+  uint64_t file_size = 0;  // the shard's size when it was mapped (a later size means it changed)
+};
+
 // A checkpoint directory: `model.safetensors.index.json` + shards, or one `model.safetensors`.
 // The index's weight_map must agree with the shards: a name mapped to a shard that lacks it, a
 // shard file that is missing, or a tensor present in two shards is an error listing every problem.
@@ -87,7 +97,14 @@ class Checkpoint {
   bool has_index() const { return has_index_; }
   // Reads every mapped page once (madvise WILLNEED + one touch per page) so the first tokens do not
   // stall on page faults. progress(done_bytes, total_bytes) is called every 64 MiB and at the end.
-  void prefault(const std::function<void(uint64_t, uint64_t)>& progress) const;
+  // With `skip`, tensors for which skip(name) is true are not touched (nor advised): only headers
+  // and the other tensors are read in, and the byte counts cover only those.
+  void prefault(const std::function<void(uint64_t, uint64_t)>& progress,
+                const std::function<bool(std::string_view)>& skip = {}) const;
+  // The shard file, absolute offset and size of a tensor (open() checkpoints only; nullopt when
+  // absent). The address form locates bytes of a view's mapping, e.g. WeightMat::data.
+  std::optional<TensorLocation> locate(std::string_view name) const;
+  std::optional<TensorLocation> locate(const uint8_t* data, uint64_t nbytes) const;
   uint64_t mapped_bytes() const;  // sum of shard file sizes
 
  private:

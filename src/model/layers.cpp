@@ -1,6 +1,7 @@
 // Sublayer forward passes (see layers.h); each reads top to bottom like spec §3.
 #include "model/layers.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -117,7 +118,7 @@ void glu_forward(const GluWeights& w, const SituParams& p, const float* x, int64
   ops::matmul(w.down, g.data(), T, out);
 }
 
-void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out) {
+void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out, ExpertSource* experts) {
   // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights.
   Buf logits = buf(T * d.experts);
   ops::matmul(w.gate, x, T, logits.data());
@@ -129,24 +130,40 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
   // Routed experts in the latent space; grouped by expert so each expert's weights are read once.
   Buf z = buf(T * d.latent), agg(static_cast<size_t>(T * d.latent), 0.0f);
   ops::matmul(w.down_lat, x, T, z.data());
-  for (int64_t e = 0; e < d.experts; ++e) {
-    std::vector<int64_t> rows;
-    Buf ws;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < d.top_k; ++j)
-        if (idx[size_t(t * d.top_k + j)] == e) {
-          rows.push_back(t);
-          ws.push_back(wt[size_t(t * d.top_k + j)]);
-        }
-    if (rows.empty()) continue;
-    const auto n = int64_t(rows.size());
+  // Per selected expert (ascending id): the token rows routed to it and their weights.
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(d.experts));
+  std::vector<Buf> ws(static_cast<size_t>(d.experts));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < d.top_k; ++j) {
+      const int32_t e = idx[size_t(t * d.top_k + j)];
+      rows[size_t(e)].push_back(t);
+      ws[size_t(e)].push_back(wt[size_t(t * d.top_k + j)]);
+    }
+  std::vector<int32_t> selected;  // the union, ascending: the accumulation order into agg
+  for (int64_t e = 0; e < d.experts; ++e)
+    if (!rows[size_t(e)].empty()) selected.push_back(int32_t(e));
+  const auto run_expert = [&](int32_t e, const GluWeights& ew) {
+    const std::vector<int64_t>& r = rows[size_t(e)];
+    const auto n = int64_t(r.size());
     Buf zin = buf(n * d.latent), ye = buf(n * d.latent);
     for (int64_t i = 0; i < n; ++i)
-      std::memcpy(zin.data() + i * d.latent, z.data() + rows[size_t(i)] * d.latent, size_t(d.latent) * 4);
-    glu_forward(w.experts[size_t(e)], d.situ, zin.data(), n, ye.data());
+      std::memcpy(zin.data() + i * d.latent, z.data() + r[size_t(i)] * d.latent, size_t(d.latent) * 4);
+    glu_forward(ew, d.situ, zin.data(), n, ye.data());
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < d.latent; ++c)
-        agg[size_t(rows[size_t(i)] * d.latent + c)] += ws[size_t(i)] * ye[size_t(i * d.latent + c)];
+        agg[size_t(r[size_t(i)] * d.latent + c)] += ws[size_t(e)][size_t(i)] * ye[size_t(i * d.latent + c)];
+  };
+  if (!experts) {
+    for (int32_t e : selected) run_expert(e, w.experts[size_t(e)]);
+  } else {
+    const auto nsel = int64_t(selected.size());
+    const int64_t batch = std::max<int64_t>(1, experts->max_batch());
+    std::vector<const GluWeights*> got(static_cast<size_t>(std::min(batch, nsel)));
+    for (int64_t b = 0; b < nsel; b += batch) {
+      const int64_t n = std::min(batch, nsel - b);
+      experts->fetch(w.layer, selected.data() + b, n, got.data());
+      for (int64_t i = 0; i < n; ++i) run_expert(selected[size_t(b + i)], *got[size_t(i)]);
+    }
   }
   // RMSNorm on the aggregate, then up to full width.
   if (d.latent_norm) ops::rmsnorm(agg.data(), T, d.latent, w.lat_norm.data(), d.norm_eps, agg.data());

@@ -96,16 +96,37 @@ struct MoeDims {
 };
 
 struct MoeWeights {
+  int64_t layer = -1;                // decoder layer index (the key an ExpertSource is asked for)
   WeightMat gate;                    // [experts, hidden] router
   std::vector<float> bias;           // [experts] e_score_correction_bias (selection only)
   WeightMat down_lat;                // [latent, hidden]
   std::vector<float> lat_norm;       // [latent]
   WeightMat up_lat;                  // [hidden, latent]
   std::vector<GluWeights> experts;   // gate=w1 [inter, latent], up=w3, down=w2 [latent, inter]
+                                     // (views into the mapping; never read when an ExpertSource is given)
   GluWeights shared;                 // fused shared experts [n_shared*inter, hidden]; empty if none
 };
 
-void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out);
+// Where routed-expert weights come from when they are not all resident (runtime/expert_cache.h
+// streams them from disk into a bounded cache). Implementations need not be thread-safe: one
+// fetch at a time per source.
+class ExpertSource {
+ public:
+  virtual ~ExpertSource() = default;
+  // Makes experts ids[0..n) (distinct, n <= max_batch()) of MoE layer `layer` available; out[i]
+  // points at their weights (same formats and bytes as the resident views), valid until the
+  // next fetch on this source.
+  virtual void fetch(int64_t layer, const int32_t* ids, int64_t n, const GluWeights** out) = 0;
+  // How many experts one fetch may ask for (>= 1).
+  virtual int64_t max_batch() const = 0;
+};
+
+// Routed experts are computed grouped by expert, in ascending expert id, whatever `experts` is:
+// nullptr = the resident views in w.experts; else the union of the experts the T tokens select is
+// fetched from `experts` in batches of at most max_batch() (each distinct expert once per call).
+// Same kernels on the same bytes in the same order, so both ways give bit-identical outputs.
+void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out,
+                 ExpertSource* experts = nullptr);
 
 // ---------------------------------------------------------------- Block AttnRes (§3.3)
 struct AttnResSite {

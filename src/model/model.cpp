@@ -38,6 +38,11 @@ ModelDims ModelDims::from_config(const ModelConfig& c) {
   return d;
 }
 
+bool is_routed_expert_tensor(std::string_view name) {
+  // Shared experts are "...block_sparse_moe.shared_experts...", so they never match.
+  return name.find(".block_sparse_moe.experts.") != std::string_view::npos;
+}
+
 // ---------------------------------------------------------------- binding
 namespace {
 
@@ -249,6 +254,7 @@ std::unique_ptr<Model> Model::load(const std::string& dir) {
       const MoeDims& e = d.moe;
       const std::string mp = lp + "block_sparse_moe.";
       MoeWeights& mo = w.moe;
+      mo.layer = L;
       mo.gate = b.mat(mp + "gate.weight", e.experts, H);
       mo.bias = b.vec(mp + "gate.e_score_correction_bias", {e.experts});
       mo.down_lat = b.mat(mp + "routed_expert_down_proj.weight", e.latent, H);
@@ -303,7 +309,7 @@ void decoder_layer(const ModelDims& d, int64_t L, const LayerWeights& w, LayerSt
   if (w.dense_ffn)
     glu_forward(w.dense, d.situ, xn.data(), T, y.data());
   else
-    moe_forward(d.moe, w.moe, xn.data(), T, y.data());
+    moe_forward(d.moe, w.moe, xn.data(), T, y.data(), opt.experts);
   for (int64_t i = 0; i < n; ++i) depth.partial[size_t(i)] += y[size_t(i)];
 }
 
@@ -311,6 +317,7 @@ void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, 
                     const ForwardOptions& opt) const {
   if (s.model_ != this) fail("session belongs to another model");
   if (T <= 0) fail("forward needs at least one token");
+  const ops::NumericsScope numerics(opt.numerics);
   const int64_t H = dims_.hidden, V = dims_.vocab;
   for (int64_t t = 0; t < T; ++t)
     if (ids[t] < 0 || ids[t] >= V)

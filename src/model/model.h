@@ -1,16 +1,19 @@
 // Model: a bound K3 checkpoint (config + typed weight views) and the whole forward pass.
 // Session: per-sequence decode state (KDA recurrent + conv state, MLA latent cache, position).
 // Owns: layer order, Block AttnRes snapshot/partial-sum rules (§3.3), final norm + lm_head.
-// Must not: copy big weights (they stay views into the mmap'd shards) or read files after load.
+// Must not: copy big weights (they stay views into the mmap'd shards) or read files after load
+// (routed experts may instead arrive through ForwardOptions::experts, which runtime/ owns).
 #pragma once
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config/model_config.h"
 #include "model/layers.h"
+#include "ops/cpu/isa.h"
 
 namespace k3 {
 namespace io {
@@ -48,7 +51,17 @@ struct ForwardOptions {
   KdaAlgo kda_algo = KdaAlgo::Chunked;   // used when T > 1 (T == 1 always uses the recurrence)
   int64_t kda_chunk = 64;
   MlaAlgo mla_algo = MlaAlgo::Absorbed;
+  // Routed experts come from here when set (e.g. runtime/expert_cache.h under --ram-budget);
+  // nullptr = the resident mmap views. Not owned; must outlive the forward calls using it.
+  ExpertSource* experts = nullptr;
+  // Exact: fp32 activations in every weight GEMM (matches the fp64 reference to ~1e-6; the
+  // library default and what the gates use). Fast: prefill GEMMs on bf16-rounded activations.
+  ops::Numerics numerics = ops::Numerics::Exact;
 };
+
+// True for the tensors of routed experts ("...block_sparse_moe.experts.N.w1/w2/w3...", plain or
+// MXFP4), the part of a checkpoint that --ram-budget streams instead of keeping resident.
+bool is_routed_expert_tensor(std::string_view name);
 
 // One decoder layer L on T tokens of the depth state (§3.3 steps 1-7).
 void decoder_layer(const ModelDims& d, int64_t L, const LayerWeights& w, LayerState& st, DepthState& depth, int64_t T,

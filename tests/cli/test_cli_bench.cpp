@@ -75,7 +75,7 @@ void check_stats(const nlohmann::json& res, int64_t n_tokens) {
 }  // namespace
 
 TEST(CliBench, MarkdownRows) {
-  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1 --no-progress");
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1 --no-progress --no-roofline");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_TRUE(r.err.empty()) << r.err;
   const auto ls = lines(r.out);
@@ -103,9 +103,48 @@ TEST(CliBench, MarkdownRows) {
   }
 }
 
+// Roofline: probes per thread count in the header and the JSON, a ratio column, and each ratio
+// equal to t/s x work per token / roof (bytes for tg, weight FLOPs for pp).
+TEST(CliBench, RooflineColumnAndJson) {
+  const auto md = run_k3("bench " + m() + " -p 8 -n 4 -r 1 -t 1 --no-progress --roofline-mib 32");
+  ASSERT_EQ(md.code, 0) << md.err;
+  const auto ls = lines(md.out);
+  ASSERT_GE(ls.size(), 6u) << md.out;
+  EXPECT_NE(ls[0].find("numerics fast"), std::string::npos) << ls[0];
+  EXPECT_EQ(ls[1].rfind("roofline t=1: read ", 0), 0u) << ls[1];
+  EXPECT_NE(ls[1].find("GFLOP/s"), std::string::npos) << ls[1];
+  EXPECT_EQ(cells(ls[3]).back(), "roofline");
+  EXPECT_NE(cells(ls[5]).back().find("% peak"), std::string::npos) << ls[5];
+  EXPECT_NE(cells(ls[6]).back().find("% BW"), std::string::npos) << ls[6];
+
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 1 -t 1 -o json --no-progress --roofline-mib 32 "
+                        "--numerics exact --cpu-isa scalar");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["settings"]["numerics"], "exact");
+  EXPECT_EQ(doc["settings"]["cpu_isa"], "scalar");
+  ASSERT_EQ(doc["roofline"].size(), 1u);
+  const double bw = doc["roofline"][0]["read_gbs"], peak = doc["roofline"][0]["peak_gflops"];
+  EXPECT_GT(bw, 0.1);
+  EXPECT_GT(peak, 0.01);
+  double tg_bytes_d0 = 0, tg_bytes_d16 = 0;
+  for (const auto& res : doc["results"]) {
+    const auto& rl = res["roofline"];
+    const bool pp = res["n_prompt"].get<int64_t>() > 0;
+    const double work = pp ? rl["weight_flops_per_token"].get<double>() : rl["bytes_per_token"].get<double>();
+    EXPECT_GT(work, 0) << res.dump();
+    EXPECT_NEAR(rl["ratio"].get<double>(), res["avg_ts"].get<double>() * work / ((pp ? peak : bw) * 1e9),
+                1e-9) << res.dump();
+    if (!pp) (res["n_depth"].get<int64_t>() == 0 ? tg_bytes_d0 : tg_bytes_d16) = work;
+  }
+  // A deeper context adds the MLA cache read: 16 tokens x (kv_lora + rope) fp32 per MLA layer
+  // (tiny: kv_lora 32, rope 8, 4 MLA layers).
+  EXPECT_EQ(tg_bytes_d16 - tg_bytes_d0, 16.0 * (32 + 8) * 4 * 4);
+}
+
 TEST(CliBench, JsonDocumentAndJsonOut) {
   const fs::path file = fs::temp_directory_path() / ("k3bench_" + std::to_string(::getpid()) + ".json");
-  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1,2 -o json --no-progress --json-out " +
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1,2 -o json --no-progress --no-roofline --json-out " +
                         quote(file.string()));
   ASSERT_EQ(r.code, 0) << r.err;
   const auto doc = nlohmann::json::parse(r.out);
@@ -170,7 +209,7 @@ TEST(CliBench, ProgressOnStderrOnly) {
 
 TEST(CliBench, DepthsInAnyOrder) {
   // 16 is built, 8 starts over, 16 again extends 8: rows keep the -d order.
-  const auto r = run_k3("bench " + m() + " -p 4 -n 2 -d 16,8,16 -r 1 -o jsonl --no-progress");
+  const auto r = run_k3("bench " + m() + " -p 4 -n 2 -d 16,8,16 -r 1 -o jsonl --no-progress --no-roofline");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto ls = lines(r.out);
   ASSERT_EQ(ls.size(), 6u) << r.out;
@@ -215,6 +254,10 @@ TEST(CliBenchBadInput, Scalars) {
   expect_bad(run_k3("bench " + m() + " -p"), "-p needs a value");
   expect_bad(run_k3("bench " + m() + " --bogus"), "unknown flag '--bogus'");
   expect_bad(run_k3("bench " + m() + " --no-progress=1"), "--no-progress takes no value");
+  expect_bad(run_k3("bench " + m() + " --no-roofline=1"), "--no-roofline takes no value");
+  expect_bad(run_k3("bench " + m() + " --numerics approx"), "unknown numerics 'approx'");
+  expect_bad(run_k3("bench " + m() + " --cpu-isa sse9"), "unknown CPU level 'sse9'");
+  expect_bad(run_k3("bench " + m() + " --roofline-mib 1"), "--roofline-mib: 1 is too small");
   expect_bad(run_k3("bench " + m() + " --json-out /nonexistent/dir/x.json"), "--json-out: cannot write /nonexistent/dir/x.json");
 }
 

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -44,6 +45,7 @@ const Case kCases[] = {
     {k3::WFormat::F16, 13, 33, 1},      {k3::WFormat::F16, 9, 101, 6},     {k3::WFormat::F16, 40, 250, 65},
     {k3::WFormat::F32, 11, 65, 1},      {k3::WFormat::F32, 23, 47, 9},     {k3::WFormat::F32, 18, 160, 64},
     {k3::WFormat::MXFP4, 5, 32, 1},     {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
+    {k3::WFormat::MXFP4, 7, 128, 1},    {k3::WFormat::MXFP4, 9, 224, 1},   {k3::WFormat::MXFP4, 33, 3584, 1},
     {k3::WFormat::MXFP4, 21, 96, 3},    {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
 };
 
@@ -133,7 +135,13 @@ TEST(GemmLevels, FastIsExactProductOfBf16RoundedActivations) {
       k3::ref::matmul(W.w, Xr.data(), c.T, y_rounded.data());
       k3::ref::matmul(W.w, X.data(), c.T, y_exact.data());
       ASSERT_EQ(count_nan(y), 0u);
-      if (c.T < k3::ops::kFastMinRows) {
+      bool rounds;
+      {
+        k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
+        rounds = k3::ops::fast_applies(W.w, c.T);
+      }
+      EXPECT_EQ(rounds, c.T >= k3::ops::kFastMinRows || (c.T == 1 && c.fmt == k3::WFormat::MXFP4));
+      if (!rounds) {
         EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
       } else {
         EXPECT_LT(rel_l2(y, y_rounded), kTolFastVsRounded);
@@ -179,4 +187,36 @@ TEST(GemmLevels, ForcedLevelFromEnvironmentIsValidated) {
     EXPECT_EQ(k3::ops::cpu_isa(), l);
   }
   k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected());
+}
+
+// Fast MXFP4 GEMV: rows whose E8M0 scales include 0 (2^-127, subnormal) take the per-block
+// path; the result must still be the exact product with bf16-rounded activations. 255 (NaN) must
+// come out as NaN in that row only.
+TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(80);
+    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, 9, 224);
+    W.scales[1 * 7 + 2] = 0;    // row 1
+    W.scales[4 * 7 + 6] = 140;  // row 4, a large scale in a tail block (224 = one 128-group + 3 blocks)
+    W.scales[6 * 7 + 0] = 255;  // row 6: NaN
+    const auto x = k3test::rand_vec(rng, 224, 0.05f, 1.0f);
+    std::vector<float> xr(x.size());
+    for (size_t i = 0; i < x.size(); ++i) xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(x[i]));
+    auto y = nan_vec(9), y_ref = nan_vec(9);
+    {
+      k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
+      k3::ops::matmul(W.w, x.data(), 1, y.data());
+    }
+    k3::ref::matmul(W.w, xr.data(), 1, y_ref.data());
+    for (int r = 0; r < 9; ++r) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " row " + std::to_string(r));
+      if (r == 6) {
+        EXPECT_TRUE(std::isnan(y[6]));
+      } else {
+        EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * (1.0 + std::fabs(y_ref[size_t(r)])));
+      }
+    }
+  }
 }

@@ -6,6 +6,7 @@ Presets:
              + model.safetensors.index.json; 13 layers, MLA at one-based 4,8,12,13, AttnRes block 3.
   tiny-flat  flat kimi_linear config, single model.safetensors, F16 trunk, MXFP4 experts;
              9 layers, MLA at 4,8,9, block 2, KDA 2x32, top-2 of 4 experts.
+  cpu-bench  K3-shaped ~2 GB checkpoint for the CPU roofline benchmarks (--no-reference).
   mid1g      K3-shaped ~1 GB checkpoint (hidden 1024, 8 layers, 64 experts, vocab 163840) for
              load/RSS measurements; generate with --no-reference, never commit.
 
@@ -68,6 +69,18 @@ PRESETS: Dict[str, dict] = {
         dense_inter=2048, first_dense=1,
         experts=64, topk=8, shared=2, moe_inter=512, latent=512,
         vocab=163840, vision=True,
+    ),
+    # K3-shaped CPU benchmark model (~2 GB, fits in RAM): BF16 trunk, MXFP4 experts, K3's ratio of
+    # routed-expert to trunk bytes per token (~1:6), MLA every 4th layer. For `k3 bench` roofline
+    # measurements (scripts/measure_cpu_perf.sh); generate with --no-reference, never commit.
+    "cpu-bench": dict(
+        nested=True, trunk_dtype="bf16", shards=8,
+        hidden=2048, layers=12, mla_layers=[4, 8, 12], block=4,
+        kda_heads=16, kda_dim=128, conv=4,
+        mla_heads=16, q_lora=768, kv_lora=512, nope=128, rope=64, v=128,
+        dense_inter=4096, first_dense=1,
+        experts=64, topk=8, shared=1, moe_inter=768, latent=1024,
+        vocab=32768, vision=False,
     ),
     # tiny with the committed 2,256-rank test tokenizer (+256 K3 specials): text-level CLI tests
     # (run/chat/bench). Special ids follow the real K3 layout: bos=[BOS], eos=<|end_of_msg|>.

@@ -103,22 +103,55 @@ std::vector<float> round_to_bf16(const float* X, int64_t n) {
   return r;
 }
 
-void gemv_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* x, float* y) {
-  std::vector<float> xp;
-  if (W.fmt == WFormat::MXFP4) {  // match the nibble order: per 32-block, even columns then odd
-    xp.resize(size_t(W.cols));
-    for (int64_t b = 0; b < W.cols / 32; ++b)
-      for (int64_t j = 0; j < 16; ++j) {
-        xp[size_t(32 * b + j)] = x[32 * b + 2 * j];
-        xp[size_t(32 * b + 16 + j)] = x[32 * b + 2 * j + 1];
+// x in the nibble order of packed MXFP4 rows: per 32-block, the 16 even columns then the 16 odd.
+std::vector<float> permute_x_mxfp4(const float* x, int64_t cols) {
+  std::vector<float> xp(static_cast<size_t>(cols));
+  for (int64_t b = 0; b < cols / 32; ++b)
+    for (int64_t j = 0; j < 16; ++j) {
+      xp[size_t(32 * b + j)] = x[32 * b + 2 * j];
+      xp[size_t(32 * b + 16 + j)] = x[32 * b + 2 * j + 1];
+    }
+  return xp;
+}
+
+// x as bf16 in the word order of the fast MXFP4 GEMV (gemm_avx512.cpp): per 128-column group,
+// four runs of 32 words v = 0..3; word w of run v sits in 128-bit lane L = w / 8 at k = w % 8 and
+// holds column 2*(16L + k) (v=0), 2*(16L + 8 + k) (v=1), 2*(16L + k) + 1 (v=2), 2*(16L + 8 + k) + 1 (v=3).
+std::vector<uint16_t> permute_x_mxfp4_bf16(const float* x, int64_t cols) {
+  std::vector<uint16_t> xq(static_cast<size_t>(cols / 128 * 128));
+  for (int64_t g = 0; g < cols / 128; ++g)
+    for (int64_t v = 0; v < 4; ++v)
+      for (int64_t w = 0; w < 32; ++w) {
+        const int64_t L = w / 8, k = w % 8, byte = 16 * L + (v & 1) * 8 + k;
+        xq[size_t(128 * g + 32 * v + w)] = f32_to_bf16(x[128 * g + 2 * byte + (v >> 1)]);
       }
+  return xq;
+}
+
+void gemv_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* x, bool fast, float* y) {
+  std::vector<float> xp, rounded;
+  std::vector<uint16_t> xq;
+  const bool fast_mxfp4 = fast && W.fmt == WFormat::MXFP4 && K.gemv_mxfp4_bf16;
+  if (fast_mxfp4) {
+    rounded = round_to_bf16(x, W.cols);
+    xp = permute_x_mxfp4(rounded.data(), W.cols);
+    xq = permute_x_mxfp4_bf16(x, W.cols);
+  } else if (W.fmt == WFormat::MXFP4) {
+    if (fast) {  // no bf16 dot at this level: the same rounding, fp32 products
+      rounded = round_to_bf16(x, W.cols);
+      x = rounded.data();
+    }
+    xp = permute_x_mxfp4(x, W.cols);
   }
 #pragma omp parallel if (W.rows * W.cols > kParallelMin)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t per = ((W.rows + nt - 1) / nt + 3) / 4 * 4;
     const int64_t r0 = std::min(W.rows, id * per), r1 = std::min(W.rows, r0 + per);
-    if (r0 < r1) K.gemv(W, x, xp.data(), r0, r1, y);
+    if (r0 < r1) {
+      if (fast_mxfp4) K.gemv_mxfp4_bf16(W, xq.data(), xp.data(), r0, r1, y);
+      else K.gemv(W, x, xp.data(), r0, r1, y);
+    }
   }
 }
 
@@ -166,15 +199,19 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
 
 void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W, r, out); }
 
+bool fast_applies(const WeightMat& W, int64_t T) {
+  return current_numerics() == Numerics::Fast && (T >= kFastMinRows || (T == 1 && W.fmt == WFormat::MXFP4));
+}
+
 void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
-  const bool fast = current_numerics() == Numerics::Fast && T >= kFastMinRows;
+  const bool fast = fast_applies(W, T);
   const cpu::GemmKernels* K = kernels_for(cpu_isa());
   if (!K) {
     if (!fast) return matmul_scalar(W, X, T, Y);
     const auto r = round_to_bf16(X, T * W.cols);
     return matmul_scalar(W, r.data(), T, Y);
   }
-  if (T == 1) return gemv_threaded(*K, W, X, Y);
+  if (T == 1) return gemv_threaded(*K, W, X, fast, Y);
   gemm_threaded(*K, W, X, T, fast, Y);
 }
 

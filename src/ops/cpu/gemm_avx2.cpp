@@ -222,8 +222,35 @@ void gemm_f32(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t
   }
 }
 
+// ------------------------------------------------------------------ roofline probes
+double read_probe(const uint8_t* p, int64_t n) {
+  const int64_t q = n / 8;  // eight concurrent streams, as in the avx512 probe
+  __m256i a[8];
+  for (int s = 0; s < 8; ++s) a[s] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < q; i += 64)
+    for (int s = 0; s < 8; ++s) {
+      a[s] = _mm256_add_epi64(a[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + s * q + i)));
+      a[s] = _mm256_add_epi64(a[s], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + s * q + i + 32)));
+    }
+  for (int s = 1; s < 8; ++s) a[0] = _mm256_add_epi64(a[0], a[s]);
+  int64_t lanes[4];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), a[0]);
+  return double(lanes[0] + lanes[1] + lanes[2] + lanes[3]);
+}
+
+double flops_probe(int64_t iters) {
+  __m256 acc[10];
+  for (int i = 0; i < 10; ++i) acc[i] = _mm256_set1_ps(float(i));
+  const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(0.0078125f);
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 10; ++i) acc[i] = _mm256_fmadd_ps(a, b, acc[i]);
+  float sink = 0;
+  for (int i = 0; i < 10; ++i) sink += hsum(acc[i]);
+  return double(iters) * 10 * 8 * 2 + (sink == 12345.0f ? 1 : 0);
+}
+
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, nullptr};
+const GemmKernels kGemm = {gemv, gemm_f32, nullptr, nullptr, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx2

@@ -119,6 +119,101 @@ void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, i
   }
 }
 
+// ------------------------------------------------------------------ GEMV, MXFP4 on bf16 activations
+// Four blocks (128 columns, 64 packed bytes) per step: low and high nibbles go through two byte
+// tables (pshufb) giving the low and high bytes of the E2M1 value as bf16 (exact: at most two
+// significant bits), interleaved into words and dotted with the bf16 activations by vdpbf16ps.
+// In each 128-bit lane L the words come from bytes 16L..16L+15, i.e. block L of the four, so the
+// E8M0 scale of block L multiplies dword lanes 4L..4L+3. xq holds x in exactly that word order
+// (gemm.cpp: permute_x_mxfp4_bf16). Rows with a scale byte of 0 or 255 (2^-127 and NaN, which the
+// shift below cannot form) and the last nb % 4 blocks take the per-block fp32 path on xr (x
+// rounded to bf16, in the even/odd order of xp).
+inline __m512i bf16_scale4(const uint8_t* s) {
+  uint32_t s4;
+  __builtin_memcpy(&s4, s, 4);
+  const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(int(s4)), rep)), 23);
+}
+
+bool scales_are_normal(const uint8_t* s, int64_t n) {
+  // (s + 1) mod 256 <= 1 exactly for s = 255 and s = 0; 64 bytes per compare.
+  const __m512i one = _mm512_set1_epi8(1);
+  __mmask64 bad = 0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    bad |= _mm512_cmple_epu8_mask(_mm512_add_epi8(_mm512_loadu_si512(s + i), one), one);
+  if (i < n) {
+    const __mmask64 m = (~__mmask64(0)) >> (64 - (n - i));
+    bad |= _mm512_mask_cmple_epu8_mask(m, _mm512_add_epi8(_mm512_maskz_loadu_epi8(m, s + i), one), one);
+  }
+  return bad == 0;
+}
+
+template <int R>
+inline void gemv_mxfp4_bf16_rows(const uint8_t* const* p, const uint8_t* const* s, const uint16_t* xq, int64_t ng,
+                                 float* y) {
+  const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80),
+                                                              char(0xC0), 0, 0, char(0x80), char(0xC0), 0, 0x40,
+                                                              char(0x80), char(0xC0)));
+  const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80),
+                                                              char(0xBF), char(0xBF), char(0xBF), char(0xC0),
+                                                              char(0xC0), char(0xC0), char(0xC0)));
+  const __m512i m0f = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint16_t* xg = xq + 128 * g;
+    const __m512i x0 = _mm512_loadu_si512(xg), x1 = _mm512_loadu_si512(xg + 32);
+    const __m512i x2 = _mm512_loadu_si512(xg + 64), x3 = _mm512_loadu_si512(xg + 96);
+    for (int i = 0; i < R; ++i) {
+      const __m512i P = _mm512_loadu_si512(p[i] + 64 * g);
+      const __m512i lo = _mm512_and_si512(P, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f);
+      const __m512i lo_l = _mm512_shuffle_epi8(lut_lo, lo), lo_h = _mm512_shuffle_epi8(lut_hi, lo);
+      const __m512i hi_l = _mm512_shuffle_epi8(lut_lo, hi), hi_h = _mm512_shuffle_epi8(lut_hi, hi);
+      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_unpacklo_epi8(lo_l, lo_h), (__m512bh)x0);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpackhi_epi8(lo_l, lo_h), (__m512bh)x1);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpacklo_epi8(hi_l, hi_h), (__m512bh)x2);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpackhi_epi8(hi_l, hi_h), (__m512bh)x3);
+      acc[i] = _mm512_fmadd_ps(t, _mm512_castsi512_ps(bf16_scale4(s[i] + 4 * g)), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+void gemv_mxfp4_bf16(const WeightMat& W, const uint16_t* xq, const float* xr, int64_t r0, int64_t r1, float* y) {
+  const int64_t nb = W.cols / 32, ng = nb / 4;
+  const uint8_t* pb = static_cast<const uint8_t*>(W.data);
+  auto tail = [&](int64_t r, float* out) {  // blocks [4*ng, nb) of row r, added to *out
+    if (ng * 4 == nb) return;
+    const uint8_t* p[1] = {pb + r * nb * 16 + ng * 64};
+    const uint8_t* s[1] = {W.scales + r * nb + ng * 4};
+    float t;
+    gemv_mxfp4_rows<1>(p, s, xr + ng * 128, nb - ng * 4, &t);
+    *out += t;
+  };
+  int64_t r = r0;
+  for (; r < r1;) {
+    const bool four = r + 4 <= r1 && scales_are_normal(W.scales + r * nb, 4 * nb);
+    if (four) {
+      const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
+      const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
+      gemv_mxfp4_bf16_rows<4>(p, s, xq, ng, y + r);
+      for (int i = 0; i < 4; ++i) tail(r + i, y + r + i);
+      r += 4;
+    } else {
+      const uint8_t* p[1] = {pb + r * nb * 16};
+      const uint8_t* s[1] = {W.scales + r * nb};
+      if (scales_are_normal(s[0], nb)) {
+        gemv_mxfp4_bf16_rows<1>(p, s, xq, ng, y + r);
+        tail(r, y + r);
+      } else {
+        gemv_mxfp4_rows<1>(p, s, xr, nb, y + r);
+      }
+      r += 1;
+    }
+  }
+}
+
 void gemv(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y) {
   switch (W.fmt) {
     case WFormat::F32: return gemv_dense<WFormat::F32>(W, x, xp, r0, r1, y);
@@ -285,8 +380,33 @@ void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, in
   }
 }
 
+// ------------------------------------------------------------------ roofline probes
+double read_probe(const uint8_t* p, int64_t n) {
+  // Eight concurrent streams (like a GEMV over several rows): one stream alone leaves the
+  // hardware prefetchers short of what the memory system can deliver.
+  const int64_t q = n / 8;
+  __m512i a[8];
+  for (int s = 0; s < 8; ++s) a[s] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < q; i += 64)
+    for (int s = 0; s < 8; ++s) a[s] = _mm512_add_epi64(a[s], _mm512_loadu_si512(p + s * q + i));
+  for (int s = 1; s < 8; ++s) a[0] = _mm512_add_epi64(a[0], a[s]);
+  return double(_mm512_reduce_add_epi64(a[0]));
+}
+
+double flops_probe(int64_t iters) {
+  // 12 independent accumulators cover the latency of vdpbf16ps on current cores.
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(float(i));
+  const __m512i a = _mm512_set1_epi16(0x3f80), b = _mm512_set1_epi16(0x3c00);  // bf16 1.0 and 2^-7
+  for (int64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)a, (__m512bh)b);
+  float sink = 0;
+  for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  return double(iters) * 12 * 32 * 2 + (sink == 12345.0f ? 1 : 0);
+}
+
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16};
+const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16, gemv_mxfp4_bf16, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx512

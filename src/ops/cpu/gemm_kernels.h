@@ -22,6 +22,16 @@ struct GemmKernels {
   // uint16 (rows of W as bf16). nullptr when the ISA has no bf16 dot product.
   void (*gemm_bf16)(const WeightMat& W, const uint16_t* Xb, int64_t cols_pad, int64_t T, int64_t r0, int64_t r1,
                     float* Y, int64_t ldy, uint16_t* scratch);
+  // Fast MXFP4 GEMV (T = 1): xq is x as bf16 in the word order of the kernel per 128-column group
+  // (gemm.cpp builds it), xr is x rounded to bf16 in the even/odd order of `gemv`'s xp (for tail
+  // blocks and rows with special scales). nullptr when the ISA has no bf16 dot product.
+  void (*gemv_mxfp4_bf16)(const WeightMat& W, const uint16_t* xq, const float* xr, int64_t r0, int64_t r1, float* y);
+  // Roofline probes (ops/cpu/roofline.cpp). Sum of n bytes read with full-width loads (n % 512 == 0;
+  // the result only keeps the reads from being optimised away).
+  double (*read_probe)(const uint8_t* p, int64_t n);
+  // Runs `iters` iterations of independent multiply-adds at this level's widest product (vdpbf16ps
+  // on avx512, fp32 FMA on avx2) and returns the FLOPs done (2 per multiply-add).
+  double (*flops_probe)(int64_t iters);
 };
 
 namespace avx2 {

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <string>
 
+namespace k3 {
+struct WeightMat;
+}
 namespace k3::ops {
 
 // Ordered: a higher level may use everything a lower one does.
@@ -26,16 +29,21 @@ CpuIsa cpu_isa();
 void set_cpu_isa(CpuIsa isa);
 CpuIsa parse_cpu_isa(const std::string& name);  // k3::Error on anything else
 
-// How weight GEMMs with several activation rows (prefill) round their inputs.
+// How weight matmuls round their activations.
 //   Exact: fp32 activations, weights widened to fp32, fp32 FMA accumulation (matches the fp64
 //          reference to ~1e-6; the whole-model gates run in this mode).
-//   Fast:  activations rounded to bf16 and multiplied with vdpbf16ps (fp32 accumulation) when
-//          T >= kFastMinRows, as llama.cpp does for bf16 weights; ~3e-3 relative per product.
-// Single-row GEMVs (decode) are memory-bound and always exact.
+//   Fast:  activations rounded to bf16 (8 significant bits, <= 2^-9 relative each) and, on
+//          avx512, multiplied with vdpbf16ps (fp32 accumulation), as llama.cpp does for bf16
+//          weights. Applies to GEMMs with T >= kFastMinRows (prefill) and to MXFP4 GEMVs (decode:
+//          decoding nibbles to fp32 costs more than the memory read; to bf16 it does not). BF16 /
+//          F16 / F32 GEMVs are memory-bound and stay exact. Weights are never rounded.
 enum class Numerics : uint8_t { Exact = 0, Fast = 1 };
 constexpr int64_t kFastMinRows = 4;
 const char* numerics_name(Numerics n);
 Numerics parse_numerics(const std::string& name);  // "exact" | "fast", k3::Error otherwise
+
+// Whether ops::matmul(W, X, T, ..) rounds X to bf16 under the current numerics (rule above).
+bool fast_applies(const WeightMat& W, int64_t T);
 
 // The numerics of the ops called on this thread (set per forward pass by Model::forward).
 Numerics current_numerics();

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# CPU performance record (issue: CPU performance). Writes, from one run on an otherwise idle machine:
+#   docs/data/cpu-roofline.{md,json}   k3 bench on the generated K3-shaped cpu-bench checkpoint
+#                                      (BF16 trunk, MXFP4 experts, ~1.9 GB): decode and prefill with
+#                                      the roofline ratio (bandwidth and peak bf16 FLOP/s probed in
+#                                      the same run), fast numerics, plus exact numerics and the
+#                                      avx2 level for comparison.
+#   docs/data/k3-layer-bench.json      one true-width K3 layer of each kind (bin/k3_layer_bench),
+#                                      extrapolated to 93 layers next to kimi-k3-in-c.
+# The checkpoint is (re)generated when absent (tools venv: tools/setup_venv.sh); never commit it.
+# Environment: MODEL (default build/cpu-bench), BUILD_DIR (default build), PYTHON (default
+# build/venv/bin/python), THREADS (default 2, the issue's setting).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+model=${MODEL:-build/cpu-bench}
+build=${BUILD_DIR:-build}
+py=${PYTHON:-build/venv/bin/python}
+threads=${THREADS:-2}
+
+if [[ ! -f $model/model.safetensors.index.json ]]; then
+  [[ -x $py ]] || bash tools/setup_venv.sh
+  [[ -x $py ]] || py=build/venv/bin/python
+  "$py" tools/gen/gen_tiny_checkpoint.py --preset cpu-bench --seed 1 --out "$model" --no-reference
+fi
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$build" -j"$(nproc)" --target k3cli k3_layer_bench >/dev/null
+
+mkdir -p docs/data
+machine="$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+load=$(cut -d' ' -f1-3 /proc/loadavg)
+if awk -v l="${load%% *}" -v n="$(nproc)" 'BEGIN { exit !(l > n / 2) }'; then
+  echo "measure_cpu_perf.sh: warning: load average $load on $(nproc) cores; results will be noisy" >&2
+fi
+start=$(date +%s)
+k3="$build/bin/k3"
+args="-p 128 -n 32 -r 3 -t $threads --no-progress"
+md=docs/data/cpu-roofline.md
+{
+  echo "<!-- written by bash scripts/measure_cpu_perf.sh; $machine; $(date -u +%F); load average before $load -->"
+  echo
+  echo "### fast numerics (default), best CPU level"
+  echo
+  # shellcheck disable=SC2086
+  "$k3" bench -m "$model" $args --numerics fast -o md --json-out docs/data/cpu-roofline.json
+  echo
+  echo "### exact numerics"
+  echo
+  # shellcheck disable=SC2086
+  "$k3" bench -m "$model" $args --numerics exact -o md --json-out docs/data/cpu-roofline-exact.json
+  echo
+  echo "### avx2 level (the fallback dispatch level), fast numerics"
+  echo
+  # shellcheck disable=SC2086
+  "$k3" bench -m "$model" $args --cpu-isa avx2 -o md --json-out docs/data/cpu-roofline-avx2.json
+} > "$md"
+cat "$md"
+OMP_NUM_THREADS=$threads "$build/bin/k3_layer_bench" -r 3 > docs/data/k3-layer-bench.json
+cat docs/data/k3-layer-bench.json
+echo "measure_cpu_perf.sh: wall $(( $(date +%s) - start )) s" >&2

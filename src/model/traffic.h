@@ -1,0 +1,27 @@
+// What one decode step must read (bytes) and what one prefill token costs in weight FLOPs, from the
+// bound weights' actual formats: the numerators of the roofline ratios `k3 bench` reports.
+// Owns: the byte/FLOP accounting per tensor kind. Must not: time anything or touch weight values.
+#pragma once
+#include <cstdint>
+
+namespace k3 {
+
+class Model;
+struct WeightMat;
+
+uint64_t weight_bytes(const WeightMat& w);  // stored bytes (MXFP4: packed nibbles + E8M0 scales)
+
+struct DecodeTraffic {
+  uint64_t trunk = 0;     // every weight matrix a token reads except routed experts (lm_head included,
+                          // the embedding table counted as one row)
+  uint64_t experts = 0;   // top_k routed experts per MoE layer (bytes of the average expert)
+  uint64_t kda_state = 0; // KDA recurrent + conv state, read and written (2x its size)
+  uint64_t mla_cache = 0; // latent cache read at the given context length (fp32 as held)
+  uint64_t total() const { return trunk + experts + kda_state + mla_cache; }
+  // Weight multiply-adds per token x 2 (= FLOPs of the GEMM-dominated part, attention excluded).
+  double weight_flops = 0;
+};
+
+DecodeTraffic decode_traffic(const Model& m, int64_t context);
+
+}  // namespace k3

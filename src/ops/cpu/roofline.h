@@ -1,0 +1,23 @@
+// Roofline measurements of this machine, taken in the same run as a benchmark so that ratios
+// (achieved / possible) compare like with like: streaming read bandwidth and the peak multiply-add
+// rate of the widest product the active CPU level has (vdpbf16ps for avx512, fp32 FMA otherwise).
+// Owns: the probe loops' timing and threading. Must not: be called on hot paths (each call takes
+// ~0.1-1 s and allocates the probe buffer).
+#pragma once
+#include <cstdint>
+#include <string>
+
+namespace k3::ops {
+
+struct Roofline {
+  int threads = 0;
+  double read_gbs = 0;       // best of reps, GB/s (1e9 bytes), reading a buffer >> last-level cache
+  double peak_gflops = 0;    // best of reps, GFLOP/s (1e9, 2 per multiply-add)
+  std::string peak_kind;     // "bf16 vdpbf16ps", "fp32 fma" or "fp32 scalar"
+  uint64_t probe_bytes = 0;  // buffer size read by the bandwidth probe
+};
+
+// Both measurements with `threads` OpenMP threads (0 = the current default).
+Roofline measure_roofline(int threads = 0, uint64_t probe_bytes = uint64_t(1) << 30, int reps = 5);
+
+}  // namespace k3::ops
