@@ -16,6 +16,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "ops/cpu/isa.h"
 #include "runtime/memory.h"
 
 namespace fs = std::filesystem;
@@ -40,6 +41,11 @@ void RunEngineFlags::add(CLI::App* app) {
       ->option_text("SIZE");
   app->add_flag("--direct-io", direct_io, "with --ram-budget: read experts with O_DIRECT (bypass the page cache)");
   app->add_flag("-q,--quiet", quiet, "no loading progress");
+  app->add_option("--numerics", numerics,
+                  "fast: bf16-rounded activations in prefill GEMMs and MXFP4 GEMVs; exact: fp32 everywhere (default fast)")
+      ->check(CLI::IsMember({"fast", "exact"}));
+  app->add_option("--cpu-isa", cpu_isa, "CPU kernel level: avx512, avx2 or scalar (default: the best this CPU has)")
+      ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
 }
 
 ForwardOptions RunEngineFlags::forward() const {
@@ -47,6 +53,7 @@ ForwardOptions RunEngineFlags::forward() const {
   o.kda_algo = kda == "recurrent" ? KdaAlgo::Recurrent : KdaAlgo::Chunked;
   o.mla_algo = mla == "expanded" ? MlaAlgo::Expanded : MlaAlgo::Absorbed;
   o.kda_chunk = chunk;
+  o.numerics = ops::parse_numerics(numerics);
   return o;
 }
 
@@ -161,6 +168,7 @@ void Progress::finish() {
 
 LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who, int64_t ctx_tokens) {
   if (f.threads > 0) omp_set_num_threads(f.threads);
+  if (!f.cpu_isa.empty()) ops::set_cpu_isa(ops::parse_cpu_isa(f.cpu_isa));  // one-line error if the CPU lacks it
   LoadedModel lm;
   lm.dir = resolve_model_dir(f.model);
   if (!fs::is_directory(lm.dir)) fail("model directory " + lm.dir + " does not exist");

@@ -27,6 +27,7 @@ struct RunEngineFlags {
   int threads = 0;
   std::string mem_limit, ram_budget;
   bool no_prefault = false, quiet = false, direct_io = false;
+  std::string numerics = "fast", cpu_isa;  // ops::Numerics; CPU kernel level (empty = best)
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };

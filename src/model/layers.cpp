@@ -1,9 +1,13 @@
 // Sublayer forward passes (see layers.h); each reads top to bottom like spec §3.
 #include "model/layers.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+
+#include "ops/cpu/isa.h"
 
 namespace k3 {
 
@@ -121,7 +125,12 @@ void glu_forward(const GluWeights& w, const SituParams& p, const float* x, int64
 void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out, ExpertSource* experts) {
   // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights.
   Buf logits = buf(T * d.experts);
-  ops::matmul(w.gate, x, T, logits.data());
+  {
+    // Always fp32: a bf16-rounded input can flip a near-tie in the top-k selection, which changes
+    // the output by a whole expert (engines keep the router in fp32 for the same reason).
+    const ops::NumericsScope exact(ops::Numerics::Exact);
+    ops::matmul(w.gate, x, T, logits.data());
+  }
   std::vector<int32_t> idx(static_cast<size_t>(T * d.top_k));
   Buf wt = buf(T * d.top_k);
   for (int64_t t = 0; t < T; ++t)
@@ -142,19 +151,45 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
   std::vector<int32_t> selected;  // the union, ascending: the accumulation order into agg
   for (int64_t e = 0; e < d.experts; ++e)
     if (!rows[size_t(e)].empty()) selected.push_back(int32_t(e));
-  const auto run_expert = [&](int32_t e, const GluWeights& ew) {
+  // One expert on the token rows routed to it (gathered), and its weighted add into agg.
+  const auto expert_out = [&](int32_t e, const GluWeights& ew) {
     const std::vector<int64_t>& r = rows[size_t(e)];
     const auto n = int64_t(r.size());
     Buf zin = buf(n * d.latent), ye = buf(n * d.latent);
     for (int64_t i = 0; i < n; ++i)
       std::memcpy(zin.data() + i * d.latent, z.data() + r[size_t(i)] * d.latent, size_t(d.latent) * 4);
     glu_forward(ew, d.situ, zin.data(), n, ye.data());
-    for (int64_t i = 0; i < n; ++i)
+    return ye;
+  };
+  const auto add_expert = [&](int32_t e, const Buf& ye) {
+    const std::vector<int64_t>& r = rows[size_t(e)];
+    for (size_t i = 0; i < r.size(); ++i)
       for (int64_t c = 0; c < d.latent; ++c)
-        agg[size_t(r[size_t(i)] * d.latent + c)] += ws[size_t(e)][size_t(i)] * ye[size_t(i * d.latent + c)];
+        agg[size_t(r[i] * d.latent + c)] += ws[size_t(e)][i] * ye[i * size_t(d.latent) + size_t(c)];
+  };
+  // A batch of experts runs either one after another (each expert's matmuls split across the
+  // threads) or, when there are enough experts to keep every thread busy, whole experts in
+  // parallel (their matmuls then run single-threaded inside: OpenMP nesting is off). Decode is the
+  // second case: top-k GEMVs are each too small to split well. Outputs are always added into agg
+  // in ascending expert order, so both ways give bit-identical results.
+  const auto run_batch = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    if (n < 2 * int64_t(omp_get_max_threads()) || omp_in_parallel()) {
+      for (int64_t i = 0; i < n; ++i) add_expert(ids[i], expert_out(ids[i], *ew[i]));
+      return;
+    }
+    std::vector<Buf> ye(static_cast<size_t>(n));
+    const ops::Numerics numerics = ops::current_numerics();  // thread-local: hand it to the workers
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const ops::NumericsScope scope(numerics);
+      ye[size_t(i)] = expert_out(ids[i], *ew[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye[size_t(i)]);
   };
   if (!experts) {
-    for (int32_t e : selected) run_expert(e, w.experts[size_t(e)]);
+    std::vector<const GluWeights*> all;
+    for (int32_t e : selected) all.push_back(&w.experts[size_t(e)]);
+    run_batch(selected.data(), int64_t(selected.size()), all.data());
   } else {
     const auto nsel = int64_t(selected.size());
     const int64_t batch = std::max<int64_t>(1, experts->max_batch());
@@ -162,7 +197,7 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
     for (int64_t b = 0; b < nsel; b += batch) {
       const int64_t n = std::min(batch, nsel - b);
       experts->fetch(w.layer, selected.data() + b, n, got.data());
-      for (int64_t i = 0; i < n; ++i) run_expert(selected[size_t(b + i)], *got[size_t(i)]);
+      run_batch(selected.data() + b, n, got.data());
     }
   }
   // RMSNorm on the aggregate, then up to full width.
