@@ -7,6 +7,7 @@ Presets:
   tiny-flat  flat kimi_linear config, single model.safetensors, F16 trunk, MXFP4 experts;
              9 layers, MLA at 4,8,9, block 2, KDA 2x32, top-2 of 4 experts.
   cpu-bench  K3-shaped ~2 GB checkpoint for the CPU roofline benchmarks (--no-reference).
+  experts-heavy  experts ~10x the trunk, for the --ram-budget measurement (--no-reference).
   mid1g      K3-shaped ~1 GB checkpoint (hidden 1024, 8 layers, 64 experts, vocab 163840) for
              load/RSS measurements; generate with --no-reference, never commit.
 
@@ -81,6 +82,18 @@ PRESETS: Dict[str, dict] = {
         dense_inter=4096, first_dense=1,
         experts=64, topk=8, shared=1, moe_inter=768, latent=1024,
         vocab=32768, vision=False,
+    ),
+    # Routed experts ~10x the trunk (1,280 MXFP4 experts, 0.53 GB; trunk ~50 MB): the --ram-budget
+    # measurement runs it with a budget under half the expert bytes (scripts/measure_ram_budget.sh).
+    # Vocabulary 8448 so the K3-nano tokenizer can drive it. --no-reference, never commit.
+    "experts-heavy": dict(
+        nested=True, trunk_dtype="bf16", shards=4,
+        hidden=512, layers=6, mla_layers=[4], block=3,
+        kda_heads=4, kda_dim=128, conv=4,
+        mla_heads=4, q_lora=256, kv_lora=128, nope=64, rope=32, v=64,
+        dense_inter=1024, first_dense=1,
+        experts=256, topk=8, shared=1, moe_inter=512, latent=512,
+        vocab=8448, vision=False,
     ),
     # tiny with the committed 2,256-rank test tokenizer (+256 K3 specials): text-level CLI tests
     # (run/chat/bench). Special ids follow the real K3 layout: bos=[BOS], eos=<|end_of_msg|>.
