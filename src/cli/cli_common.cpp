@@ -42,8 +42,9 @@ void RunEngineFlags::add(CLI::App* app) {
   app->add_flag("--direct-io", direct_io, "with --ram-budget: read experts with O_DIRECT (bypass the page cache)");
   app->add_flag("-q,--quiet", quiet, "no loading progress");
   app->add_option("--numerics", numerics,
-                  "fast: bf16-rounded activations in prefill GEMMs and MXFP4 GEMVs; exact: fp32 everywhere (default fast)")
-      ->check(CLI::IsMember({"fast", "exact"}));
+                  "fast: SIMD fp32 + bf16-rounded activations in prefill GEMMs and MXFP4 GEMVs; fp32: SIMD fp32; "
+                  "exact: scalar kernels with fp64 sums (reference grade, slow) (default fast)")
+      ->check(CLI::IsMember({"fast", "fp32", "exact"}));
   app->add_option("--cpu-isa", cpu_isa, "CPU kernel level: avx512, avx2 or scalar (default: the best this CPU has)")
       ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
 }

@@ -58,7 +58,7 @@ const char* kHelp =
     "      --chunk N          KDA chunk size for prefill, 1..1024                  (default 64)\n"
     "      --ubatch N         tokens per forward call when prefilling              (default 512)\n"
     "      --seed N           seed of the random token ids                         (default 1)\n"
-    "      --numerics MODE    fast (bf16 activations in prefill GEMMs) | exact     (default fast)\n"
+    "      --numerics MODE    fast | fp32 | exact (see docs/performance.md)        (default fast)\n"
     "      --cpu-isa LEVEL    avx512 | avx2 | scalar kernels                       (default: best)\n"
     "      --no-roofline      skip the bandwidth / peak-FLOP probes and the ratio column\n"
     "      --roofline-mib N   buffer the bandwidth probe reads, >> last-level cache (default 1024)\n"
@@ -439,6 +439,8 @@ int run(const Flags& f, int argc, char** argv) {
 
   if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
   auto model = k3::Model::load(f.model);
+  // Exact numerics run the scalar kernels whatever the CPU level (ops/cpu/isa.h).
+  const std::string kernel_level = f.numerics == "exact" ? "scalar" : k3::ops::cpu_isa_name(k3::ops::cpu_isa());
   const k3::ModelConfig& cfg = model->config();
   const int64_t V = model->dims().vocab, max_pos = cfg.max_position_embeddings;
   if (max_pos > 0) {
@@ -497,7 +499,7 @@ int run(const Flags& f, int argc, char** argv) {
                   {"date", utc_now()},
                   {"command", command}};
   doc["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
-                     {"numerics", f.numerics}, {"cpu_isa", k3::ops::cpu_isa_name(k3::ops::cpu_isa())},
+                     {"numerics", f.numerics}, {"cpu_isa", kernel_level},
                      {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
   doc["results"] = Json::array();
 
@@ -523,7 +525,7 @@ int run(const Flags& f, int argc, char** argv) {
   if (f.output == "md") {
     prog.done();
     std::string head = "k3 " + std::string(k3::version()) + " bench | CPU: " + cpu + " (" +
-                       std::to_string(omp_get_num_procs()) + " cores, " + k3::ops::cpu_isa_name(k3::ops::cpu_isa()) +
+                       std::to_string(omp_get_num_procs()) + " cores, " + kernel_level +
                        " kernels) | " + algo + " | numerics " + f.numerics + " | " + std::to_string(f.reps) +
                        " reps + 1 warm-up\n";
     for (const auto& [t, r] : roofs) {

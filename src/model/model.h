@@ -54,8 +54,9 @@ struct ForwardOptions {
   // Routed experts come from here when set (e.g. runtime/expert_cache.h under --ram-budget);
   // nullptr = the resident mmap views. Not owned; must outlive the forward calls using it.
   ExpertSource* experts = nullptr;
-  // Exact: fp32 activations in every weight GEMM (matches the fp64 reference to ~1e-6; the
-  // library default and what the gates use). Fast: prefill GEMMs on bf16-rounded activations.
+  // Exact: the scalar fp64-accumulating kernels (reference grade; the library default and what the
+  // gates use). F32: SIMD kernels in fp32. Fast: F32 + bf16-rounded activations in prefill GEMMs
+  // and MXFP4 GEMVs (the CLI default). See ops/cpu/isa.h.
   ops::Numerics numerics = ops::Numerics::Exact;
 };
 

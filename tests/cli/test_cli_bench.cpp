@@ -255,7 +255,7 @@ TEST(CliBenchBadInput, Scalars) {
   expect_bad(run_k3("bench " + m() + " --bogus"), "unknown flag '--bogus'");
   expect_bad(run_k3("bench " + m() + " --no-progress=1"), "--no-progress takes no value");
   expect_bad(run_k3("bench " + m() + " --no-roofline=1"), "--no-roofline takes no value");
-  expect_bad(run_k3("bench " + m() + " --numerics approx"), "unknown numerics 'approx'");
+  expect_bad(run_k3("bench " + m() + " --numerics approx"), "unknown numerics 'approx' (expected exact, fp32 or fast)");
   expect_bad(run_k3("bench " + m() + " --cpu-isa sse9"), "unknown CPU level 'sse9'");
   expect_bad(run_k3("bench " + m() + " --roofline-mib 1"), "--roofline-mib: 1 is too small");
   expect_bad(run_k3("bench " + m() + " --json-out /nonexistent/dir/x.json"), "--json-out: cannot write /nonexistent/dir/x.json");

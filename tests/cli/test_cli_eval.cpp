@@ -140,7 +140,8 @@ nlohmann::json read_json(const fs::path& p) {
 nlohmann::json eval_json(const std::string& args, k3test::CmdResult* r = nullptr) {
   const fs::path j = tmp("out.json");
   fs::remove(j);
-  const auto res = run_k3("eval -m " + model() + " -t 1 " + args + " --json " + j.string());
+  // Exact numerics: compared with `k3 logits` (a reference tool, always exact) to 1e-6.
+  const auto res = run_k3("eval -m " + model() + " --numerics exact -t 1 " + args + " --json " + j.string());
   EXPECT_EQ(res.code, 0) << args << "\n" << res.err;
   if (r) *r = res;
   if (!fs::exists(j)) return {};

@@ -76,7 +76,7 @@ TEST(Threads, LogitsDoNotDependOnThreadCount) {
   std::vector<int32_t> ids;
   for (int i = 0; i < 24; ++i) ids.push_back(int32_t((i * 2654435761u) % 8192u));
   const int saved = omp_get_max_threads();
-  for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::Fast}) {
+  for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
     omp_set_num_threads(1);
     const auto one = logits_of(*m, ids, num, 16);
     for (int threads : {2, 3}) {

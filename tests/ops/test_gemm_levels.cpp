@@ -1,5 +1,5 @@
-// ops::matmul on every CPU level this machine has (scalar, avx2, avx512), both numerics modes,
-// against the fp64 twin k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of
+// ops::matmul on every CPU level this machine has (scalar, avx2, avx512) in the F32 and Fast numerics
+// (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of
 // the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T = 1 (GEMV), T < 4
 // (exact even in Fast mode), token tiles and the 64-token block boundary, and unaligned rows.
 // Owns: the GEMM tolerances below.
@@ -23,7 +23,7 @@ using k3test::count_nan;
 using k3test::nan_vec;
 using k3test::rel_l2;
 
-// Exact mode: fp32 products and sums (16-lane partial sums) vs fp64: sqrt(cols)·ulp-level, far
+// F32 mode: fp32 products and sums (16-lane partial sums) vs fp64: sqrt(cols)·ulp-level, far
 // below the project-wide fp32 reduction tolerance.
 constexpr double kTolExact = 1e-5;
 // Fast mode must equal the exact product of W with bf16-ROUNDED activations to fp32 accuracy (the
@@ -97,8 +97,9 @@ TEST(GemmLevels, DetectedLevelIsReported) {
   }
 }
 
-TEST(GemmLevels, ExactMatchesTwinOnEveryLevel) {
+TEST(GemmLevels, F32MatchesTwinOnEveryLevel) {
   LevelGuard guard;
+  const k3::ops::NumericsScope f32(k3::ops::Numerics::F32);
   for (CpuIsa level : levels()) {
     k3::ops::set_cpu_isa(level);
     std::mt19937 rng(77);
@@ -140,6 +141,10 @@ TEST(GemmLevels, FastIsExactProductOfBf16RoundedActivations) {
         k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
         rounds = k3::ops::fast_applies(W.w, c.T);
       }
+      if (!rounds) {  // the product is then the F32 one
+        const k3::ops::NumericsScope f32(k3::ops::Numerics::F32);
+        k3::ops::matmul(W.w, X.data(), c.T, y.data());
+      }
       EXPECT_EQ(rounds, c.T >= k3::ops::kFastMinRows || (c.T == 1 && c.fmt == k3::WFormat::MXFP4));
       if (!rounds) {
         EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
@@ -165,7 +170,7 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
       std::vector<std::vector<float>> outs;
       for (int threads : {1, 2, 3}) {
         omp_set_num_threads(threads);
-        for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::Fast}) {
+        for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
           k3::ops::NumericsScope scope(num);
           outs.push_back(nan_vec(size_t(c.T * c.rows)));
           k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
@@ -178,8 +183,28 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
   omp_set_num_threads(saved);
 }
 
+// Exact numerics run the scalar kernels on every level: bit-identical results to the scalar level.
+TEST(GemmLevels, ExactIsTheScalarLevelEverywhere) {
+  LevelGuard guard;
+  std::mt19937 rng(81);
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(name(c));
+    k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+    std::vector<std::vector<float>> outs;
+    for (CpuIsa level : levels()) {
+      k3::ops::set_cpu_isa(level);
+      EXPECT_EQ(k3::ops::active_kernel_level(), CpuIsa::Scalar);  // default numerics: Exact
+      outs.push_back(nan_vec(size_t(c.T * c.rows)));
+      k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
+    }
+    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0);
+  }
+}
+
 TEST(GemmLevels, ForcedLevelFromEnvironmentIsValidated) {
   EXPECT_EQ(k3::ops::parse_numerics("exact"), k3::ops::Numerics::Exact);
+  EXPECT_EQ(k3::ops::parse_numerics("fp32"), k3::ops::Numerics::F32);
   EXPECT_EQ(k3::ops::parse_numerics("fast"), k3::ops::Numerics::Fast);
   EXPECT_THROW(k3::ops::parse_numerics("fastest"), std::exception);
   for (CpuIsa l : levels()) {

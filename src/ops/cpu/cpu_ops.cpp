@@ -1,12 +1,17 @@
-// CPU kernels of ops.h in fp32 with OpenMP over rows/heads. Straightforward loops the compiler
-// vectorizes; SIMD-specific kernels with runtime dispatch come later (issue: CPU performance).
+// CPU ops of ops.h other than matmul (gemm.cpp) and KDA (kda.cpp): norms, elementwise, short conv,
+// MLA attention, router, AttnRes. Each op dispatches on cpu_isa(): at the SIMD levels a threaded
+// driver here calls the per-ISA kernels of attn_kernels.h (work split so that every output is
+// computed by one kernel call: results do not depend on the thread count); at the scalar level
+// the plain loops below run (fp32 with fp64 accumulation of long sums).
 // Must not: change results beyond fp32 rounding versus the fp64 twins in ops/reference.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <vector>
 
+#include "ops/cpu/attn_kernels.h"
 #include "ops/ops.h"
 
 namespace k3::ops {
@@ -28,9 +33,27 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += double(a[i] * b[i]);
   return float(s);
 }
+
+// SIMD levels: elementwise ops are split into blocks of about this many elements, and run in
+// parallel only above kElemParallelMin elements (a parallel region costs a few microseconds).
+constexpr int64_t kElemBlock = 8192;
+constexpr int64_t kElemParallelMin = int64_t(1) << 16;
+
+// Calls fn(i0, i1) over [0, n) in blocks of `block`, in parallel when n * cost >= kElemParallelMin.
+template <class Fn>
+void for_blocks(int64_t n, int64_t block, int64_t cost, Fn&& fn) {
+  block = std::max<int64_t>(1, block);
+  const int64_t nb = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) if (nb > 1 && n * cost >= kElemParallelMin)
+  for (int64_t b = 0; b < nb; ++b) fn(b * block, std::min(n, (b + 1) * block));
+}
 }  // namespace
 
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+    return for_blocks(T, kElemBlock / std::max<int64_t>(n, 1), n,
+                      [&](int64_t r0, int64_t r1) { kern->rmsnorm_rows(x, r0, r1, n, w, eps, out); });
+  }
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = x + t * n;
     double ss = 0;
@@ -41,6 +64,10 @@ void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, fl
 }
 
 void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+    return for_blocks(rows, kElemBlock / std::max<int64_t>(n, 1), n,
+                      [&](int64_t r0, int64_t r1) { kern->l2norm_rows(x, r0, r1, n, eps, scale); });
+  }
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * n;
     double ss = 0;
@@ -51,11 +78,33 @@ void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
 }
 
 void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+    return for_blocks(n, kElemBlock, 8,
+                      [&](int64_t i0, int64_t i1) { kern->situ_glu(g, u, i0, i1, b1, b2, out); });
+  }
   for (int64_t i = 0; i < n; ++i)
     out[i] = (b1 * std::tanh(g[i] / b1) * sigmoidf(g[i])) * (b2 * std::tanh(u[i] / b2));
 }
 
 void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(); kern && K >= 1 && K <= 16) {
+    // Transposed weights [K, C] and history [K-1, C] so the kernel runs along channels.
+    const int64_t P = K - 1;
+    std::vector<float> wT(static_cast<size_t>(K * C)), hist(static_cast<size_t>(std::max<int64_t>(P, 1) * C));
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < K; ++j) wT[size_t(j * C + c)] = w[c * K + j];
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < P; ++j) hist[size_t(j * C + c)] = state[c * P + j];
+    for_blocks(C, std::max<int64_t>(64, kElemBlock / std::max<int64_t>(T * K, 1)) / 64 * 64, T * K,
+               [&](int64_t c0, int64_t c1) { kern->short_conv_silu(x, T, C, wT.data(), K, hist.data(), c0, c1, out); });
+    // The new state: the last K-1 inputs of the window [hist | x], oldest first.
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < P; ++j) {
+        const int64_t idx = T + j;
+        state[c * P + j] = idx < P ? hist[size_t(idx * C + c)] : x[(idx - P) * C + c];
+      }
+    return;
+  }
   const int64_t P = K - 1;
 #pragma omp parallel for schedule(static) if (C * T * K > kParallelMin)
   for (int64_t c = 0; c < C; ++c) {
@@ -75,6 +124,13 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
 
 void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
               float lower_bound, float* g) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+    std::vector<float> a(static_cast<size_t>(H));
+    for (int64_t h = 0; h < H; ++h) a[size_t(h)] = std::exp(A_log[h]);
+    return for_blocks(T * H, kElemBlock / std::max<int64_t>(D, 1), D * 8, [&](int64_t r0, int64_t r1) {
+      kern->kda_gate(f, r0, r1, H, D, a.data(), dt_bias, lower_bound, g);
+    });
+  }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
       const float a = std::exp(A_log[h]);
@@ -83,124 +139,6 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
         g[i] = lower_bound * sigmoidf(a * (f[i] + dt_bias[h * D + d]));
       }
     }
-}
-
-void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
-                   int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
-  // The state is held in fp64 within a call (fp32 between calls, as the session stores it), the
-  // same internal precision as kda_chunked, so prefill and decode paths agree to fp32 rounding.
-#pragma omp parallel for schedule(static) if (T * H * Dk * Dv > kParallelMin)
-  for (int64_t h = 0; h < H; ++h) {
-    std::vector<double> s(S + h * Dk * Dv, S + (h + 1) * Dk * Dv), u(static_cast<size_t>(Dv)), ot(static_cast<size_t>(Dv));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* qt = q + (t * H + h) * Dk;
-      const float* kt = k + (t * H + h) * Dk;
-      const float* vt = v + (t * H + h) * Dv;
-      const float* gt = g + (t * H + h) * Dk;
-      const double b = beta[t * H + h];
-      // decay -> read prediction -> delta write -> read output from the updated state
-      std::fill(u.begin(), u.end(), 0.0);
-      for (int64_t a = 0; a < Dk; ++a) {
-        const double al = std::exp(double(gt[a]));
-        double* row = &s[size_t(a * Dv)];
-        for (int64_t j = 0; j < Dv; ++j) {
-          row[j] *= al;
-          u[size_t(j)] += row[j] * kt[a];
-        }
-      }
-      for (int64_t j = 0; j < Dv; ++j) u[size_t(j)] = b * (vt[j] - u[size_t(j)]);
-      std::fill(ot.begin(), ot.end(), 0.0);
-      for (int64_t a = 0; a < Dk; ++a) {
-        double* row = &s[size_t(a * Dv)];
-        for (int64_t j = 0; j < Dv; ++j) {
-          row[j] += kt[a] * u[size_t(j)];
-          ot[size_t(j)] += row[j] * qt[a];
-        }
-      }
-      for (int64_t j = 0; j < Dv; ++j) o[(t * H + h) * Dv + j] = float(ot[size_t(j)]);
-    }
-    for (int64_t i = 0; i < Dk * Dv; ++i) S[h * Dk * Dv + i] = float(s[size_t(i)]);
-  }
-}
-
-void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
-                 int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o) {
-  // Chunkwise form (spec §3.5), per head and chunk of C tokens, with Γ_i = Σ_{j<=i} g_j in the chunk:
-  //   R  = V − (exp(Γ) ⊙ K)·S                      (what the incoming state predicts is removed)
-  //   Ṽ  = (I + M)⁻¹ Diag(β) R, M[i,j] = β_i Σ_d k_i k_j exp(Γ_i−Γ_j), j < i   (the UT transform,
-  //        applied by forward substitution; equals U − W·S with U = T·V, W = T·(exp(Γ)⊙K))
-  //   O  = (Q ⊙ exp(Γ))·S + (A_qk ⊙ causal-incl-diag)·Ṽ
-  //   S ← Diag(exp(Γ_C))·S + Σ_i (exp(Γ_C − Γ_i) ⊙ k_i) ṽ_iᵀ
-  // Decay factors are always formed from differences Γ_i − Γ_j <= 0 (never exp(Γ_i)·exp(−Γ_j)).
-  // Intra-chunk math runs in fp64: the substitution can amplify rounding.
-  if (chunk <= 0) chunk = 64;
-#pragma omp parallel for schedule(static) if (T * H * Dk * Dv * 4 > kParallelMin)
-  for (int64_t h = 0; h < H; ++h) {
-    std::vector<double> s(static_cast<size_t>(Dk * Dv));
-    for (int64_t i = 0; i < Dk * Dv; ++i) s[size_t(i)] = S[h * Dk * Dv + i];
-    std::vector<double> G(static_cast<size_t>(chunk * Dk)), Vt(static_cast<size_t>(chunk * Dv)), A(static_cast<size_t>(chunk * chunk));
-    for (int64_t t0 = 0; t0 < T; t0 += chunk) {
-      const int64_t C = std::min(chunk, T - t0);
-      auto K_ = [&](int64_t i, int64_t d) { return double(k[((t0 + i) * H + h) * Dk + d]); };
-      auto Q_ = [&](int64_t i, int64_t d) { return double(q[((t0 + i) * H + h) * Dk + d]); };
-      for (int64_t d = 0; d < Dk; ++d) {
-        double acc = 0;
-        for (int64_t i = 0; i < C; ++i) {
-          acc += g[((t0 + i) * H + h) * Dk + d];
-          G[size_t(i * Dk + d)] = acc;
-        }
-      }
-      // R = V − (exp(Γ) ⊙ K)·S, then forward substitution for Ṽ.
-      for (int64_t i = 0; i < C; ++i) {
-        const double bi = beta[(t0 + i) * H + h];
-        double* vt = &Vt[size_t(i * Dv)];
-        for (int64_t j = 0; j < Dv; ++j) vt[j] = v[((t0 + i) * H + h) * Dv + j];
-        for (int64_t d = 0; d < Dk; ++d) {
-          const double kd = K_(i, d) * std::exp(G[size_t(i * Dk + d)]);
-          const double* srow = &s[size_t(d * Dv)];
-          for (int64_t j = 0; j < Dv; ++j) vt[j] -= kd * srow[j];
-        }
-        for (int64_t j = 0; j < Dv; ++j) vt[j] *= bi;
-        for (int64_t p = 0; p < i; ++p) {
-          double m = 0;
-          for (int64_t d = 0; d < Dk; ++d) m += K_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
-          m *= bi;
-          const double* vp = &Vt[size_t(p * Dv)];
-          for (int64_t j = 0; j < Dv; ++j) vt[j] -= m * vp[j];
-        }
-      }
-      // O = (Q ⊙ exp(Γ))·S + (A_qk ⊙ causal)·Ṽ
-      for (int64_t i = 0; i < C; ++i) {
-        float* ot = o + ((t0 + i) * H + h) * Dv;
-        std::vector<double> acc(size_t(Dv), 0.0);
-        for (int64_t d = 0; d < Dk; ++d) {
-          const double qd = Q_(i, d) * std::exp(G[size_t(i * Dk + d)]);
-          const double* srow = &s[size_t(d * Dv)];
-          for (int64_t j = 0; j < Dv; ++j) acc[size_t(j)] += qd * srow[j];
-        }
-        for (int64_t p = 0; p <= i; ++p) {
-          double a = 0;
-          for (int64_t d = 0; d < Dk; ++d) a += Q_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
-          const double* vp = &Vt[size_t(p * Dv)];
-          for (int64_t j = 0; j < Dv; ++j) acc[size_t(j)] += a * vp[j];
-        }
-        for (int64_t j = 0; j < Dv; ++j) ot[j] = float(acc[size_t(j)]);
-      }
-      // S ← Diag(exp(Γ_C))·S + Σ_i (exp(Γ_C − Γ_i) ⊙ k_i) ṽ_iᵀ
-      const double* GC = &G[size_t((C - 1) * Dk)];
-      for (int64_t d = 0; d < Dk; ++d) {
-        double* srow = &s[size_t(d * Dv)];
-        const double dec = std::exp(GC[d]);
-        for (int64_t j = 0; j < Dv; ++j) srow[j] *= dec;
-        for (int64_t i = 0; i < C; ++i) {
-          const double kd = K_(i, d) * std::exp(GC[d] - G[size_t(i * Dk + d)]);
-          const double* vi = &Vt[size_t(i * Dv)];
-          for (int64_t j = 0; j < Dv; ++j) srow[j] += kd * vi[j];
-        }
-      }
-    }
-    for (int64_t i = 0; i < Dk * Dv; ++i) S[h * Dk * Dv + i] = float(s[size_t(i)]);
-  }
 }
 
 namespace {
@@ -215,8 +153,193 @@ void softmax(float* sc, int64_t n) {
 }
 }  // namespace
 
+namespace {
+// ---- MLA at the SIMD levels ------------------------------------------------------------------
+// Attention runs over "groups" of query rows that share their keys (absorbed: the heads of one
+// token, which all read the same latent cache; expanded: consecutive tokens of one head). When
+// there are few groups (decode) the keys are also split into parts so that every thread has work;
+// each (group, part) runs an online softmax (cpu::AttendPart) and the parts are merged in order.
+// The split depends only on the shapes, never on the thread count.
+constexpr int64_t kAbsorbedHeadGroup = 16;
+constexpr int64_t kExpandedTokenGroup = 8;
+constexpr int64_t kMinItems = 64;      // split keys into parts until there are this many items
+constexpr int64_t kMinPartKeys = 512;  // ... but never below this many keys per part
+
+// setup(g, a) fills rows, q1/q2, k1/k2, val/vdim, lim and scale of group g; dst(g) is where the
+// normalised outputs of its rows go (row stride ldo).
+template <class Setup, class Dst>
+void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_rows, int64_t S, int64_t vdim,
+                   int64_t work, Setup&& setup, Dst&& dst, int64_t ldo) {
+  int64_t np = 1;
+  if (n_groups < kMinItems)
+    np = std::clamp((kMinItems + n_groups - 1) / n_groups, int64_t(1), (S + kMinPartKeys - 1) / kMinPartKeys);
+  const int64_t sp = std::max<int64_t>(1, (S + np - 1) / np);
+  np = std::max<int64_t>(1, (S + sp - 1) / sp);
+  const int64_t items = n_groups * np;
+  std::vector<float> pacc, pm, pz;
+  if (np > 1) {
+    pacc.resize(static_cast<size_t>(items * max_rows * vdim));
+    pm.resize(static_cast<size_t>(items * max_rows));
+    pz.resize(static_cast<size_t>(items * max_rows));
+  }
+#pragma omp parallel if (items > 1 && work >= kParallelMin)
+  {
+    std::vector<float> scratch(static_cast<size_t>(max_rows * (K3_ATT_BLOCK + 4))), m(static_cast<size_t>(max_rows)),
+        z(static_cast<size_t>(max_rows));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t gi = it / np, p = it % np;
+      cpu::AttendPart a;
+      setup(gi, a);
+      a.s0 = p * sp;
+      a.s1 = std::min(S, a.s0 + sp);
+      a.scratch = scratch.data();
+      if (np == 1) {
+        a.m = m.data();
+        a.z = z.data();
+        a.acc = dst(gi);
+        a.ldacc = ldo;
+        kern.attend_part(a);
+        for (int64_t r = 0; r < a.rows; ++r) {
+          const float inv = z[size_t(r)] > 0 ? 1.0f / z[size_t(r)] : 0.0f;
+          float* o = a.acc + r * ldo;
+          for (int64_t j = 0; j < vdim; ++j) o[j] *= inv;
+        }
+      } else {
+        a.m = pm.data() + it * max_rows;
+        a.z = pz.data() + it * max_rows;
+        a.acc = pacc.data() + it * max_rows * vdim;
+        a.ldacc = vdim;
+        kern.attend_part(a);
+      }
+    }
+    if (np > 1) {
+#pragma omp for schedule(static)
+      for (int64_t gi = 0; gi < n_groups; ++gi) {
+        cpu::AttendPart a;
+        setup(gi, a);
+        float* out = dst(gi);
+        for (int64_t r = 0; r < a.rows; ++r) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < np; ++p) mx = std::max(mx, pm[size_t((gi * np + p) * max_rows + r)]);
+          double zt = 0;
+          for (int64_t p = 0; p < np; ++p) {
+            const size_t i = size_t((gi * np + p) * max_rows + r);
+            if (pz[i] > 0) zt += double(pz[i]) * std::exp(double(pm[i]) - mx);
+          }
+          float* o = out + r * ldo;
+          std::fill(o, o + vdim, 0.0f);
+          for (int64_t p = 0; p < np; ++p) {
+            const size_t i = size_t((gi * np + p) * max_rows + r);
+            if (!(pz[i] > 0)) continue;
+            const float wgt = float(std::exp(double(pm[i]) - mx) / zt);
+            const float* src = pacc.data() + size_t((gi * np + p) * max_rows + r) * size_t(vdim);
+            for (int64_t j = 0; j < vdim; ++j) o[j] += wgt * src[j];
+          }
+        }
+      }
+    }
+  }
+}
+
+void mla_expanded_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, const float* k_nope, const float* k_r,
+                       const float* v, int64_t S, int64_t pos0, const MlaAttnDims& d, float* out) {
+  const int64_t dq = d.nope + d.rope, TG = kExpandedTokenGroup, ntg = (T + TG - 1) / TG;
+  std::vector<int64_t> lim(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) lim[size_t(t)] = std::min(S, pos0 + t + 1);
+  auto setup = [&](int64_t gi, cpu::AttendPart& a) {
+    const int64_t h = gi / ntg, t0 = (gi % ntg) * TG;
+    a.rows = std::min(TG, T - t0);
+    a.q1 = q + (t0 * d.heads + h) * dq;
+    a.ldq1 = d.heads * dq;
+    a.k1dim = d.nope;
+    a.q2 = a.q1 + d.nope;
+    a.ldq2 = a.ldq1;
+    a.k2dim = d.rope;
+    a.k1 = k_nope + h * d.nope;
+    a.ldk1 = d.heads * d.nope;
+    a.k2 = k_r;
+    a.ldk2 = d.rope;
+    a.val = v + h * d.v;
+    a.ldv = d.heads * d.v;
+    a.vdim = d.v;
+    a.lim = lim.data() + t0;
+    a.scale = d.scale;
+  };
+  auto dst = [&](int64_t gi) { return out + ((gi % ntg) * TG * d.heads + gi / ntg) * d.v; };
+  attend_groups(kern, d.heads * ntg, TG, S, d.v, T * S * d.heads * (dq + d.v), setup, dst, d.heads * d.v);
+}
+
+// Rows [r0, r0 + n) of W decoded to fp32 (vector kernels for F32/F16/BF16, dequant_row for MXFP4).
+void decode_rows(const cpu::AttnKernels& kern, const WeightMat& W, int64_t r0, int64_t n, float* out) {
+  const int fmt = W.fmt == WFormat::F32 ? 0 : W.fmt == WFormat::F16 ? 1 : W.fmt == WFormat::BF16 ? 2 : -1;
+  if (fmt >= 0) return kern.widen_rows(W.data, fmt, W.cols, r0, n, out);
+  for (int64_t i = 0; i < n; ++i) dequant_row(W, r0 + i, out + i * W.cols);
+}
+
+void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, const float* c, const float* k_r,
+                       int64_t S, int64_t pos0, const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+  const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora, H = d.heads;
+  const int64_t HG = kAbsorbedHeadGroup, nhg = (H + HG - 1) / HG;
+  // Tokens in blocks whose latent queries / contexts ([Tb, H, L] each) stay within ~16 MB.
+  const int64_t TB = std::clamp<int64_t>((int64_t(1) << 22) / std::max<int64_t>(H * L, 1), 1, std::max<int64_t>(T, 1));
+  std::vector<float> Qt(static_cast<size_t>(std::min(TB, T) * H * L)), Ch(Qt.size());
+  std::vector<int64_t> lim(static_cast<size_t>(std::min(TB, T) * HG));
+  const bool par_heads = H > 1 && H * per_head * L >= (int64_t(1) << 16);
+  for (int64_t tb0 = 0; tb0 < T; tb0 += TB) {
+    const int64_t Tb = std::min(TB, T - tb0);
+    // A: q̃[t,h] = W_UK_hᵀ q_nope[t,h]; W_UK_h decoded once for the block's tokens.
+#pragma omp parallel if (par_heads)
+    {
+      std::vector<float> W(static_cast<size_t>(d.nope * L));
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < H; ++h) {
+        decode_rows(kern, kv_b, h * per_head, d.nope, W.data());
+        kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W.data(), L, Qt.data() + h * L, H * L, 0, nullptr);
+      }
+    }
+    // B: softmax attention of each token's heads over the shared latent cache, in latent space.
+    for (int64_t t = 0; t < Tb; ++t)
+      for (int64_t r = 0; r < HG; ++r) lim[size_t(t * HG + r)] = std::min(S, pos0 + tb0 + t + 1);
+    auto setup = [&](int64_t gi, cpu::AttendPart& a) {
+      const int64_t t = gi / nhg, h0 = (gi % nhg) * HG;
+      a.rows = std::min(HG, H - h0);
+      a.q1 = Qt.data() + (t * H + h0) * L;
+      a.ldq1 = L;
+      a.k1dim = L;
+      a.q2 = q + ((tb0 + t) * H + h0) * dq + d.nope;
+      a.ldq2 = dq;
+      a.k2dim = d.rope;
+      a.k1 = c;
+      a.ldk1 = L;
+      a.k2 = k_r;
+      a.ldk2 = d.rope;
+      a.val = c;
+      a.ldv = L;
+      a.vdim = L;
+      a.lim = lim.data() + t * HG;
+      a.scale = d.scale;
+    };
+    auto dst = [&](int64_t gi) { return Ch.data() + ((gi / nhg) * H + (gi % nhg) * HG) * L; };
+    attend_groups(kern, Tb * nhg, HG, S, L, Tb * S * H * (2 * L + d.rope), setup, dst, L);
+    // C: a[t,h] = W_UV_h ĉ[t,h]; W_UV_h decoded once for the block's tokens.
+#pragma omp parallel if (par_heads)
+    {
+      std::vector<float> W(static_cast<size_t>(d.v * L));
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < H; ++h) {
+        decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W.data());
+        kern.gemm_nt(Tb, d.v, L, Ch.data() + h * L, H * L, W.data(), L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
+      }
+    }
+  }
+}
+}  // namespace
+
 void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const float* k_r, const float* v, int64_t S,
                          int64_t pos0, const MlaAttnDims& d, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels())
+    return mla_expanded_simd(*kern, q, T, k_nope, k_r, v, S, pos0, d, out);
   const int64_t dq = d.nope + d.rope;
 #pragma omp parallel for collapse(2) schedule(static) if (T * S * d.heads * (d.nope + d.v) > kParallelMin)
   for (int64_t h = 0; h < d.heads; ++h)
@@ -238,6 +361,8 @@ void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const f
 
 void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,
                          const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels())
+    return mla_absorbed_simd(*kern, q, T, c, k_r, S, pos0, kv_b, d, out);
   const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora;
 #pragma omp parallel for schedule(static) if ((T + per_head) * S * d.heads * L > kParallelMin)
   for (int64_t h = 0; h < d.heads; ++h) {
@@ -287,6 +412,10 @@ void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, b
 
 void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps,
                  float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(); kern && n_src >= 1 && n_src <= 64) {
+    return for_blocks(T, kElemBlock / std::max<int64_t>(H * n_src, 1), H * n_src,
+                      [&](int64_t t0, int64_t t1) { kern->attnres_mix(src, n_src, t0, t1, H, fold, eps, out); });
+  }
   for (int64_t t = 0; t < T; ++t) {
     float sc[64];  // n_src <= 64 enforced by the model (K3 needs at most 9)
     for (int64_t j = 0; j < n_src; ++j) {

@@ -205,7 +205,7 @@ bool fast_applies(const WeightMat& W, int64_t T) {
 
 void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
   const bool fast = fast_applies(W, T);
-  const cpu::GemmKernels* K = kernels_for(cpu_isa());
+  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
   if (!K) {
     if (!fast) return matmul_scalar(W, X, T, Y);
     const auto r = round_to_bf16(X, T * W.cols);

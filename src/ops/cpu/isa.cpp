@@ -76,12 +76,22 @@ CpuIsa cpu_isa() {
   return isa;
 }
 
-const char* numerics_name(Numerics n) { return n == Numerics::Exact ? "exact" : "fast"; }
+const char* numerics_name(Numerics n) {
+  switch (n) {
+    case Numerics::Exact: return "exact";
+    case Numerics::F32: return "fp32";
+    case Numerics::Fast: return "fast";
+  }
+  return "?";
+}
+
+CpuIsa active_kernel_level() { return t_numerics == Numerics::Exact ? CpuIsa::Scalar : cpu_isa(); }
 
 Numerics parse_numerics(const std::string& name) {
   if (name == "exact") return Numerics::Exact;
+  if (name == "fp32") return Numerics::F32;
   if (name == "fast") return Numerics::Fast;
-  fail("unknown numerics '" + name + "' (expected exact or fast)");
+  fail("unknown numerics '" + name + "' (expected exact, fp32 or fast)");
 }
 
 Numerics current_numerics() { return t_numerics; }

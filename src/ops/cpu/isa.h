@@ -29,19 +29,23 @@ CpuIsa cpu_isa();
 void set_cpu_isa(CpuIsa isa);
 CpuIsa parse_cpu_isa(const std::string& name);  // k3::Error on anything else
 
-// How weight matmuls round their activations.
-//   Exact: fp32 activations, weights widened to fp32, fp32 FMA accumulation (matches the fp64
-//          reference to ~1e-6; the whole-model gates run in this mode).
-//   Fast:  activations rounded to bf16 (8 significant bits, <= 2^-9 relative each) and, on
+// How the CPU ops compute.
+//   Exact: the scalar kernels at every CPU level: fp32 products summed in fp64, the KDA state in
+//          fp64 within a call. Reference grade (the whole-model gates run in this mode: within 1e-5
+//          of the fp64 reference even on fixtures that amplify fp32 rounding), and slow.
+//   F32:   the SIMD kernels of the active level in fp32 (fp32 FMA accumulation, fp32 KDA state).
+//   Fast:  F32, plus activations rounded to bf16 (8 significant bits, <= 2^-9 relative each) and, on
 //          avx512, multiplied with vdpbf16ps (fp32 accumulation), as llama.cpp does for bf16
 //          weights. Applies to GEMMs with T >= kFastMinRows (prefill) and to MXFP4 GEMVs (decode:
 //          decoding nibbles to fp32 costs more than the memory read; to bf16 it does not). BF16 /
 //          F16 / F32 GEMVs are memory-bound and stay exact. Weights are never rounded.
-enum class Numerics : uint8_t { Exact = 0, Fast = 1 };
+enum class Numerics : uint8_t { Exact = 0, F32 = 1, Fast = 2 };
 constexpr int64_t kFastMinRows = 4;
 const char* numerics_name(Numerics n);
-Numerics parse_numerics(const std::string& name);  // "exact" | "fast", k3::Error otherwise
+Numerics parse_numerics(const std::string& name);  // "exact" | "fp32" | "fast", k3::Error otherwise
 
+// The level the kernels called on this thread use: Scalar under Numerics::Exact, else cpu_isa().
+CpuIsa active_kernel_level();
 // Whether ops::matmul(W, X, T, ..) rounds X to bf16 under the current numerics (rule above).
 bool fast_applies(const WeightMat& W, int64_t T);
 
