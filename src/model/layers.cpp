@@ -126,9 +126,11 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
   // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights.
   Buf logits = buf(T * d.experts);
   {
-    // Always fp32: a bf16-rounded input can flip a near-tie in the top-k selection, which changes
-    // the output by a whole expert (engines keep the router in fp32 for the same reason).
-    const ops::NumericsScope exact(ops::Numerics::Exact);
+    // Never on rounded activations: a bf16-rounded input can flip a near-tie in the top-k
+    // selection, which changes the output by a whole expert (engines keep the router in fp32 for
+    // the same reason). Fast -> F32; Exact stays Exact.
+    const ops::NumericsScope router(ops::current_numerics() == ops::Numerics::Fast ? ops::Numerics::F32
+                                                                                  : ops::current_numerics());
     ops::matmul(w.gate, x, T, logits.data());
   }
   std::vector<int32_t> idx(static_cast<size_t>(T * d.top_k));

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -114,42 +115,69 @@ std::vector<float> permute_x_mxfp4(const float* x, int64_t cols) {
   return xp;
 }
 
-// x as bf16 in the word order of the fast MXFP4 GEMV (gemm_avx512.cpp): per 128-column group,
-// four runs of 32 words v = 0..3; word w of run v sits in 128-bit lane L = w / 8 at k = w % 8 and
-// holds column 2*(16L + k) (v=0), 2*(16L + 8 + k) (v=1), 2*(16L + k) + 1 (v=2), 2*(16L + 8 + k) + 1 (v=3).
-std::vector<uint16_t> permute_x_mxfp4_bf16(const float* x, int64_t cols) {
-  std::vector<uint16_t> xq(static_cast<size_t>(cols / 128 * 128));
-  for (int64_t g = 0; g < cols / 128; ++g)
-    for (int64_t v = 0; v < 4; ++v)
-      for (int64_t w = 0; w < 32; ++w) {
-        const int64_t L = w / 8, k = w % 8, byte = 16 * L + (v & 1) * 8 + k;
-        xq[size_t(128 * g + 32 * v + w)] = f32_to_bf16(x[128 * g + 2 * byte + (v >> 1)]);
-      }
-  return xq;
+// x quantised per 32-column block to int8 (step = max|x| / 127, round to nearest) for the fast
+// MXFP4 GEMV, in the layouts of GemmKernels::gemv_mxfp4_q8; deq receives the dequantised x
+// (natural order): the activations the product is exactly taken with. Like llama.cpp's q8_0.
+struct Q8x {
+  std::vector<int8_t> q;     // per 128-col group: 64 even-column values, then 64 odd
+  std::vector<int32_t> c;    // per group: 16 lanes, -12 * sum of the lane's 8 values
+  std::vector<float> s;      // per group: 16 lanes, block step / 2
+  std::vector<float> deq;    // natural order
+};
+
+Q8x quantize_x_mxfp4_q8(const float* x, int64_t cols) {
+  Q8x r;
+  const int64_t nb = cols / 32, ng = nb / 4;
+  std::vector<int8_t> q(static_cast<size_t>(cols));
+  std::vector<float> step(static_cast<size_t>(nb));
+  r.deq.resize(size_t(cols));
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0;
+    for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
+    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    step[size_t(b)] = d;
+    for (int64_t j = 0; j < 32; ++j) {
+      const auto v = int8_t(std::lrint(x[32 * b + j] * inv));
+      q[size_t(32 * b + j)] = v;
+      r.deq[size_t(32 * b + j)] = float(v) * d;
+    }
+  }
+  r.q.resize(size_t(ng * 128));
+  r.c.resize(size_t(ng * 16));
+  r.s.resize(size_t(ng * 16));
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t i = 0; i < 64; ++i) {
+      r.q[size_t(128 * g + i)] = q[size_t(128 * g + 2 * i)];
+      r.q[size_t(128 * g + 64 + i)] = q[size_t(128 * g + 2 * i + 1)];
+    }
+    for (int64_t j = 0; j < 16; ++j) {
+      int32_t sum = 0;
+      for (int64_t i = 4 * j; i < 4 * j + 4; ++i) sum += q[size_t(128 * g + 2 * i)] + q[size_t(128 * g + 2 * i + 1)];
+      r.c[size_t(16 * g + j)] = -12 * sum;
+      r.s[size_t(16 * g + j)] = step[size_t(4 * g + j / 4)] * 0.5f;
+    }
+  }
+  return r;
 }
 
 void gemv_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* x, bool fast, float* y) {
-  std::vector<float> xp, rounded;
-  std::vector<uint16_t> xq;
-  const bool fast_mxfp4 = fast && W.fmt == WFormat::MXFP4 && K.gemv_mxfp4_bf16;
-  if (fast_mxfp4) {
-    rounded = round_to_bf16(x, W.cols);
-    xp = permute_x_mxfp4(rounded.data(), W.cols);
-    xq = permute_x_mxfp4_bf16(x, W.cols);
-  } else if (W.fmt == WFormat::MXFP4) {
-    if (fast) {  // no bf16 dot at this level: the same rounding, fp32 products
-      rounded = round_to_bf16(x, W.cols);
-      x = rounded.data();
-    }
-    xp = permute_x_mxfp4(x, W.cols);
+  // Fast applies to a GEMV only for MXFP4 (fast_applies): 8-bit activations, through vpdpbusd where
+  // the level has it, else the same dequantised activations through the fp32 kernel.
+  std::vector<float> xp;
+  Q8x q8;
+  const bool q8_kernel = fast && K.gemv_mxfp4_q8;
+  if (fast) {
+    q8 = quantize_x_mxfp4_q8(x, W.cols);
+    x = q8.deq.data();
   }
+  if (W.fmt == WFormat::MXFP4) xp = permute_x_mxfp4(x, W.cols);
 #pragma omp parallel if (W.rows * W.cols > kParallelMin)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
     const int64_t per = ((W.rows + nt - 1) / nt + 3) / 4 * 4;
     const int64_t r0 = std::min(W.rows, id * per), r1 = std::min(W.rows, r0 + per);
     if (r0 < r1) {
-      if (fast_mxfp4) K.gemv_mxfp4_bf16(W, xq.data(), xp.data(), r0, r1, y);
+      if (q8_kernel) K.gemv_mxfp4_q8(W, q8.q.data(), q8.c.data(), q8.s.data(), xp.data(), r0, r1, y);
       else K.gemv(W, x, xp.data(), r0, r1, y);
     }
   }
@@ -208,7 +236,7 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
   const cpu::GemmKernels* K = kernels_for(active_kernel_level());
   if (!K) {
     if (!fast) return matmul_scalar(W, X, T, Y);
-    const auto r = round_to_bf16(X, T * W.cols);
+    const auto r = T == 1 ? quantize_x_mxfp4_q8(X, W.cols).deq : round_to_bf16(X, T * W.cols);
     return matmul_scalar(W, r.data(), T, Y);
   }
   if (T == 1) return gemv_threaded(*K, W, X, fast, Y);

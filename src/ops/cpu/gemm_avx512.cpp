@@ -124,15 +124,9 @@ void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, i
   }
 }
 
-// ------------------------------------------------------------------ GEMV, MXFP4 on bf16 activations
-// Four blocks (128 columns, 64 packed bytes) per step: low and high nibbles go through two byte
-// tables (pshufb) giving the low and high bytes of the E2M1 value as bf16 (exact: at most two
-// significant bits), interleaved into words and dotted with the bf16 activations by vdpbf16ps.
-// In each 128-bit lane L the words come from bytes 16L..16L+15, i.e. block L of the four, so the
-// E8M0 scale of block L multiplies dword lanes 4L..4L+3. xq holds x in exactly that word order
-// (gemm.cpp: permute_x_mxfp4_bf16). Rows with a scale byte of 0 or 255 (2^-127 and NaN, which the
-// shift below cannot form) and the last nb % 4 blocks take the per-block fp32 path on xr (x
-// rounded to bf16, in the even/odd order of xp).
+// ------------------------------------------------------------------ helpers of the fast MXFP4 GEMV
+// Scales of four blocks as 16 float lanes (lanes 4L..4L+3 = 2^(s_L - 127)); valid for 1 <= s <= 254
+// (0 and 255, i.e. 2^-127 and NaN, are routed to the per-block path by scales_are_normal).
 inline __m512i bf16_scale4(const uint8_t* s) {
   uint32_t s4;
   __builtin_memcpy(&s4, s, 4);
@@ -154,65 +148,66 @@ bool scales_are_normal(const uint8_t* s, int64_t n) {
   return bad == 0;
 }
 
+// ------------------------------------------------------------------ GEMV, MXFP4 on 8-bit activations
+// x quantised per 32-block to int8 with a float step (gemm.cpp: quantize_x_mxfp4_q8). Per four
+// blocks (64 packed bytes) and row: low and high nibbles through one pshufb table each to
+// u8 = 2*E2M1 + 12 (0..24), then vpdpbusd against the int8 x of the even and odd columns: in each
+// dword lane j the four bytes 4j..4j+3 belong to block j/4 (of the four). The +12 offset adds
+// 12 * (sum of the lane's x), which the accumulator starts out subtracting (xc); the integer dot
+// is exact. Lanes 4L..4L+3 are then scaled by 2^(s_L - 127) * step_L / 2.
+// pf: byte distance to the next tile's rows (as in gemv_rows: prefetch the next tile meanwhile).
 template <int R>
-inline void gemv_mxfp4_bf16_rows(const uint8_t* const* p, const uint8_t* const* s, const uint16_t* xq, int64_t ng,
-                                 float* y) {
-  const __m512i lut_lo = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, char(0x80), char(0xC0), 0, 0x40, char(0x80),
-                                                              char(0xC0), 0, 0, char(0x80), char(0xC0), 0, 0x40,
-                                                              char(0x80), char(0xC0)));
-  const __m512i lut_hi = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40, char(0x80),
-                                                              char(0xBF), char(0xBF), char(0xBF), char(0xC0),
-                                                              char(0xC0), char(0xC0), char(0xC0)));
+inline void gemv_mxfp4_q8_rows(const uint8_t* const* p, const uint8_t* const* s, const int8_t* xq, const int32_t* xc,
+                               const float* xs, int64_t ng, float* y, int64_t pf) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i m0f = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    const uint16_t* xg = xq + 128 * g;
-    const __m512i x0 = _mm512_loadu_si512(xg), x1 = _mm512_loadu_si512(xg + 32);
-    const __m512i x2 = _mm512_loadu_si512(xg + 64), x3 = _mm512_loadu_si512(xg + 96);
+    const __m512i xe = _mm512_loadu_si512(xq + 128 * g), xo = _mm512_loadu_si512(xq + 128 * g + 64);
+    const __m512i c = _mm512_loadu_si512(xc + 16 * g);
+    const __m512 sx = _mm512_loadu_ps(xs + 16 * g);
     for (int i = 0; i < R; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 64 * g), _MM_HINT_T0);
       const __m512i P = _mm512_loadu_si512(p[i] + 64 * g);
-      const __m512i lo = _mm512_and_si512(P, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f);
-      const __m512i lo_l = _mm512_shuffle_epi8(lut_lo, lo), lo_h = _mm512_shuffle_epi8(lut_hi, lo);
-      const __m512i hi_l = _mm512_shuffle_epi8(lut_lo, hi), hi_h = _mm512_shuffle_epi8(lut_hi, hi);
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_unpacklo_epi8(lo_l, lo_h), (__m512bh)x0);
-      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpackhi_epi8(lo_l, lo_h), (__m512bh)x1);
-      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpacklo_epi8(hi_l, hi_h), (__m512bh)x2);
-      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_unpackhi_epi8(hi_l, hi_h), (__m512bh)x3);
-      acc[i] = _mm512_fmadd_ps(t, _mm512_castsi512_ps(bf16_scale4(s[i] + 4 * g)), acc[i]);
+      const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(P, m0f));
+      const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f));
+      const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl, xe), wh, xo);
+      const __m512 sc = _mm512_mul_ps(_mm512_castsi512_ps(bf16_scale4(s[i] + 4 * g)), sx);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-void gemv_mxfp4_bf16(const WeightMat& W, const uint16_t* xq, const float* xr, int64_t r0, int64_t r1, float* y) {
+void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, const float* xs, const float* xr,
+                   int64_t r0, int64_t r1, float* y) {
   const int64_t nb = W.cols / 32, ng = nb / 4;
   const uint8_t* pb = static_cast<const uint8_t*>(W.data);
   auto tail = [&](int64_t r, float* out) {  // blocks [4*ng, nb) of row r, added to *out
     if (ng * 4 == nb) return;
     const uint8_t* p[1] = {pb + r * nb * 16 + ng * 64};
-    const uint8_t* s[1] = {W.scales + r * nb + ng * 4};
+    const uint8_t* sp[1] = {W.scales + r * nb + ng * 4};
     float t;
-    gemv_mxfp4_rows<1>(p, s, xr + ng * 128, nb - ng * 4, &t);
+    gemv_mxfp4_rows<1>(p, sp, xr + ng * 128, nb - ng * 4, &t);
     *out += t;
   };
   int64_t r = r0;
   for (; r < r1;) {
-    const bool four = r + 4 <= r1 && scales_are_normal(W.scales + r * nb, 4 * nb);
-    if (four) {
+    if (r + 4 <= r1 && scales_are_normal(W.scales + r * nb, 4 * nb)) {
       const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
-      const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
-      gemv_mxfp4_bf16_rows<4>(p, s, xq, ng, y + r);
+      const uint8_t* sp[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
+      gemv_mxfp4_q8_rows<4>(p, sp, xq, xc, xs, ng, y + r, 4 * nb * 16);
       for (int i = 0; i < 4; ++i) tail(r + i, y + r + i);
       r += 4;
     } else {
       const uint8_t* p[1] = {pb + r * nb * 16};
-      const uint8_t* s[1] = {W.scales + r * nb};
-      if (scales_are_normal(s[0], nb)) {
-        gemv_mxfp4_bf16_rows<1>(p, s, xq, ng, y + r);
+      const uint8_t* sp[1] = {W.scales + r * nb};
+      if (scales_are_normal(sp[0], nb)) {
+        gemv_mxfp4_q8_rows<1>(p, sp, xq, xc, xs, ng, y + r, nb * 16);
         tail(r, y + r);
       } else {
-        gemv_mxfp4_rows<1>(p, s, xr, nb, y + r);
+        gemv_mxfp4_rows<1>(p, sp, xr, nb, y + r);
       }
       r += 1;
     }
@@ -412,6 +407,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16, gemv_mxfp4_bf16, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16, gemv_mxfp4_q8, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx512

@@ -22,10 +22,12 @@ struct GemmKernels {
   // uint16 (rows of W as bf16). nullptr when the ISA has no bf16 dot product.
   void (*gemm_bf16)(const WeightMat& W, const uint16_t* Xb, int64_t cols_pad, int64_t T, int64_t r0, int64_t r1,
                     float* Y, int64_t ldy, uint16_t* scratch);
-  // Fast MXFP4 GEMV (T = 1): xq is x as bf16 in the word order of the kernel per 128-column group
-  // (gemm.cpp builds it), xr is x rounded to bf16 in the even/odd order of `gemv`'s xp (for tail
-  // blocks and rows with special scales). nullptr when the ISA has no bf16 dot product.
-  void (*gemv_mxfp4_bf16)(const WeightMat& W, const uint16_t* xq, const float* xr, int64_t r0, int64_t r1, float* y);
+  // Fast MXFP4 GEMV on 8-bit activations (vpdpbusd): per 128-column group, xq holds the int8 x of
+  // the 64 even then the 64 odd columns, xc the 16 dword-lane corrections (-12 * the lane's x sum),
+  // xs the 16 lane steps (block step / 2); xr is the dequantised x in the even/odd order of `gemv`'s
+  // xp. nullptr when the ISA lacks VNNI.
+  void (*gemv_mxfp4_q8)(const WeightMat& W, const int8_t* xq, const int32_t* xc, const float* xs, const float* xr,
+                        int64_t r0, int64_t r1, float* y);
   // Roofline probes (ops/cpu/roofline.cpp). Sum of n bytes read with full-width loads (n % 512 == 0;
   // the result only keeps the reads from being optimised away).
   double (*read_probe)(const uint8_t* p, int64_t n);

@@ -26,7 +26,7 @@ bool has_avx512() {
   __builtin_cpu_init();
   return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
 #else
   return false;
 #endif

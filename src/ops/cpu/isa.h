@@ -15,7 +15,7 @@ namespace k3::ops {
 // Ordered: a higher level may use everything a lower one does.
 //   Scalar  plain C++ (the compiler's baseline x86-64 / any architecture)
 //   Avx2    AVX2 + FMA + F16C
-//   Avx512  AVX-512 F/BW/VL/DQ + BF16 (vdpbf16ps) + FMA + F16C
+//   Avx512  AVX-512 F/BW/VL/DQ + BF16 (vdpbf16ps) + VNNI (vpdpbusd) + FMA + F16C
 enum class CpuIsa : uint8_t { Scalar = 0, Avx2 = 1, Avx512 = 2 };
 
 const char* cpu_isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512"
@@ -34,11 +34,13 @@ CpuIsa parse_cpu_isa(const std::string& name);  // k3::Error on anything else
 //          fp64 within a call. Reference grade (the whole-model gates run in this mode: within 1e-5
 //          of the fp64 reference even on fixtures that amplify fp32 rounding), and slow.
 //   F32:   the SIMD kernels of the active level in fp32 (fp32 FMA accumulation, fp32 KDA state).
-//   Fast:  F32, plus activations rounded to bf16 (8 significant bits, <= 2^-9 relative each) and, on
-//          avx512, multiplied with vdpbf16ps (fp32 accumulation), as llama.cpp does for bf16
-//          weights. Applies to GEMMs with T >= kFastMinRows (prefill) and to MXFP4 GEMVs (decode:
-//          decoding nibbles to fp32 costs more than the memory read; to bf16 it does not). BF16 /
-//          F16 / F32 GEMVs are memory-bound and stay exact. Weights are never rounded.
+//   Fast:  F32, plus rounded activations where it pays: GEMMs with T >= kFastMinRows (prefill)
+//          round them to bf16 (8 significant bits, <= 2^-9 relative each) and, on avx512, use
+//          vdpbf16ps with fp32 accumulation, as llama.cpp does for bf16 weights; MXFP4 GEMVs
+//          (decode: decoding nibbles to fp32 costs more than the memory read) quantise them per
+//          32-block to int8 (step max|x|/127, like llama.cpp's q8_0) and, on avx512, use vpdpbusd
+//          with exact integer sums. BF16/F16/F32 GEMVs are memory-bound and stay F32. Weights are
+//          never rounded. The CLI default.
 enum class Numerics : uint8_t { Exact = 0, F32 = 1, Fast = 2 };
 constexpr int64_t kFastMinRows = 4;
 const char* numerics_name(Numerics n);
