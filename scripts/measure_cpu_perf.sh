@@ -3,7 +3,7 @@
 #   docs/data/cpu-roofline.{md,json}   k3 bench on the generated K3-shaped cpu-bench checkpoint
 #                                      (BF16 trunk, MXFP4 experts, ~1.9 GB): decode and prefill with
 #                                      the roofline ratio (bandwidth and peak bf16 FLOP/s probed in
-#                                      the same run), fast numerics, plus exact numerics and the
+#                                      the same run), fast numerics, plus fp32 numerics and the
 #                                      avx2 level for comparison.
 #   docs/data/k3-layer-bench.json      one true-width K3 layer of each kind (bin/k3_layer_bench),
 #                                      extrapolated to 93 layers next to kimi-k3-in-c.
@@ -44,10 +44,10 @@ md=docs/data/cpu-roofline.md
   # shellcheck disable=SC2086
   "$k3" bench -m "$model" $args --numerics fast -o md --json-out docs/data/cpu-roofline.json
   echo
-  echo "### exact numerics"
+  echo "### fp32 numerics (SIMD kernels, no activation rounding)"
   echo
   # shellcheck disable=SC2086
-  "$k3" bench -m "$model" $args --numerics exact -o md --json-out docs/data/cpu-roofline-exact.json
+  "$k3" bench -m "$model" $args --numerics fp32 -o md --json-out docs/data/cpu-roofline-fp32.json
   echo
   echo "### avx2 level (the fallback dispatch level), fast numerics"
   echo
