@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/num_util.h"
+#include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
@@ -32,18 +33,12 @@ using k3test::nan_vec;
 using k3test::rand_vec;
 using k3test::rel_l2;
 
-// ---- Tolerances (relative L2 error vs the fp64 twin unless stated) ------------------------------
-// Elementwise ops and norms: a handful of fp32 roundings per element (exp/tanh/sqrt/div, ≤ ~2 ulp
-// each for the vector versions), ≈ 1e-7 relative; same bound as test_ops_twins.
-constexpr double kTolElementwise = 1e-6;
-// Short conv + SiLU: a K-term fp32 dot then SiLU per element; same bound as test_ops_twins.
-constexpr double kTolConv = 1e-6;
-// AttnRes mix: fp64 scores, fp32 mix of ≤ 9 sources; the project-wide fp32 reduction bound.
-constexpr double kTolReduce = 1e-5;
-// KDA recurrent and chunked (fp32 state, factored decays) vs the fp64 recurrence: the brief's bound.
-constexpr double kTolKda = 1e-5;
-// MLA absorbed/expanded: fp32 dots over up to kv_lora = 512 terms and an fp32 online softmax.
-constexpr double kTolMla = 1e-5;
+// Tolerances: tests/common/op_tolerances.h (the same bounds on every level), plus:
+using k3test::kTolConv;
+using k3test::kTolElementwise;
+using k3test::kTolKda;
+using k3test::kTolMla;
+using k3test::kTolReduce;
 // The vectorised exp (Cody-Waite + degree-6 polynomial): max relative error per value, ≈ 2 ulp.
 constexpr double kTolExpRel = 2.5e-7;
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/num_util.h"
+#include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "core/dtype.h"
 #include "ops/ops.h"
@@ -26,22 +27,13 @@ using k3test::rel_l2;
 using k3test::make_weight;
 using k3test::OwnedW;
 
-// ---- Tolerances (relative L2 error, CPU fp32 kernel vs fp64 twin unless stated) ----------------
-// Elementwise ops (situ_glu, kda_gate, rmsnorm, l2norm_scale): a handful of fp32 roundings per
-// element (exp/tanh/sqrt/div), each ≤ ~1 ulp ≈ 6e-8 relative, so 1e-6 leaves ~10x headroom.
-constexpr double kTolElementwise = 1e-6;
-// Short conv + SiLU: a K-term fp32 dot per element then SiLU; cancellation in the dot can push
-// single elements' relative error up, but the aggregate stays ~1e-7; 1e-6.
-constexpr double kTolConv = 1e-6;
-// Reductions over up to a few hundred terms in fp32 (matmul, attention, AttnRes mix): error grows
-// like sqrt(n)·ulp ≈ 1e-6 for these sizes; 1e-5 is the project-wide fp32 reduction tolerance.
-constexpr double kTolReduce = 1e-5;
-// KDA (recurrent kernel vs twin, chunked vs recurrence, with carried state): the brief's bound.
-constexpr double kTolKda = 1e-5;
-// MLA absorbed vs expanded: same math re-associated through the latent; fp32 reduction bound.
-constexpr double kTolMla = 1e-5;
-// Router weights: one sigmoid + one division per weight in fp32.
-constexpr double kTolRouter = 1e-6;
+// Tolerances: tests/common/op_tolerances.h.
+using k3test::kTolConv;
+using k3test::kTolElementwise;
+using k3test::kTolKda;
+using k3test::kTolMla;
+using k3test::kTolReduce;
+using k3test::kTolRouter;
 // dequant_row is exact by definition: decoded values must be bit-identical to WeightMat::at.
 
 // ================================================================ matmul / dequant_row

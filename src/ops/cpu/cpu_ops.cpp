@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops/cpu/attn_kernels.h"
+#include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
 
 namespace k3::ops {
@@ -22,17 +23,6 @@ constexpr int64_t kParallelMin = int64_t(1) << 18;
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// fp32 products, fp64 accumulation in 8 lanes: long dot products (up to 33792 terms in K3) would
-// otherwise lose ~1e-6 relative per layer, which a deep model amplifies.
-inline float dot(const float* a, const float* b, int64_t n) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += double(a[i + j] * b[i + j]);
-  double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += double(a[i] * b[i]);
-  return float(s);
-}
 
 // SIMD levels: elementwise ops are split into blocks of about this many elements, and run in
 // parallel only above kElemParallelMin elements (a parallel region costs a few microseconds).
@@ -348,7 +338,7 @@ void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const f
       std::vector<float> sc(static_cast<size_t>(n));
       const float* qh = q + (t * d.heads + h) * dq;
       for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) + dot(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
+        sc[size_t(s)] = (dot_f64acc(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) + dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
       softmax(sc.data(), n);
       float* oh = out + (t * d.heads + h) * d.v;
       std::fill(oh, oh + d.v, 0.0f);
@@ -378,13 +368,13 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
         for (int64_t l = 0; l < L; ++l) qt[size_t(l)] += wuk[size_t(i * L + l)] * qh[i];
       const int64_t n = std::min(S, pos0 + t + 1);
       for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot(qt.data(), c + s * L, L) + dot(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
+        sc[size_t(s)] = (dot_f64acc(qt.data(), c + s * L, L) + dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
       softmax(sc.data(), n);
       std::fill(ch.begin(), ch.end(), 0.0f);
       for (int64_t s = 0; s < n; ++s)
         for (int64_t l = 0; l < L; ++l) ch[size_t(l)] += sc[size_t(s)] * c[s * L + l];
       float* oh = out + (t * d.heads + h) * d.v;
-      for (int64_t j = 0; j < d.v; ++j) oh[j] = dot(wuv.data() + j * L, ch.data(), L);
+      for (int64_t j = 0; j < d.v; ++j) oh[j] = dot_f64acc(wuv.data() + j * L, ch.data(), L);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include "core/dtype.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
+#include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
 
 namespace k3::ops {
@@ -67,17 +68,6 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
       break;
     }
   }
-}
-
-// fp32 products, fp64 accumulation in 8 lanes (the scalar level's dot).
-inline float dot_f64acc(const float* a, const float* b, int64_t n) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += double(a[i + j] * b[i + j]);
-  double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += double(a[i] * b[i]);
-  return float(s);
 }
 
 void matmul_scalar(const WeightMat& W, const float* X, int64_t T, float* Y) {
