@@ -10,7 +10,8 @@ ref=docs/data/k3-nano-eval-reference-stride512.json
 engine=${ENGINE_JSON:-build/k3-nano-eval-engine.json}
 if [[ -z ${ENGINE_JSON:-} ]]; then
   cmake -S . -B build >/dev/null && cmake --build build -j"$(nproc)" --target k3cli >/dev/null
-  ./build/bin/k3 eval -m models/k3-nano -f build/corpus/valid.txt --ctx 512 --stride 512 --json "$engine"
+  # Exact numerics: this is the comparison with the float64 reference (docs/performance.md).
+  ./build/bin/k3 eval -m models/k3-nano -f build/corpus/valid.txt --ctx 512 --stride 512 --numerics exact --json "$engine"
 fi
 python3 - "$engine" "$ref" <<'PY'
 import json, sys, subprocess, datetime

@@ -384,13 +384,17 @@ void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, in
 double read_probe(const uint8_t* p, int64_t n) {
   // Eight concurrent streams (like a GEMV over several rows): one stream alone leaves the
   // hardware prefetchers short of what the memory system can deliver.
+  // XOR, not add: the sum only has to depend on every byte, and must not overflow (UBSan).
   const int64_t q = n / 8;
   __m512i a[8];
   for (int s = 0; s < 8; ++s) a[s] = _mm512_setzero_si512();
   for (int64_t i = 0; i < q; i += 64)
-    for (int s = 0; s < 8; ++s) a[s] = _mm512_add_epi64(a[s], _mm512_loadu_si512(p + s * q + i));
-  for (int s = 1; s < 8; ++s) a[0] = _mm512_add_epi64(a[0], a[s]);
-  return double(_mm512_reduce_add_epi64(a[0]));
+    for (int s = 0; s < 8; ++s) a[s] = _mm512_xor_si512(a[s], _mm512_loadu_si512(p + s * q + i));
+  for (int s = 1; s < 8; ++s) a[0] = _mm512_xor_si512(a[0], a[s]);
+  uint64_t lanes[8], x = 0;
+  _mm512_storeu_si512(lanes, a[0]);
+  for (uint64_t v : lanes) x ^= v;
+  return double(x >> 11);
 }
 
 double flops_probe(int64_t iters) {
