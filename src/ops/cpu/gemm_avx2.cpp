@@ -49,14 +49,16 @@ inline __m256 load8(const uint8_t* row, int64_t c) {
 constexpr int64_t esize(WFormat F) { return F == WFormat::F32 ? 4 : 2; }
 
 // ------------------------------------------------------------------ GEMV, dense formats
+// pf: distance to the next tile's rows, prefetched meanwhile (see gemm_avx512.cpp).
 template <WFormat F, int R>
-inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float* y) {
+inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float* y, int64_t pf) {
   __m256 a[R], b[R];
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
     const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
     for (int i = 0; i < R; ++i) {
+      if (c % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + esize(F) * c), _MM_HINT_T0);
       a[i] = _mm256_fmadd_ps(load8<F>(p[i], c), x0, a[i]);
       b[i] = _mm256_fmadd_ps(load8<F>(p[i], c + 8), x1, b[i]);
     }
@@ -69,21 +71,6 @@ inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float*
     float s = hsum(_mm256_add_ps(a[i], b[i]));
     for (int64_t k = c; k < n; ++k) s += scalar_w(F, p[i], k) * x[k];
     y[i] = s;
-  }
-}
-
-template <WFormat F>
-void gemv_dense(const WeightMat& W, const float* x, const float*, int64_t r0, int64_t r1, float* y) {
-  const int64_t n = W.cols, rb = n * esize(F);
-  const uint8_t* base = static_cast<const uint8_t*>(W.data);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const uint8_t* p[4] = {base + r * rb, base + (r + 1) * rb, base + (r + 2) * rb, base + (r + 3) * rb};
-    gemv_rows<F, 4>(p, x, n, y + r);
-  }
-  for (; r < r1; ++r) {
-    const uint8_t* p[1] = {base + r * rb};
-    gemv_rows<F, 1>(p, x, n, y + r);
   }
 }
 
@@ -115,31 +102,6 @@ inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, co
     }
   }
   for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]);
-}
-
-void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, int64_t r1, float* y) {
-  const int64_t nb = W.cols / 32;
-  const uint8_t* pb = static_cast<const uint8_t*>(W.data);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
-    const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
-    gemv_mxfp4_rows<4>(p, s, xp, nb, y + r);
-  }
-  for (; r < r1; ++r) {
-    const uint8_t* p[1] = {pb + r * nb * 16};
-    const uint8_t* s[1] = {W.scales + r * nb};
-    gemv_mxfp4_rows<1>(p, s, xp, nb, y + r);
-  }
-}
-
-void gemv(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y) {
-  switch (W.fmt) {
-    case WFormat::F32: return gemv_dense<WFormat::F32>(W, x, xp, r0, r1, y);
-    case WFormat::F16: return gemv_dense<WFormat::F16>(W, x, xp, r0, r1, y);
-    case WFormat::BF16: return gemv_dense<WFormat::BF16>(W, x, xp, r0, r1, y);
-    case WFormat::MXFP4: return gemv_mxfp4(W, x, xp, r0, r1, y);
-  }
 }
 
 // ------------------------------------------------------------------ GEMM fp32 (exact)
@@ -203,24 +165,7 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
   if (t < T) tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy);
 }
 
-void gemm_f32(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
-              float* scratch) {
-  const int64_t n = W.cols;
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t R = r1 - r < 4 ? r1 - r : 4;
-    const float* w[4];
-    for (int64_t i = 0; i < R; ++i) {
-      widen_row(W, r + i, scratch + i * n);  // also for F32: mmap'd rows need not be 4-byte aligned
-      w[i] = scratch + i * n;
-    }
-    switch (R) {
-      case 4: tiles_f32<4>(w, X, T, n, Y + r, ldy); break;
-      case 3: tiles_f32<3>(w, X, T, n, Y + r, ldy); break;
-      case 2: tiles_f32<2>(w, X, T, n, Y + r, ldy); break;
-      default: tiles_f32<1>(w, X, T, n, Y + r, ldy); break;
-    }
-  }
-}
+#include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes
 double read_probe(const uint8_t* p, int64_t n) {

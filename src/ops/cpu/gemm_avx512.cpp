@@ -72,21 +72,6 @@ inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float*
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i], b[i]));
 }
 
-template <WFormat F>
-void gemv_dense(const WeightMat& W, const float* x, const float*, int64_t r0, int64_t r1, float* y) {
-  const int64_t n = W.cols, rb = n * esize(F);
-  const uint8_t* base = static_cast<const uint8_t*>(W.data);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const uint8_t* p[4] = {base + r * rb, base + (r + 1) * rb, base + (r + 2) * rb, base + (r + 3) * rb};
-    gemv_rows<F, 4>(p, x, n, y + r, 4 * rb);
-  }
-  for (; r < r1; ++r) {
-    const uint8_t* p[1] = {base + r * rb};
-    gemv_rows<F, 1>(p, x, n, y + r, rb);
-  }
-}
-
 // ------------------------------------------------------------------ GEMV, MXFP4
 // Per 32-column block and row: 16 packed bytes -> even columns (low nibbles) and odd columns (high
 // nibbles) through the E2M1 table, dotted with the matching halves of the permuted x, then scaled.
@@ -106,22 +91,6 @@ inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, co
     }
   }
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
-}
-
-void gemv_mxfp4(const WeightMat& W, const float*, const float* xp, int64_t r0, int64_t r1, float* y) {
-  const int64_t nb = W.cols / 32;
-  const uint8_t* pb = static_cast<const uint8_t*>(W.data);
-  int64_t r = r0;
-  for (; r + 4 <= r1; r += 4) {
-    const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
-    const uint8_t* s[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
-    gemv_mxfp4_rows<4>(p, s, xp, nb, y + r);
-  }
-  for (; r < r1; ++r) {
-    const uint8_t* p[1] = {pb + r * nb * 16};
-    const uint8_t* s[1] = {W.scales + r * nb};
-    gemv_mxfp4_rows<1>(p, s, xp, nb, y + r);
-  }
 }
 
 // ------------------------------------------------------------------ helpers of the fast MXFP4 GEMV
@@ -214,15 +183,6 @@ void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, cons
   }
 }
 
-void gemv(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y) {
-  switch (W.fmt) {
-    case WFormat::F32: return gemv_dense<WFormat::F32>(W, x, xp, r0, r1, y);
-    case WFormat::F16: return gemv_dense<WFormat::F16>(W, x, xp, r0, r1, y);
-    case WFormat::BF16: return gemv_dense<WFormat::BF16>(W, x, xp, r0, r1, y);
-    case WFormat::MXFP4: return gemv_mxfp4(W, x, xp, r0, r1, y);
-  }
-}
-
 // ------------------------------------------------------------------ row widening
 // Row r of W as fp32 in natural column order.
 void widen_row(const WeightMat& W, int64_t r, float* out) {
@@ -293,25 +253,6 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
   }
 }
 
-void gemm_f32(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
-              float* scratch) {
-  const int64_t n = W.cols;
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t R = r1 - r < 4 ? r1 - r : 4;
-    const float* w[4];
-    for (int64_t i = 0; i < R; ++i) {
-      widen_row(W, r + i, scratch + i * n);  // also for F32: mmap'd rows need not be 4-byte aligned
-      w[i] = scratch + i * n;
-    }
-    switch (R) {
-      case 4: tiles_f32<4>(w, X, T, n, Y + r, ldy); break;
-      case 3: tiles_f32<3>(w, X, T, n, Y + r, ldy); break;
-      case 2: tiles_f32<2>(w, X, T, n, Y + r, ldy); break;
-      default: tiles_f32<1>(w, X, T, n, Y + r, ldy); break;
-    }
-  }
-}
-
 // ------------------------------------------------------------------ GEMM bf16 (fast)
 // vdpbf16ps: each fp32 lane accumulates the products of one adjacent bf16 pair.
 template <int R, int N>
@@ -379,6 +320,8 @@ void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, in
     }
   }
 }
+
+#include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes
 double read_probe(const uint8_t* p, int64_t n) {
