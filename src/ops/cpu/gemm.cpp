@@ -127,7 +127,9 @@ Q8x quantize_x_mxfp4_q8(const float* x, int64_t cols) {
     const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
     step[size_t(b)] = d;
     for (int64_t j = 0; j < 32; ++j) {
-      const auto v = int8_t(std::lrint(x[32 * b + j] * inv));
+      // Round to nearest, ties to even (as lrint), without a libm call: |x * inv| <= 127, so adding
+      // and subtracting 1.5 * 2^23 leaves exactly the rounded integer (no -ffast-math here).
+      const auto v = int8_t((x[32 * b + j] * inv + 12582912.0f) - 12582912.0f);
       q[size_t(32 * b + j)] = v;
       r.deq[size_t(32 * b + j)] = float(v) * d;
     }

@@ -58,7 +58,7 @@ inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float*
   for (; c + 32 <= n; c += 32) {
     const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
     for (int i = 0; i < R; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + esize(F) * c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + esize(F) * c), _MM_HINT_T1);
       if constexpr (F == WFormat::F32) _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 4 * c + 64), _MM_HINT_T0);
       a[i] = _mm512_fmadd_ps(load16<F>(p[i], c), x0, a[i]);
       b[i] = _mm512_fmadd_ps(load16<F>(p[i], c + 16), x1, b[i]);
