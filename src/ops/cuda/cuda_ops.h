@@ -1,0 +1,84 @@
+// CUDA kernels of the K3 forward pass (namespace k3::cuda), on device pointers, fp32 activations.
+// Each function has the same meaning as its CPU twin in ops/ops.h (k3::ref is the fp64 reference
+// the device tests compare against) and only enqueues work on `s`: no host sync, no allocation
+// on the decode path (T == 1), so a decode step can be captured in a CUDA graph.
+// Positions that change per step (the MLA cache length) are read from device memory for the same
+// reason. Plain C++ header: no CUDA includes (model/ uses it).
+// Must not: know tensor names or layer order (that is model/).
+#pragma once
+#include <cstdint>
+
+#include "ops/ops.h"
+#include "ops/cuda/runtime.h"
+#include "ops/weight.h"
+
+namespace k3::cuda {
+
+// Matrix-product precision. F32: fp32 operands and accumulation everywhere (the parity mode the
+// gates use). BF16: activations rounded to bf16 for the tensor-core GEMMs of T > kGemvMaxT tokens,
+// fp32 accumulation (the default). GEMVs (T <= kGemvMaxT) read fp32 activations in both modes.
+enum class Precision : uint8_t { F32 = 0, BF16 = 1 };
+const char* precision_name(Precision p);
+Precision parse_precision(const char* name);  // "fp32" | "bf16"; k3::Error otherwise
+constexpr int64_t kGemvMaxT = 8;
+
+// ------------------------------------------------------------------ matrix products (gemm.cu)
+// Y[T, W.rows] = X[T, W.cols] · Wᵀ. W is a device view (data/scales in GPU memory) in any WFormat;
+// MXFP4 is decoded inside the kernel (packed nibbles + E8M0 scales, never expanded in memory).
+void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p, Stream s);
+// Routed experts stacked along rows: W = [E * R, C] (expert e owns rows [e*R, (e+1)*R)).
+// Y[n, R] = W_{ids[n]} · X[n / x_div] for n in [0, N). ids (device, int32) are read by the kernel,
+// so a graph replays with whatever the router wrote.
+void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
+                   float* Y, Precision p, Stream s);
+
+// ------------------------------------------------------------------ elementwise + norms (elementwise.cu)
+void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s);  // w may be null
+void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Stream s);
+void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out, Stream s);
+void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out,
+                     Stream s);
+void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
+              float lower_bound, float* g, Stream s);
+void sigmoid_inplace(float* x, int64_t n, Stream s);                      // x ← σ(x)
+void sigmoid_gate_mul(float* x, const float* gate, int64_t n, Stream s);  // x ← x · σ(gate)
+void add_inplace(float* y, const float* x, int64_t n, Stream s);          // y ← y + x
+// out[t] = row ids[t] of E (F32/F16/BF16 device view), ids on the device.
+void embed_rows(const WeightMat& E, const int32_t* ids, int64_t T, float* out, Stream s);
+// out[t] = argmax_v logits[t, v] (lowest index on ties), device int32.
+void argmax_rows(const float* logits, int64_t T, int64_t V, int32_t* out, Stream s);
+// Block AttnRes over n_src (<= kMaxAttnResSources) device arrays [T, H]; the pointer list is
+// passed by value. Same formula as ops.h attnres_mix.
+constexpr int kMaxAttnResSources = 32;
+void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps, float* out,
+                 Stream s);
+
+// ------------------------------------------------------------------ KDA (kda.cu)
+void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
+                   int64_t H, int64_t Dk, int64_t Dv, float* S, float* o, Stream s);
+void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
+                 int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o, Stream s);
+
+// ------------------------------------------------------------------ MLA (mla.cu)
+// Appends T tokens to a latent cache: c_cache[len + t] = RMSNorm(ckv[t, :kv_lora]) ⊙ norm_w,
+// kr_cache[len + t] = ckv[t, kv_lora:kv_lora+rope], where len = *len_dev (device int32, the
+// tokens cached before this call; not modified here).
+void mla_cache_append(const float* ckv, int64_t T, int64_t kv_lora, int64_t rope, const float* norm_w, float eps,
+                      const int32_t* len_dev, float* c_cache, float* kr_cache, Stream s);
+// Absorbed MLA over the latent cache (ops.h mla_attend_absorbed) with pos0 = *len_dev and
+// S = pos0 + T cached tokens (the T new ones already appended). kv_b is a device view.
+// `work` is device scratch of at least mla_absorbed_work_floats(T, d) floats.
+int64_t mla_absorbed_work_floats(int64_t T, const MlaAttnDims& d);
+void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, const int32_t* len_dev,
+                         const WeightMat& kv_b, const MlaAttnDims& d, float* work, float* out, Precision p, Stream s);
+// out ← *len_dev += T (after every layer of a forward has used the old value).
+void advance_len(int32_t* len_dev, int64_t T, Stream s);
+
+// ------------------------------------------------------------------ MoE (moe.cu)
+// Router for T tokens (ops.h router_topk per row): idx/w [T, k] on the device; bias may be null.
+void router_topk(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, bool renorm, float scale,
+                 int32_t* idx, float* w, Stream s);
+// agg[t] = Σ_j w[t, j] · y[t*k + j]  (j ascending), agg [T, n] overwritten.
+void moe_combine(const float* y, const float* w, int64_t T, int64_t k, int64_t n, float* agg, Stream s);
+
+}  // namespace k3::cuda

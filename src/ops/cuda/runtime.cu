@@ -1,0 +1,147 @@
+// CUDA runtime wrapper (see runtime.h): every CUDA call is checked and turned into k3::Error.
+#include "ops/cuda/runtime.h"
+
+#include <cuda_runtime.h>
+
+#include "core/error.h"
+
+namespace k3::cuda {
+
+namespace {
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(std::string("CUDA: ") + what + ": " + cudaGetErrorString(e));
+}
+std::string human_bytes(size_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", double(b) / (1024.0 * 1024 * 1024));
+  return buf;
+}
+}  // namespace
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver" error
+    return 0;
+  }
+  return n;
+}
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
+  return n == 0 ? "no CUDA device found" : "";
+}
+
+DeviceInfo device_info() {
+  if (device_count() == 0) fail("CUDA: no usable GPU: " + unavailable_reason());
+  DeviceInfo d;
+  cudaDeviceProp p{};
+  check(cudaGetDeviceProperties(&p, 0), "cudaGetDeviceProperties");
+  d.index = 0;
+  d.name = p.name;
+  d.sm_major = p.major;
+  d.sm_minor = p.minor;
+  d.multiprocessors = p.multiProcessorCount;
+  int clk = 0, bus = 0;
+  cudaDeviceGetAttribute(&clk, cudaDevAttrMemoryClockRate, 0);
+  cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, 0);
+  d.mem_clock_khz = clk;
+  d.bus_width_bits = bus;
+  check(cudaMemGetInfo(&d.free_bytes, &d.total_bytes), "cudaMemGetInfo");
+  return d;
+}
+
+void* dev_alloc(size_t bytes, const char* what) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    fail(std::string("CUDA: out of GPU memory allocating ") + human_bytes(bytes) + " for " + what + " (" +
+         human_bytes(free_b) + " free of " + human_bytes(total_b) + ")");
+  }
+  return p;
+}
+
+void dev_free(void* p) noexcept {
+  if (p) cudaFree(p);
+}
+
+void h2d(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s), "copy to GPU");
+}
+void d2h(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s), "copy from GPU");
+  check(cudaStreamSynchronize(s), "stream synchronize");
+}
+void d2d(void* dst, const void* src, size_t bytes, Stream s) {
+  if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s), "copy on GPU");
+}
+void dev_memset(void* dst, int value, size_t bytes, Stream s) {
+  if (bytes) check(cudaMemsetAsync(dst, value, bytes, s), "memset on GPU");
+}
+void sync(Stream s) { check(cudaStreamSynchronize(s), "stream synchronize"); }
+
+void check_launch(const char* what) { check(cudaGetLastError(), what); }
+
+Stream stream_create() {
+  cudaStream_t s = nullptr;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  return s;
+}
+void stream_destroy(Stream s) noexcept {
+  if (s) cudaStreamDestroy(s);
+}
+
+void* host_alloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  check(cudaMallocHost(&p, bytes), "cudaMallocHost");
+  return p;
+}
+void host_free_pinned(void* p) noexcept {
+  if (p) cudaFreeHost(p);
+}
+
+void capture_begin(Stream s) { check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin graph capture"); }
+GraphExec capture_end(Stream s) {
+  cudaGraph_t g = nullptr;
+  check(cudaStreamEndCapture(s, &g), "end graph capture");
+  cudaGraphExec_t e = nullptr;
+  const cudaError_t r = cudaGraphInstantiate(&e, g, 0);
+  cudaGraphDestroy(g);
+  check(r, "instantiate graph");
+  return e;
+}
+void graph_launch(GraphExec g, Stream s) { check(cudaGraphLaunch(g, s), "graph launch"); }
+void graph_destroy(GraphExec g) noexcept {
+  if (g) cudaGraphExecDestroy(g);
+}
+
+EventTimer::EventTimer() {
+  cudaEvent_t a, b;
+  check(cudaEventCreate(&a), "cudaEventCreate");
+  check(cudaEventCreate(&b), "cudaEventCreate");
+  a_ = a;
+  b_ = b;
+}
+EventTimer::~EventTimer() {
+  cudaEventDestroy(static_cast<cudaEvent_t>(a_));
+  cudaEventDestroy(static_cast<cudaEvent_t>(b_));
+}
+void EventTimer::start(Stream s) { check(cudaEventRecord(static_cast<cudaEvent_t>(a_), s), "event record"); }
+void EventTimer::stop(Stream s) { check(cudaEventRecord(static_cast<cudaEvent_t>(b_), s), "event record"); }
+double EventTimer::ms() {
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(b_)), "event synchronize");
+  float m = 0;
+  check(cudaEventElapsedTime(&m, static_cast<cudaEvent_t>(a_), static_cast<cudaEvent_t>(b_)), "event elapsed");
+  return m;
+}
+
+}  // namespace k3::cuda

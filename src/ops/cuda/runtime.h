@@ -1,0 +1,99 @@
+// Host-side CUDA runtime wrapper for k3: device discovery, device memory, copies, streams, events
+// and graph capture. Plain C++ header (no CUDA includes), so model/ and cli/ can use it.
+// Owns: the single place that turns CUDA error codes into k3::Error (one line naming the call).
+// Must not: hold model knowledge. Built only when K3_CUDA is on (ops/cuda/runtime.cu).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+struct CUstream_st;
+struct CUgraphExec_st;
+
+namespace k3::cuda {
+
+using Stream = CUstream_st*;  // == cudaStream_t
+
+struct DeviceInfo {
+  int index = 0;
+  std::string name;
+  int sm_major = 0, sm_minor = 0, multiprocessors = 0;
+  size_t total_bytes = 0, free_bytes = 0;
+  double mem_clock_khz = 0;  // peak memory clock (kHz) as reported
+  int bus_width_bits = 0;
+  // Peak HBM bandwidth from clock × bus width (datasheet-style lead; bench measures the real one).
+  double peak_bandwidth_gbs() const { return 2.0 * mem_clock_khz * 1e3 * bus_width_bits / 8 / 1e9; }
+};
+
+// Number of usable CUDA devices (0 when the driver is missing or no GPU is present: never throws).
+int device_count();
+// The device the process uses (0), with its free memory read now. k3::Error if none.
+DeviceInfo device_info();
+// Why no device is usable (driver/runtime message), for one-line errors and test skips.
+std::string unavailable_reason();
+
+// Device memory. dev_alloc throws k3::Error naming the size and what was asked for on failure.
+void* dev_alloc(size_t bytes, const char* what);
+void dev_free(void* p) noexcept;
+void h2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);   // async on s, then the
+void d2h(void* dst, const void* src, size_t bytes, Stream s = nullptr);   // d2h variant syncs s
+void d2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);
+void dev_memset(void* dst, int value, size_t bytes, Stream s = nullptr);
+void sync(Stream s = nullptr);
+// Throws k3::Error("CUDA: <what>: <message>") if the last launch failed.
+void check_launch(const char* what);
+
+// A device buffer that frees itself (move-only).
+class DevBuf {
+ public:
+  DevBuf() = default;
+  DevBuf(size_t bytes, const char* what) : p_(dev_alloc(bytes, what)), n_(bytes) {}
+  ~DevBuf() { dev_free(p_); }
+  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    if (this != &o) { dev_free(p_); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    return *this;
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  template <class T> T* as() const { return static_cast<T*>(p_); }
+  void* get() const { return p_; }
+  size_t bytes() const { return n_; }
+  explicit operator bool() const { return p_ != nullptr; }
+
+ private:
+  void* p_ = nullptr;
+  size_t n_ = 0;
+};
+
+Stream stream_create();
+void stream_destroy(Stream s) noexcept;
+
+// Pinned host memory (for async copies the graph replays can read).
+void* host_alloc_pinned(size_t bytes);
+void host_free_pinned(void* p) noexcept;
+
+// Graph capture of everything enqueued on `s` between begin and end.
+using GraphExec = CUgraphExec_st*;
+void capture_begin(Stream s);
+GraphExec capture_end(Stream s);  // instantiated graph
+void graph_launch(GraphExec g, Stream s);
+void graph_destroy(GraphExec g) noexcept;
+
+// Elapsed milliseconds of work enqueued by `fn`-style regions: record, then read after sync.
+class EventTimer {
+ public:
+  EventTimer();
+  ~EventTimer();
+  EventTimer(const EventTimer&) = delete;
+  EventTimer& operator=(const EventTimer&) = delete;
+  void start(Stream s);
+  void stop(Stream s);
+  double ms();  // waits for the stop event
+
+ private:
+  void* a_ = nullptr;
+  void* b_ = nullptr;
+};
+
+}  // namespace k3::cuda
