@@ -18,6 +18,9 @@
 #include "io/safetensors.h"
 #include "ops/cpu/isa.h"
 #include "runtime/memory.h"
+#ifdef K3_HAVE_CUDA
+#include "ops/cuda/runtime.h"
+#endif
 
 namespace fs = std::filesystem;
 
@@ -47,6 +50,42 @@ void RunEngineFlags::add(CLI::App* app) {
       ->check(CLI::IsMember({"fast", "fp32", "exact"}));
   app->add_option("--cpu-isa", cpu_isa, "CPU kernel level: avx512, avx2 or scalar (default: the best this CPU has)")
       ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
+  app->add_option("--device", device,
+                  "cpu, or cuda: run on the NVIDIA GPU (weights uploaded once; --numerics fast = bf16 tensor-core "
+                  "GEMMs, fp32 = parity mode) (default cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_flag("--no-graphs", no_graphs, "with --device cuda: launch decode steps kernel by kernel (no CUDA graphs)");
+}
+
+std::string gpu_fit_line(size_t need) {
+#ifdef K3_HAVE_CUDA
+  if (cuda::device_count() == 0) return "no usable CUDA GPU here (" + cuda::unavailable_reason() + ")";
+  const cuda::DeviceInfo d = cuda::device_info();
+  return "this machine's GPU: " + d.name + ", " + human_bytes(d.free_bytes) + " free of " + human_bytes(d.total_bytes) +
+         (need + (size_t(512) << 20) <= d.free_bytes ? " (fits)" : " (does NOT fit)");
+#else
+  (void)need;
+  return "this k3 was built without the CUDA backend (K3_CUDA=OFF)";
+#endif
+}
+
+void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
+                    bool quiet, const std::string& who) {
+  if (device != "cuda") return;
+  GpuOptions o;
+  o.graphs = graphs;
+  o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
+  o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
+  const auto t0 = std::chrono::steady_clock::now();
+  m.use_gpu(o);
+  if (!quiet) {
+    const GpuMemoryPlan p = gpu_memory_plan(m, o, o.initial_context);
+    std::fprintf(stderr, "%s: on the GPU: %s of weights + %s workspace + %s state (%lld tokens reserved, grows), in %.2f s%s\n",
+                 who.c_str(), human_bytes(p.weights).c_str(), human_bytes(p.workspace).c_str(),
+                 human_bytes(p.state_fixed + p.state_per_token * size_t(p.context)).c_str(), (long long)p.context,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 graphs ? ", decode in CUDA graphs" : "");
+  }
 }
 
 ForwardOptions RunEngineFlags::forward() const {
@@ -185,6 +224,10 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   // --ram-budget the resident weights are the trunk plus the expert cache.
   uint64_t budget = 0;
   if (!f.ram_budget.empty()) budget = parse_size(f.ram_budget, "--ram-budget");
+  const bool cuda = f.device == "cuda";
+  if (cuda && budget) fail("--ram-budget streams experts on the CPU; with --device cuda every expert stays in GPU memory");
+  if (cuda && f.numerics == "exact")
+    fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.direct_io && !budget) fail("--direct-io needs --ram-budget (it is how streamed experts are read)");
   uint64_t weight_bytes = 0, resident_bytes = 0;
   ExpertTensorTotals totals;
@@ -210,7 +253,7 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     limit = *avail;
     limit_src = "MemAvailable";
   }
-  if (limit && plan.total() > limit)
+  if (limit && plan.total() > limit && !cuda)  // on the GPU the state lives in GPU memory (checked there)
     fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
          std::to_string(ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
          human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
@@ -228,7 +271,10 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     fail("the tokenizer in " + tok_dir + " has " + std::to_string(lm.tok->vocab_size()) +
          " ids but the model's vocabulary is " + std::to_string(lm.model->dims().vocab));
   if (budget) lm.experts = make_budget_expert_cache(*lm.model, budget, f.direct_io);
-  if (!f.no_prefault) {
+  if (cuda) {
+    // The upload reads every weight once; no prefault of the host mapping is needed.
+    move_to_device(*lm.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who);
+  } else if (!f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
     const auto progress = [&](uint64_t done, uint64_t total) {
       bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));

@@ -28,6 +28,8 @@ struct RunEngineFlags {
   std::string mem_limit, ram_budget;
   bool no_prefault = false, quiet = false, direct_io = false;
   std::string numerics = "fast", cpu_isa;  // ops::Numerics; CPU kernel level (empty = best)
+  std::string device = "cpu";              // cpu | cuda
+  bool no_graphs = false;                  // cuda: run decode steps without CUDA-graph replay
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -74,6 +76,15 @@ std::string expert_summary(const LoadedModel& lm, const ExpertCacheStats& prefil
 // Ctrl-C: the first press raises the flag (generation stops cleanly); a second press exits 130.
 void install_interrupt_handler();
 std::atomic<bool>& interrupt_flag();
+
+// --device cuda: moves `m` to the GPU (weights uploaded once; one-line error when there is no GPU,
+// the build has no CUDA backend, or the model does not fit) and reports it on stderr unless quiet.
+void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
+                    bool quiet, const std::string& who);
+
+// "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
+// "this k3 was built without the CUDA backend".
+std::string gpu_fit_line(size_t need_bytes);
 
 // One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB | stop: eos"
 std::string summary_line(const GenStats& st, StopReason reason);

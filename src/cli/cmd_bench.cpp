@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_common.h"
 #include "config/arch_stats.h"
 #include "core/error.h"
 #include "io/safetensors.h"
@@ -34,6 +35,9 @@
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "runtime/memory.h"
+#ifdef K3_HAVE_CUDA
+#include "ops/cuda/runtime.h"
+#endif
 
 namespace {
 
@@ -60,6 +64,8 @@ const char* kHelp =
     "      --seed N           seed of the random token ids                         (default 1)\n"
     "      --numerics MODE    fast | fp32 | exact (see docs/performance.md)        (default fast)\n"
     "      --cpu-isa LEVEL    avx512 | avx2 | scalar kernels                       (default: best)\n"
+    "      --device DEV       cpu | cuda (NVIDIA GPU; fast = bf16, fp32 = parity)  (default cpu)\n"
+    "      --graphs MODE      cuda tgN: both | on | off (CUDA-graph decode steps)  (default both)\n"
     "      --no-roofline      skip the bandwidth / peak-FLOP probes and the ratio column\n"
     "      --roofline-mib N   buffer the bandwidth probe reads, >> last-level cache (default 1024)\n"
     "      --progress         progress on stderr (default)\n"
@@ -77,7 +83,10 @@ const char* kHelp =
     "bandwidth and the peak multiply-add rate of the widest product of the CPU level (vdpbf16ps on\n"
     "avx512). tgN: t/s x bytes one decode step reads (weights touched: trunk + top-k experts +\n"
     "lm_head, KDA state read+write, MLA cache at the depth) / bandwidth. ppN: t/s x weight FLOPs\n"
-    "per token (2 x active weight parameters; attention not counted) / peak.\n";
+    "per token (2 x active weight parameters; attention not counted) / peak.\n"
+    "With --device cuda the probes run on the GPU: device-to-device copy bandwidth (bytes read +\n"
+    "written) and the cuBLAS bf16 GEMM rate (8192^3, random data); tgN runs with and without\n"
+    "CUDA-graph replay of the decode step (--graphs); -t is ignored.\n";
 
 struct Flags {
   std::string model;
@@ -90,6 +99,7 @@ struct Flags {
   bool progress = true, help = false, roofline = true;
   std::string numerics = "fast", cpu_isa;
   int64_t roofline_mib = 1024;
+  std::string device = "cpu", graphs = "both";
 };
 
 bool all_digits(const std::string& s) {
@@ -179,11 +189,21 @@ Flags parse_flags(int argc, char** argv) {
     } else if (a == "--cpu-isa") {
       f.cpu_isa = value();
       k3::ops::parse_cpu_isa(f.cpu_isa);
+    } else if (a == "--device") {
+      f.device = value();
+      if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
+    } else if (a == "--graphs") {
+      f.graphs = value();
+      if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
+        throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
     }
     else throw Error("unknown flag '" + a + "' (see k3 bench --help)");
   }
   if (f.help) return f;
   if (!have_model || f.model.empty()) throw Error("-m/--model DIR is required");
+  if (f.device == "cuda" && f.numerics == "exact")
+    throw Error("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
+  if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
   if (std::all_of(f.n_prompt.begin(), f.n_prompt.end(), [](int64_t v) { return v == 0; }) &&
       std::all_of(f.n_gen.begin(), f.n_gen.end(), [](int64_t v) { return v == 0; }))
     throw Error("nothing to run: every -p and -n value is 0");
@@ -286,9 +306,11 @@ struct Test {
   bool pp = true;
   int64_t n = 0, depth = 0, threads = 1;
   size_t depth_index = 0;  // position in -d (a depth may be listed twice)
+  int graphs = -1;         // GPU tgN: 1 = CUDA-graph decode steps, 0 = launched kernel by kernel; -1 = n/a
   std::string name() const {
     std::string s = (pp ? "pp" : "tg") + std::to_string(n);
     if (depth > 0) s += " @ d" + std::to_string(depth);
+    if (graphs >= 0) s += graphs ? " graphs" : " no-graphs";
     return s;
   }
 };
@@ -340,9 +362,12 @@ struct Bench {
     return int64_t(std::max_element(logits.begin(), logits.end()) - logits.begin());  // first max on ties
   }
 
-  // One timed run of `t` starting from a copy of `base`; the copy itself is not timed.
-  int64_t run_once(const k3::Session& base, const Test& t, const std::vector<int32_t>& prompt, int32_t first) {
-    k3::Session s = base;
+  // One timed run of `t` starting from a copy of `base` into `s`; the copy itself is not timed.
+  // (Copying into the same session keeps its GPU buffers, so a captured decode graph is reused.)
+  int64_t run_once(k3::Session& s, const k3::Session& base, const Test& t, const std::vector<int32_t>& prompt,
+                   int32_t first) {
+    s = base;
+    if (t.graphs >= 0) model.set_gpu_graphs(t.graphs == 1);
     const auto t0 = std::chrono::steady_clock::now();
     if (t.pp) {
       prefill(s, prompt.data(), int64_t(prompt.size()), [](int64_t) {});
@@ -385,6 +410,8 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["kda_chunk"] = f.chunk;
   j["n_ubatch"] = f.ubatch;
   j["numerics"] = f.numerics;
+  j["device"] = f.device;
+  if (r.test.graphs >= 0) j["cuda_graphs"] = r.test.graphs == 1;
   if (r.roof > 0) {
     j["roofline"] = {{"kind", r.test.pp ? "peak_flops" : "read_bandwidth"},
                      {r.test.pp ? "weight_flops_per_token" : "bytes_per_token", r.work_per_token},
@@ -420,6 +447,21 @@ struct MdTable {
   }
 };
 
+// GPU probes in the CPU roofline's shape: read_gbs = device copy bandwidth, peak = cuBLAS bf16.
+k3::ops::Roofline gpu_roofline(uint64_t bytes) {
+#ifdef K3_HAVE_CUDA
+  k3::ops::Roofline r;
+  r.read_gbs = k3::cuda::measure_copy_gbs(size_t(std::max<uint64_t>(bytes, uint64_t(1) << 30)));
+  r.peak_gflops = 1e3 * k3::cuda::measure_bf16_gemm_tflops(8192);
+  r.peak_kind = "cuBLAS bf16 GEMM 8192^3";
+  r.probe_bytes = bytes;
+  return r;
+#else
+  (void)bytes;
+  throw Error("--device cuda: this k3 was built without the CUDA backend");
+#endif
+}
+
 void out(const std::string& s) {
   std::fwrite(s.data(), 1, s.size(), stdout);
   std::fflush(stdout);
@@ -439,6 +481,11 @@ int run(const Flags& f, int argc, char** argv) {
 
   if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
   auto model = k3::Model::load(f.model);
+  const bool cuda = f.device == "cuda";
+  int64_t max_ctx = 16;
+  for (int64_t d : f.n_depth) max_ctx = std::max(max_ctx, d + std::max(*std::max_element(f.n_prompt.begin(), f.n_prompt.end()),
+                                                                      *std::max_element(f.n_gen.begin(), f.n_gen.end())));
+  if (cuda) k3::cli::move_to_device(*model, "cuda", f.graphs != "off", f.ubatch, max_ctx, !f.progress, "k3 bench");
   // Exact numerics run the scalar kernels whatever the CPU level (ops/cpu/isa.h).
   const std::string kernel_level = f.numerics == "exact" ? "scalar" : k3::ops::cpu_isa_name(k3::ops::cpu_isa());
   const k3::ModelConfig& cfg = model->config();
@@ -470,7 +517,7 @@ int run(const Flags& f, int argc, char** argv) {
   mi.n_active = ap.active_per_token;
 
   std::vector<int64_t> threads = f.threads;
-  if (threads.empty()) threads.push_back(omp_get_max_threads());
+  if (threads.empty() || cuda) threads = {cuda ? 1 : omp_get_max_threads()};  // -t is CPU-only
   const int64_t build_threads = *std::max_element(threads.begin(), threads.end());
 
   // Every test, in run order: per depth, per thread count, pp tests then tg tests.
@@ -479,11 +526,19 @@ int run(const Flags& f, int argc, char** argv) {
     for (int64_t t : threads) {
       for (int64_t p : f.n_prompt)
         if (p > 0) tests.push_back({true, p, f.n_depth[di], t, di});
-      for (int64_t n : f.n_gen)
-        if (n > 0) tests.push_back({false, n, f.n_depth[di], t, di});
+      for (int64_t n : f.n_gen) {
+        if (n <= 0) continue;
+        if (!cuda) tests.push_back({false, n, f.n_depth[di], t, di});
+        if (cuda && f.graphs != "off") tests.push_back({false, n, f.n_depth[di], t, di, 1});
+        if (cuda && f.graphs != "on") tests.push_back({false, n, f.n_depth[di], t, di, 0});
+      }
     }
 
   const std::string cpu = cpu_name();
+  std::string gpu;
+#ifdef K3_HAVE_CUDA
+  if (cuda) gpu = k3::cuda::device_info().name;
+#endif
   std::string algo = "KDA " + f.kda;
   if (f.kda == "chunked") algo += " (chunk " + std::to_string(f.chunk) + ")";
   algo += ", MLA " + f.mla + ", ubatch " + std::to_string(f.ubatch);
@@ -498,8 +553,9 @@ int run(const Flags& f, int argc, char** argv) {
                   {"cpu_cores", omp_get_num_procs()},
                   {"date", utc_now()},
                   {"command", command}};
+  if (cuda) doc["build"]["gpu"] = gpu;
   doc["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
-                     {"numerics", f.numerics}, {"cpu_isa", kernel_level},
+                     {"numerics", f.numerics}, {"cpu_isa", kernel_level}, {"device", f.device},
                      {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
   doc["results"] = Json::array();
 
@@ -515,7 +571,8 @@ int run(const Flags& f, int argc, char** argv) {
     for (int64_t t : threads) {
       if (roofs.count(t)) continue;
       prog.say("roofline probes (t=" + std::to_string(t) + ")");
-      const k3::ops::Roofline r = k3::ops::measure_roofline(int(t), uint64_t(f.roofline_mib) << 20);
+      const k3::ops::Roofline r = cuda ? gpu_roofline(uint64_t(f.roofline_mib) << 20)
+                                       : k3::ops::measure_roofline(int(t), uint64_t(f.roofline_mib) << 20);
       roofs[t] = r;
       rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops}, {"peak_kind", r.peak_kind},
                     {"probe_bytes", r.probe_bytes}});
@@ -524,14 +581,18 @@ int run(const Flags& f, int argc, char** argv) {
   }
   if (f.output == "md") {
     prog.done();
-    std::string head = "k3 " + std::string(k3::version()) + " bench | CPU: " + cpu + " (" +
+    std::string head = "k3 " + std::string(k3::version()) + " bench | " + (cuda ? "GPU: " + gpu + " | " : "") + "CPU: " + cpu + " (" +
                        std::to_string(omp_get_num_procs()) + " cores, " + kernel_level +
                        " kernels) | " + algo + " | numerics " + f.numerics + " | " + std::to_string(f.reps) +
                        " reps + 1 warm-up\n";
     for (const auto& [t, r] : roofs) {
       char line[256];
-      std::snprintf(line, sizeof line, "roofline t=%lld: read %.1f GB/s, peak %.1f GFLOP/s (%s)\n", (long long)t,
-                    r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
+      if (cuda)
+        std::snprintf(line, sizeof line, "roofline GPU: copy %.1f GB/s (read + write), peak %.1f GFLOP/s (%s)\n",
+                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
+      else
+        std::snprintf(line, sizeof line, "roofline t=%lld: read %.1f GB/s, peak %.1f GFLOP/s (%s)\n", (long long)t,
+                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
       head += line;
     }
     out(head + "\n" + table.header());
@@ -541,14 +602,16 @@ int run(const Flags& f, int argc, char** argv) {
            std::to_string(tests.size()) + " tests");
   // Read every weight page in once, so no timed run pays for page faults of experts that the
   // warm-up happened not to route to.
-  model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
-    prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
-  });
+  if (!cuda)
+    model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
+      prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
+    });
   Bench bench(*model, f);
   // Depth contexts are prefixes of one id stream: a deeper context extends the previous one
   // (so -d 0,1024,2048 prefills 2048 tokens, not 3072); a shallower one starts over.
   const std::vector<int32_t> ctx_ids = random_ids(f.seed, 0, *std::max_element(f.n_depth.begin(), f.n_depth.end()), V);
   k3::Session base(*model);  // the snapshot every repetition copies
+  k3::Session work(*model);  // what each repetition runs in
   int64_t base_len = 0;
   size_t next = 0;
   for (size_t di = 0; di < f.n_depth.size(); ++di) {
@@ -570,11 +633,11 @@ int run(const Flags& f, int argc, char** argv) {
       const int32_t first = random_ids(f.seed, uint64_t(d) * 2 + 2, 1, V)[0];
       const std::string label = t.name() + " (t=" + std::to_string(t.threads) + ")";
       prog.say(label + ": warm-up");
-      bench.run_once(base, t, prompt, first);
+      bench.run_once(work, base, t, prompt, first);
       Result r{t, {}, 0, 0};
       for (int64_t rep = 0; rep < f.reps; ++rep) {
         prog.say(label + ": rep " + std::to_string(rep + 1) + "/" + std::to_string(f.reps));
-        r.samples_ns.push_back(bench.run_once(base, t, prompt, first));
+        r.samples_ns.push_back(bench.run_once(work, base, t, prompt, first));
       }
       summarize(r);
       if (auto it = roofs.find(t.threads); it != roofs.end()) {
@@ -592,7 +655,7 @@ int run(const Flags& f, int argc, char** argv) {
                                        t.name(), ts};
         if (f.roofline) {
           char rl[64];
-          std::snprintf(rl, sizeof rl, "%.1f%% %s", 100 * r.roofline_ratio, t.pp ? "peak" : "BW");
+          std::snprintf(rl, sizeof rl, "%.1f%% %s", 100 * r.roofline_ratio, t.pp ? "peak" : cuda ? "HBM" : "BW");
           cells.push_back(rl);
         }
         out(table.row(cells));

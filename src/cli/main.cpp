@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/cli_common.h"
 #include "cli/cmd_bench.h"
 #include "cli/cmd_eval.h"
 #include "cli/cmd_run.h"
@@ -34,6 +35,8 @@ struct EngineFlags {
   std::string kda = "chunked", mla = "absorbed";
   int64_t chunk = 64;
   int threads = 0;
+  std::string device = "cpu", numerics;  // numerics: default exact on the CPU, fp32 on the GPU
+  bool no_graphs = false;
 
   void add(CLI::App* app) {
     app->add_option("-m,--model", model, "checkpoint directory (config.json + safetensors)")->required();
@@ -41,9 +44,22 @@ struct EngineFlags {
     app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
     app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
     app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
+    app->add_option("--device", device, "cpu or cuda (default cpu)")->check(CLI::IsMember({"cpu", "cuda"}));
+    app->add_option("--numerics", numerics,
+                    "exact (CPU default: fp64 sums), fp32 (GPU default: parity mode) or fast (bf16 activations)")
+        ->check(CLI::IsMember({"fast", "fp32", "exact"}));
+    app->add_flag("--no-graphs", no_graphs, "with --device cuda: no CUDA-graph replay of decode steps");
+  }
+  std::unique_ptr<k3::Model> load() const {
+    if (device == "cuda" && numerics == "exact")
+      k3::fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
+    auto m = k3::Model::load(model);
+    k3::cli::move_to_device(*m, device, !no_graphs, 512, 4096, true, "k3");
+    return m;
   }
   k3::ForwardOptions options() const {
     k3::ForwardOptions o;
+    o.numerics = k3::ops::parse_numerics(!numerics.empty() ? numerics : device == "cuda" ? "fp32" : "exact");
     o.kda_algo = kda == "recurrent" ? k3::KdaAlgo::Recurrent : k3::KdaAlgo::Chunked;
     o.mla_algo = mla == "expanded" ? k3::MlaAlgo::Expanded : k3::MlaAlgo::Absorbed;
     o.kda_chunk = chunk;
@@ -61,7 +77,7 @@ int argmax(const float* x, int64_t n) {
 int cmd_logits(const EngineFlags& ef, const std::string& ids_arg, const std::string& out_path) {
   ef.apply_threads();
   const std::vector<int32_t> ids = k3::cli::parse_ids(ids_arg);
-  auto model = k3::Model::load(ef.model);
+  auto model = ef.load();
   k3::Session s(*model);
   const int64_t V = model->dims().vocab, T = int64_t(ids.size());
   std::vector<float> logits(static_cast<size_t>(T * V));
@@ -77,7 +93,7 @@ int cmd_logits(const EngineFlags& ef, const std::string& ids_arg, const std::str
 int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, int64_t n, bool print_ids) {
   ef.apply_threads();
   const std::vector<int32_t> prompt = k3::cli::parse_ids(ids_arg);
-  auto model = k3::Model::load(ef.model);
+  auto model = ef.load();
   k3::Session s(*model);
   const int64_t V = model->dims().vocab;
   std::vector<float> logits(static_cast<size_t>(V));
@@ -129,6 +145,16 @@ int cmd_info(const std::string& dir, int64_t ctx) {
     if (auto avail = k3::mem_available_bytes())
       std::printf("  this machine: %s available (%s)\n", k3::human_bytes(*avail).c_str(),
                   p.total() <= *avail ? "fits" : "does NOT fit: lower --ctx");
+  }
+  if (ck->missing_shards().empty()) {
+    // What `--device cuda` needs in GPU memory (weights as stored, MXFP4 experts stay 4-bit).
+    const int64_t at = ctx > 0 ? ctx : 4096;
+    const k3::GpuMemoryPlan g = k3::gpu_memory_plan(cfg, ck->total_tensor_bytes(), k3::GpuOptions{}, at);
+    std::printf("GPU memory to run at %lld tokens (--device cuda)\n", (long long)at);
+    std::printf("  weights %s + state %s + MLA cache %s + workspace %s = %s\n", human_bytes(g.weights).c_str(),
+                human_bytes(g.state_fixed).c_str(), human_bytes(g.state_per_token * size_t(at)).c_str(),
+                human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
+    std::printf("  %s\n", k3::cli::gpu_fit_line(g.total()).c_str());
   }
   std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512 to choose)\n",
               k3::ops::cpu_isa_name(k3::ops::cpu_isa()), k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()));

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "model/gpu_internal.h"
 
 namespace k3 {
 
@@ -323,6 +324,12 @@ void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, 
     if (ids[t] < 0 || ids[t] >= V)
       fail("token id " + std::to_string(ids[t]) + " at position " + std::to_string(t) + " is outside the vocabulary [0, " +
            std::to_string(V) + ")");
+  if (gpu_) {
+    if (!s.gpu_.p) fail("this session was created before the model moved to the GPU; create a new session");
+    gpu_forward(*this, s.gpu_.p, ids, T, all_logits, logits, opt);
+    s.pos_ += T;
+    return;
+  }
   // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
   DepthState depth;
   depth.partial.resize(static_cast<size_t>(T * H));
@@ -339,7 +346,10 @@ void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, 
 }
 
 // ---------------------------------------------------------------- session
-Session::Session(const Model& m) : model_(&m) { reset(); }
+Session::Session(const Model& m) : model_(&m) {
+  if (m.on_gpu()) gpu_.p = gpu_session_new(m);
+  reset();
+}
 
 void Session::reset() {
   const ModelDims& d = model_->dims();
@@ -347,6 +357,7 @@ void Session::reset() {
   for (int64_t L = 0; L < d.layers; ++L)
     if (model_->layers[size_t(L)].is_kda) layers_[size_t(L)].kda.reset(d.kda);
   pos_ = 0;
+  if (gpu_.p) gpu_session_reset(gpu_.p);
 }
 
 uint64_t Model::fingerprint() const {
@@ -365,6 +376,7 @@ uint64_t Model::fingerprint() const {
 }
 
 Session::Mark Session::mark() const {
+  if (gpu_.p) gpu_pull(false);
   Mark m;
   m.pos = pos_;
   m.kda.resize(layers_.size());
@@ -377,6 +389,7 @@ Session::Mark Session::mark() const {
 }
 
 void Session::rollback(const Mark& m) {
+  if (gpu_.p) gpu_pull(false);  // the MLA lengths now
   if (m.kda.size() != layers_.size() || m.pos > pos_) fail("session rollback: the mark is not an earlier point of this session");
   const int64_t kv = model_->dims().mla.kv_lora, rope = model_->dims().mla.rope;
   for (size_t L = 0; L < layers_.size(); ++L)
@@ -385,10 +398,13 @@ void Session::rollback(const Mark& m) {
     if (model_->layers[L].is_kda) layers_[L].kda = m.kda[L];
     MlaCache& c = layers_[L].mla;
     c.len = m.mla_len[L];
-    c.c.resize(size_t(c.len * kv));
-    c.kr.resize(size_t(c.len * rope));
+    if (!gpu_.p) {
+      c.c.resize(size_t(c.len * kv));
+      c.kr.resize(size_t(c.len * rope));
+    }
   }
   pos_ = m.pos;
+  if (gpu_.p) gpu_push(false);
 }
 
 namespace {
@@ -420,6 +436,7 @@ void get_floats(std::istream& in, std::vector<float>& v, size_t expect, const ch
 }  // namespace
 
 void Session::save(std::ostream& out) const {
+  if (gpu_.p) gpu_pull(true);
   out.write(kSessionMagic, 8);
   put_u64(out, model_->fingerprint());
   put_u64(out, uint64_t(pos_));
@@ -459,9 +476,14 @@ void Session::load(std::istream& in) {
   tmp.pos_ = int64_t(pos);
   layers_ = std::move(tmp.layers_);
   pos_ = tmp.pos_;
+  if (gpu_.p) gpu_push(true);
 }
 
 size_t Session::state_bytes() const {
+  if (gpu_.p) {
+    const GpuMemoryPlan p = gpu_memory_plan(*model_, GpuOptions{}, pos_);
+    return p.state_fixed + p.state_per_token * size_t(pos_);
+  }
   size_t n = 0;
   for (const auto& l : layers_)
     n += 4 * (l.kda.S.size() + l.kda.conv_q.size() + l.kda.conv_k.size() + l.kda.conv_v.size() + l.mla.c.size() +

@@ -20,6 +20,43 @@ namespace io {
 class Checkpoint;
 }
 
+// ---------------------------------------------------------------- GPU execution (model/gpu_forward.cpp)
+// The CUDA backend keeps a device copy of the weights (MXFP4 experts stay 4-bit, stacked per layer)
+// in a GpuModel, and each Session's KDA/conv state and MLA latent cache in a GpuSessionState.
+// Both are opaque here (no CUDA headers in model/); builds without K3_CUDA fail use_gpu() clearly.
+struct GpuModel;
+struct GpuSessionState;
+struct GpuModelDeleter {
+  void operator()(GpuModel* p) const;
+};
+// Owns a GpuSessionState; copying a Session copies its device state on the device.
+class GpuStateHandle {
+ public:
+  GpuStateHandle() = default;
+  GpuStateHandle(const GpuStateHandle& o);
+  GpuStateHandle& operator=(const GpuStateHandle& o);
+  GpuStateHandle(GpuStateHandle&& o) noexcept : p(o.p) { o.p = nullptr; }
+  GpuStateHandle& operator=(GpuStateHandle&& o) noexcept;
+  ~GpuStateHandle();
+  GpuSessionState* p = nullptr;
+};
+
+struct GpuOptions {
+  bool graphs = true;            // capture single-token decode steps in CUDA graphs
+  int64_t tokens_per_call = 256; // activation workspace size; longer forwards run in pieces
+  int64_t initial_context = 4096;  // MLA cache capacity reserved per session (grows when needed)
+};
+
+// GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).
+struct GpuMemoryPlan {
+  size_t weights = 0;          // every weight the forward reads, in its stored format
+  size_t state_fixed = 0;      // per session: KDA recurrent + conv state
+  size_t state_per_token = 0;  // per session and cached token: MLA latent + rope key
+  size_t workspace = 0;        // activations for tokens_per_call tokens
+  int64_t context = 0;         // the context the totals below are for
+  size_t total() const { return weights + workspace + state_fixed + state_per_token * size_t(context); }
+};
+
 struct LayerWeights {
   std::vector<float> input_norm;  // [hidden] input_layernorm
   std::vector<float> post_norm;   // [hidden] post_attention_layernorm
@@ -60,6 +97,11 @@ struct ForwardOptions {
   ops::Numerics numerics = ops::Numerics::Exact;
 };
 
+class Model;
+GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context);
+// The same from the config and the checkpoint's tensor bytes (k3 info: no weights bound).
+GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const GpuOptions& o, int64_t context);
+
 // True for the tensors of routed experts ("...block_sparse_moe.experts.N.w1/w2/w3...", plain or
 // MXFP4), the part of a checkpoint that --ram-budget streams instead of keeping resident.
 bool is_routed_expert_tensor(std::string_view name);
@@ -89,6 +131,14 @@ class Model {
   void forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, float* logits,
                const ForwardOptions& opt = {}) const;
 
+  // Uploads the weights to the GPU (after checking they fit, with one-line errors); from then on
+  // forward() runs there for sessions created afterwards. Numerics on the GPU: Fast = bf16
+  // tensor-core GEMMs, F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
+  void use_gpu(const GpuOptions& o = {});
+  bool on_gpu() const { return gpu_ != nullptr; }
+  void set_gpu_graphs(bool on) const;  // CUDA-graph replay of decode steps (default on); for benchmarks
+  GpuModel* gpu() const { return gpu_.get(); }
+
   // Output-side pieces, public for tests.
   WeightMat embed, lm_head;            // [vocab, hidden]
   std::vector<float> final_norm;       // [hidden]
@@ -100,6 +150,7 @@ class Model {
   ModelConfig cfg_;
   ModelDims dims_;
   std::unique_ptr<io::Checkpoint> ckpt_;
+  std::unique_ptr<GpuModel, GpuModelDeleter> gpu_;
 };
 
 class Session {
@@ -126,9 +177,16 @@ class Session {
 
  private:
   friend class Model;
+  friend struct GpuSessionState;
   const Model* model_;
-  std::vector<LayerState> layers_;
+  // Host state. While the model runs on the GPU the live state is on the device and this is only
+  // a staging image (filled by gpu_pull for mark/save), hence mutable.
+  mutable std::vector<LayerState> layers_;
   int64_t pos_ = 0;
+  GpuStateHandle gpu_;              // device state when the model runs on the GPU
+  // Device <-> host copies of the state (mark/rollback/save/load go through the host image).
+  void gpu_pull(bool with_mla) const;  // KDA state + MLA lengths (+ cache contents if with_mla)
+  void gpu_push(bool with_mla);
 };
 
 }  // namespace k3

@@ -8,6 +8,7 @@ Presets:
              9 layers, MLA at 4,8,9, block 2, KDA 2x32, top-2 of 4 experts.
   cpu-bench  K3-shaped ~2 GB checkpoint for the CPU roofline benchmarks (--no-reference).
   experts-heavy  experts ~10x the trunk, for the --ram-budget measurement (--no-reference).
+  gpu-bench  K3-shaped ~5 GB checkpoint (hidden 4096) for `k3 bench --device cuda` (--no-reference).
   mid1g      K3-shaped ~1 GB checkpoint (hidden 1024, 8 layers, 64 experts, vocab 163840) for
              load/RSS measurements; generate with --no-reference, never commit.
 
@@ -81,6 +82,18 @@ PRESETS: Dict[str, dict] = {
         mla_heads=16, q_lora=768, kv_lora=512, nope=128, rope=64, v=128,
         dense_inter=4096, first_dense=1,
         experts=64, topk=8, shared=1, moe_inter=768, latent=1024,
+        vocab=32768, vision=False,
+    ),
+    # K3-shaped GPU benchmark model (~5 GB): matrices wide enough to fill an H200 in a GEMV
+    # (hidden 4096, KDA 32x128), BF16 trunk, 64 MXFP4 experts top-8, MLA every 4th layer.
+    # Generated on the GPU machine by scripts/measure_cuda_perf.sh; --no-reference, never commit.
+    "gpu-bench": dict(
+        nested=True, trunk_dtype="bf16", shards=8,
+        hidden=4096, layers=8, mla_layers=[4, 8], block=4,
+        kda_heads=32, kda_dim=128, conv=4,
+        mla_heads=32, q_lora=1024, kv_lora=512, nope=128, rope=64, v=128,
+        dense_inter=8192, first_dense=1,
+        experts=64, topk=8, shared=1, moe_inter=1536, latent=2048,
         vocab=32768, vision=False,
     ),
     # Routed experts ~10x the trunk (1,280 MXFP4 experts, 0.53 GB; trunk ~50 MB): the --ram-budget

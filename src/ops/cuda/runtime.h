@@ -97,3 +97,11 @@ class EventTimer {
 };
 
 }  // namespace k3::cuda
+
+namespace k3::cuda {
+// Roofline probes for `k3 bench --device cuda` (ops/cuda/roofline.cu), measured in the same run:
+// device-to-device copy bandwidth (bytes read + written per second, best of several copies of a
+// `bytes` buffer, GB/s) and the bf16 tensor-core GEMM rate through cuBLAS on random data (TFLOP/s).
+double measure_copy_gbs(size_t bytes);
+double measure_bf16_gemm_tflops(int n);
+}  // namespace k3::cuda

@@ -1,0 +1,272 @@
+// Whole-model gates on the GPU (--device cuda), the same ladder as tests/model/test_model_gates.cpp
+// on the CPU: teacher-forced logits vs the fp64 reference, teacher-forced argmax, greedy ids,
+// incremental decode (carried KDA state + MLA latent cache, CUDA graphs) == the full pass, in
+// both GPU numerics: fp32 (parity mode) and fast (bf16 tensor-core GEMMs). Also: graphs ==
+// no graphs bitwise, session copy/rollback/save/load of device state, and the fit error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "common/cuda_util.h"
+#include "common/num_util.h"
+#include "core/error.h"
+#include "model/model.h"
+
+namespace fs = std::filesystem;
+using k3test::rel_l2;
+
+namespace {
+
+// Tolerances, stated once. fp32 parity mode: rel-L2 over all logits vs the fp64 reference (the
+// issue's bar; the CPU's exact mode holds 1e-5). Paths of the same mode against each other
+// (chunked vs recurrent KDA, prefill + decode vs one pass) are held to the same number.
+constexpr double kFp32Tol = 1e-4;
+// fast (bf16): activations rounded to bf16 in GEMMs of > 8 tokens. Measured on the device and
+// recorded in docs/data/cuda-gates.md; the bar is set above what bf16 rounding of every GEMM input
+// gives on the trained K3-nano (the CPU's fast mode measures 1.5e-2 there).
+constexpr double kBf16Tol = 3e-2;
+
+fs::path tp_tiny() { return k3test::shared_dir_rt() / "fixtures/third-party/kimi-k3-in-c-tiny"; }
+fs::path ours(const std::string& name) { return k3test::source_dir() / "tests/fixtures" / name; }
+fs::path nano() { return k3test::source_dir() / "models/k3-nano"; }
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+k3::ForwardOptions mode(k3::ops::Numerics n, k3::KdaAlgo kda = k3::KdaAlgo::Chunked, int64_t chunk = 64) {
+  k3::ForwardOptions o;
+  o.numerics = n;
+  o.kda_algo = kda;
+  o.kda_chunk = chunk;
+  return o;
+}
+const auto kF32 = k3::ops::Numerics::F32;
+const auto kFast = k3::ops::Numerics::Fast;
+
+std::unique_ptr<k3::Model> gpu_model(const fs::path& dir, bool graphs = true) {
+  auto m = k3::Model::load(dir.string());
+  k3::GpuOptions o;
+  o.graphs = graphs;
+  o.initial_context = 64;  // small: the cache must grow past it in the longer tests
+  m->use_gpu(o);
+  return m;
+}
+
+std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids, const k3::ForwardOptions& o) {
+  k3::Session s(m);
+  std::vector<float> out(ids.size() * size_t(m.dims().vocab), k3test::qnan());
+  m.forward(s, ids.data(), int64_t(ids.size()), true, out.data(), o);
+  EXPECT_EQ(k3test::count_nan(out), 0u);
+  return out;
+}
+
+std::vector<float> incremental(const k3::Model& m, const std::vector<int32_t>& ids, size_t split,
+                               const k3::ForwardOptions& o) {
+  k3::Session s(m);
+  const size_t V = size_t(m.dims().vocab);
+  std::vector<float> out(ids.size() * V, k3test::qnan());
+  m.forward(s, ids.data(), int64_t(split), true, out.data(), o);
+  for (size_t t = split; t < ids.size(); ++t) m.forward(s, &ids[t], 1, true, out.data() + t * V, o);
+  EXPECT_EQ(s.position(), int64_t(ids.size()));
+  EXPECT_EQ(k3test::count_nan(out), 0u);
+  return out;
+}
+
+std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prompt, int n, const k3::ForwardOptions& o) {
+  k3::Session s(m);
+  const size_t V = size_t(m.dims().vocab);
+  std::vector<float> l(V);
+  m.forward(s, prompt.data(), int64_t(prompt.size()), false, l.data(), o);
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    const int32_t tok = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+    out.push_back(tok);
+    m.forward(s, &tok, 1, false, l.data(), o);
+  }
+  return out;
+}
+
+std::vector<int32_t> argmax_rows(const std::vector<float>& l, size_t V) {
+  std::vector<int32_t> r;
+  for (size_t t = 0; t * V < l.size(); ++t)
+    r.push_back(int32_t(std::max_element(l.begin() + std::ptrdiff_t(t * V), l.begin() + std::ptrdiff_t((t + 1) * V)) -
+                        (l.begin() + std::ptrdiff_t(t * V))));
+  return r;
+}
+
+// Prints one line per measured error so the device run records the numbers (scripts/cuda_test.sh).
+void report(const std::string& what, double err, double tol) {
+  std::printf("[gate] %-48s rel-L2 %.3e (tol %.0e)\n", what.c_str(), err, tol);
+}
+
+// Every decode path of one numerics mode against `base` (the fp64 reference logits).
+void check_paths(const k3::Model& m, const std::vector<int32_t>& ids, const std::vector<float>& base,
+                 k3::ops::Numerics n, double tol, const std::string& name) {
+  const std::string tag = name + (n == kF32 ? " fp32" : " bf16");
+  const auto full = full_pass(m, ids, mode(n));
+  double e = rel_l2(full, base);
+  report(tag + " full pass", e, tol);
+  EXPECT_LT(e, tol) << tag << " full pass";
+  e = rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Recurrent)), base);
+  report(tag + " recurrent KDA", e, tol);
+  EXPECT_LT(e, tol) << tag << " recurrent KDA prefill";
+  e = rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Chunked, 4)), base);
+  report(tag + " chunk 4", e, tol);
+  EXPECT_LT(e, tol) << tag << " chunk 4";
+  for (size_t split : {size_t(1), size_t(5), ids.size() - 1}) {
+    e = rel_l2(incremental(m, ids, split, mode(n)), base);
+    report(tag + " prefill " + std::to_string(split) + " then decode", e, tol);
+    EXPECT_LT(e, tol) << tag << " prefill " << split << " then decode";
+  }
+  // Teacher-forced argmax must match the reference at every position.
+  EXPECT_EQ(argmax_rows(full, size_t(m.dims().vocab)), argmax_rows(base, size_t(m.dims().vocab))) << tag;
+}
+
+}  // namespace
+
+class CudaOwnFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaOwnFixture, GatesInBothModes) {
+  K3_REQUIRE_GPU();
+  const fs::path dir = ours(GetParam());
+  ASSERT_TRUE(fs::exists(dir / "reference.json")) << "missing fixture " << dir;
+  auto m = gpu_model(dir);
+  const auto ref = read_json(dir / "reference.json");
+  const auto ids = ref["ids"].get<std::vector<int32_t>>();
+  const size_t V = size_t(m->dims().vocab);
+  std::vector<float> expect(ids.size() * V);
+  std::ifstream f(dir / ref["logits_file"].get<std::string>(), std::ios::binary);
+  f.read(reinterpret_cast<char*>(expect.data()), std::streamsize(expect.size() * 4));
+  ASSERT_TRUE(f) << "reference logits file too short";
+  const auto& g = ref["greedy"];
+  const auto prompt = g["prompt"].get<std::vector<int32_t>>();
+  const auto want = g["ids"].get<std::vector<int32_t>>();
+  check_paths(*m, ids, expect, kF32, kFp32Tol, GetParam());
+  EXPECT_EQ(greedy(*m, prompt, g["n"].get<int>(), mode(kF32)), want) << "fp32 greedy";
+  check_paths(*m, ids, expect, kFast, kBf16Tol, GetParam());
+  EXPECT_EQ(greedy(*m, prompt, g["n"].get<int>(), mode(kFast)), want) << "bf16 greedy";
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, CudaOwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));
+
+TEST(CudaThirdPartyTiny, TeacherForcedGreedyAndLogitsHead) {
+  K3_REQUIRE_GPU();
+  if (!fs::exists(tp_tiny())) GTEST_SKIP() << "third-party fixtures absent: " << tp_tiny();
+  auto m = gpu_model(tp_tiny());
+  const auto e = read_json(tp_tiny() / "expected.json");
+  const auto full = e["full_ids"].get<std::vector<int32_t>>();
+  const auto prompt = e["prompt_ids"].get<std::vector<int32_t>>();
+  const auto tf = e["tf_pred"].get<std::vector<int32_t>>();
+  const size_t V = size_t(m->dims().vocab);
+  for (auto n : {kF32, kFast}) {
+    const std::string tag = n == kF32 ? "fp32" : "bf16";
+    const auto logits = full_pass(*m, full, mode(n));
+    EXPECT_EQ(argmax_rows(logits, V), tf) << tag << " teacher-forced argmax";
+    double worst = 0;
+    for (size_t t = 0; t < full.size(); ++t)
+      for (size_t j = 0; j < 8; ++j)
+        worst = std::max(worst, std::abs(double(logits[t * V + j]) - e["logits_head"][t][j].get<double>()));
+    std::printf("[gate] third-party tiny %s logits head max |diff| %.3e\n", tag.c_str(), worst);
+    if (n == kF32) EXPECT_LT(worst, 1e-4) << "fp32 logits head";  // the CPU gate's bound
+    EXPECT_EQ(greedy(*m, prompt, int(full.size() - prompt.size()), mode(n)),
+              std::vector<int32_t>(full.begin() + std::ptrdiff_t(prompt.size()), full.end()))
+        << tag << " greedy";
+    // Incremental decode (graphs) == the full pass of the same mode.
+    const auto inc = incremental(*m, full, 3, mode(n));
+    const double d = rel_l2(inc, logits);
+    report("third-party tiny " + tag + " prefill 3 then decode vs full", d, n == kF32 ? kFp32Tol : kBf16Tol);
+    EXPECT_LT(d, n == kF32 ? kFp32Tol : kBf16Tol) << tag;
+  }
+}
+
+// The trained K3-nano (the embedded default): GPU vs the CPU exact path computed here.
+TEST(CudaK3Nano, MatchesCpuExact) {
+  K3_REQUIRE_GPU();
+  if (!fs::exists(nano() / "config.json")) GTEST_SKIP() << "K3-nano absent: " << nano();
+  auto cpu = k3::Model::load(nano().string());
+  auto gpu = gpu_model(nano());
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 48; ++i) ids.push_back(int32_t((i * 7919 + 13) % 2000 + 100));
+  const auto base = full_pass(*cpu, ids, mode(k3::ops::Numerics::Exact));
+  check_paths(*gpu, ids, base, kF32, kFp32Tol, "k3-nano");
+  check_paths(*gpu, ids, base, kFast, kBf16Tol, "k3-nano");
+  const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 12);
+  const auto want = greedy(*cpu, prompt, 24, mode(k3::ops::Numerics::Exact));
+  EXPECT_EQ(greedy(*gpu, prompt, 24, mode(kF32)), want) << "fp32 greedy";
+  EXPECT_EQ(greedy(*gpu, prompt, 24, mode(kFast)), want) << "bf16 greedy";
+}
+
+TEST(CudaModel, GraphsEqualNoGraphsBitwise) {
+  K3_REQUIRE_GPU();
+  auto m = gpu_model(ours("tiny"));
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 80; ++i) ids.push_back(int32_t((i * 31 + 7) % m->dims().vocab));
+  for (auto n : {kF32, kFast}) {
+    m->set_gpu_graphs(true);
+    const auto with = incremental(*m, ids, 4, mode(n));  // 76 decode steps: the cache grows past 64
+    m->set_gpu_graphs(false);
+    const auto without = incremental(*m, ids, 4, mode(n));
+    EXPECT_EQ(0, std::memcmp(with.data(), without.data(), with.size() * 4)) << "graph replay differs from launches";
+  }
+}
+
+TEST(CudaModel, SessionCopyRollbackSaveLoad) {
+  K3_REQUIRE_GPU();
+  auto m = gpu_model(ours("tiny"));
+  const size_t V = size_t(m->dims().vocab);
+  const std::vector<int32_t> ids{5, 9, 2, 7, 11, 3, 8, 1};
+  const auto o = mode(kF32);
+  k3::Session s(*m);
+  std::vector<float> l(V), a(V), b(V);
+  m->forward(s, ids.data(), 4, false, l.data(), o);
+  const k3::Session copy = s;  // device state copied on the device
+  const auto mk = s.mark();
+  m->forward(s, ids.data() + 4, 3, false, a.data(), o);
+  s.rollback(mk);
+  EXPECT_EQ(s.position(), 4);
+  m->forward(s, ids.data() + 4, 3, false, b.data(), o);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), V * 4)) << "rollback";
+  k3::Session c2 = copy;
+  m->forward(c2, ids.data() + 4, 3, false, b.data(), o);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), V * 4)) << "session copy";
+  std::stringstream img;
+  copy.save(img);
+  k3::Session loaded(*m);
+  loaded.load(img);
+  EXPECT_EQ(loaded.position(), 4);
+  m->forward(loaded, ids.data() + 4, 3, false, b.data(), o);
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), V * 4)) << "save/load";
+}
+
+TEST(CudaModel, RefusesWhatTheGpuCannotDo) {
+  K3_REQUIRE_GPU();
+  auto m = gpu_model(ours("tiny"));
+  k3::Session s(*m);
+  std::vector<float> l(size_t(m->dims().vocab));
+  const int32_t id = 1;
+  auto o = mode(k3::ops::Numerics::Exact);
+  EXPECT_THROW(m->forward(s, &id, 1, false, l.data(), o), k3::Error);
+  o = mode(kF32);
+  o.mla_algo = k3::MlaAlgo::Expanded;
+  EXPECT_THROW(m->forward(s, &id, 1, false, l.data(), o), k3::Error);
+  // A reservation no GPU can hold fails with one line naming the need and the free memory.
+  auto big = k3::Model::load(ours("tiny").string());
+  k3::GpuOptions go;
+  go.initial_context = int64_t(1) << 40;
+  try {
+    big->use_gpu(go);
+    FAIL() << "a 2^40-token reservation fit";
+  } catch (const k3::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("needs"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("free"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
