@@ -254,7 +254,11 @@ void Model::use_gpu(const GpuOptions& o) {
   g->logits = take(ws.logits);
   g->ids = reinterpret_cast<int32_t*>(take(ws.ids));
   const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
-  g->mla_work = cu::DevBuf(size_t(std::max<int64_t>(1, cu::mla_absorbed_work_floats(T, ad))) * 4, "MLA workspace");
+  // Decode splits the keys across blocks and needs more scratch per token than prefill: size for
+  // the largest of the shapes a forward can take.
+  int64_t mla_floats = 1;
+  for (int64_t t : {int64_t(1), std::min<int64_t>(T, 32), T}) mla_floats = std::max(mla_floats, cu::mla_absorbed_work_floats(t, ad));
+  g->mla_work = cu::DevBuf(size_t(mla_floats) * 4, "MLA workspace");
   g->ids_pinned = static_cast<int32_t*>(cu::host_alloc_pinned(sizeof(int32_t)));
   gpu_ = std::move(g);
 }

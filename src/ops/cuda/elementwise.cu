@@ -1,0 +1,472 @@
+// CUDA elementwise ops, norms, embedding, argmax and the AttnRes mix (cuda_ops.h): each one has the
+// meaning of its CPU twin in ops/ops.h (k3::ref is what the device tests compare against).
+// Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu, kda_gate, sigmoid_*, add_inplace,
+// embed_rows, argmax_rows, attnres_mix.
+// Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace k3::cuda {
+
+namespace {
+
+constexpr int kEwThreads = 256;
+
+// Grid for a grid-stride loop over n elements: enough blocks to fill the GPU, never more than n needs.
+unsigned ew_blocks(int64_t n) {
+  const int64_t b = (n + kEwThreads - 1) / kEwThreads;
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum of one double per thread over the block (blockDim.x a multiple of 32, <= 1024); every thread
+// gets the total. `red` holds 32 doubles of shared scratch; the leading sync protects its reuse.
+__device__ double block_sum(double v, double* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  double t = lane < nw ? red[lane] : 0.0;
+  return warp_sum(t);
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// ---------------------------------------------------------------- rmsnorm / l2norm
+// Sums of squares in fp64 (as the CPU kernels) so the scale factor is correctly rounded; the
+// products themselves stay fp32 in the CPU order w·(x·inv). out may alias x: every element is read
+// and written by the same thread, the write after the block/warp reduction.
+// L2 (l2 = true): x ← x · scale/sqrt(Σx² + eps) (w ignored, out == x).
+template <bool L2>
+__global__ void norm_rows_warp(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale,
+                               float* out) {
+  const int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31;
+  const float* xr = x + r * n;
+  double ss = 0;
+  for (int64_t i = lane; i < n; i += 32) ss += double(xr[i]) * double(xr[i]);
+  ss = warp_sum(ss);
+  float* orow = out + r * n;
+  if (L2) {
+    const float f = float(double(scale) / sqrt(ss + double(eps)));
+    for (int64_t i = lane; i < n; i += 32) orow[i] = xr[i] * f;
+  } else {
+    const float inv = float(1.0 / sqrt(ss / double(n) + double(eps)));
+    for (int64_t i = lane; i < n; i += 32) orow[i] = w ? w[i] * (xr[i] * inv) : xr[i] * inv;
+  }
+}
+
+template <bool L2>
+__global__ void norm_rows_block(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale,
+                                float* out) {
+  __shared__ double red[32];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * n;
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += double(xr[i]) * double(xr[i]);
+  ss = block_sum(ss, red);
+  float* orow = out + r * n;
+  if (L2) {
+    const float f = float(double(scale) / sqrt(ss + double(eps)));
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) orow[i] = xr[i] * f;
+  } else {
+    const float inv = float(1.0 / sqrt(ss / double(n) + double(eps)));
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) orow[i] = w ? w[i] * (xr[i] * inv) : xr[i] * inv;
+  }
+}
+
+// Short rows (KDA heads of 128, LoRA latents of 512): a warp per row, 8 rows per block; long rows
+// (the 7168-wide hidden state): a block per row.
+template <bool L2>
+void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out,
+                 Stream s, const char* name) {
+  if (rows <= 0 || n <= 0) return;
+  if (n <= 1024) {
+    const int64_t per = kEwThreads / 32;
+    norm_rows_warp<L2><<<unsigned((rows + per - 1) / per), kEwThreads, 0, s>>>(x, rows, n, w, eps, scale, out);
+  } else {
+    norm_rows_block<L2><<<unsigned(rows), 512, 0, s>>>(x, rows, n, w, eps, scale, out);
+  }
+  check_launch(name);
+}
+
+// ---------------------------------------------------------------- elementwise
+__global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float gi = g[i], ui = u[i];  // read both before the write: out may alias g
+    const float a = (b1 * tanhf(gi / b1)) * sigmoidf_(gi);
+    const float c = b2 * tanhf(ui / b2);
+    out[i] = a * c;
+  }
+}
+
+__global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log,
+                                const float* dt_bias, float lb, float* g) {
+  const int64_t n = T * H * D, HD = H * D;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t hd = i % HD, h = hd / D;
+    const float a = expf(A_log[h]);
+    g[i] = lb * sigmoidf_(a * (f[i] + dt_bias[hd]));
+  }
+}
+
+__global__ void sigmoid_kernel(float* x, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = sigmoidf_(x[i]);
+}
+
+__global__ void sigmoid_gate_mul_kernel(float* x, const float* gate, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = x[i] * sigmoidf_(gate[i]);
+}
+
+__global__ void add_kernel(float* y, const float* x, int64_t n) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = y[i] + x[i];
+}
+
+// ---------------------------------------------------------------- short conv + SiLU
+// Thread = (channel c, tile of kConvTile tokens). The K-1 inputs before the tile come from x or,
+// for the first tile, from the carried state. kConvTile >= K-1 means only tile 0 ever reads the old
+// state, so tile 0 (which has read it into registers first) is the one that writes the new state:
+// no other thread reads it, no race, and the result does not depend on the tiling.
+constexpr int kConvTile = 32;
+constexpr int kConvMaxK = 16;
+
+template <int KT>  // KT > 0: K known at compile time (registers); KT == 0: any K <= 16
+__global__ void short_conv_kernel(const float* x, int64_t T, int64_t C, const float* w, int Krt, float* state,
+                                  float* out) {
+  const int K = KT > 0 ? KT : Krt;
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t t0 = int64_t(blockIdx.y) * kConvTile;
+  const int64_t t1 = t0 + kConvTile < T ? t0 + kConvTile : T;
+  constexpr int NW = KT > 0 ? KT : kConvMaxK;
+  float win[NW], wc[NW], old[NW];
+  for (int j = 0; j < K; ++j) wc[j] = w[c * K + j];
+  if (t0 == 0)
+    for (int j = 0; j < K - 1; ++j) old[j] = state[c * (K - 1) + j];
+  // win[0 .. K-2] = inputs at positions t0-(K-1) .. t0-1 of [state | x].
+  for (int j = 0; j < K - 1; ++j) {
+    const int64_t idx = t0 - (K - 1) + j;
+    win[j] = idx < 0 ? old[K - 1 + idx] : x[idx * C + c];
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    win[K - 1] = x[t * C + c];
+    float acc = wc[0] * win[0];
+    for (int j = 1; j < K; ++j) acc = fmaf(wc[j], win[j], acc);
+    out[t * C + c] = acc * sigmoidf_(acc);
+    for (int j = 0; j < K - 1; ++j) win[j] = win[j + 1];
+  }
+  if (t0 == 0)
+    for (int j = 0; j < K - 1; ++j) {
+      const int64_t idx = T + j - (K - 1);  // position T + j of [state | x], as an index into x
+      state[c * (K - 1) + j] = idx < 0 ? old[K - 1 + idx] : x[idx * C + c];
+    }
+}
+
+// ---------------------------------------------------------------- embedding / argmax
+template <int FMT>  // 0 F32, 1 F16, 2 BF16
+__device__ __forceinline__ float load_w(const void* p, int64_t i) {
+  if constexpr (FMT == 0) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (FMT == 1) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  } else {
+    const unsigned short b = static_cast<const unsigned short*>(p)[i];
+    return __uint_as_float(uint32_t(b) << 16);
+  }
+}
+
+template <int FMT>
+__global__ void embed_kernel(const void* E, int64_t rows, int64_t cols, const int32_t* ids, float* out) {
+  const int64_t t = blockIdx.y;
+  const int32_t id = ids[t];
+  for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x)
+    // An id outside the vocabulary cannot be reported from here without a sync: NaN makes it loud.
+    out[t * cols + c] = (id >= 0 && id < rows) ? load_w<FMT>(E, int64_t(id) * cols + c) : __int_as_float(0x7fc00000);
+}
+
+__device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
+  // Larger wins; equal values keep the lower index; NaN never wins.
+  if (v > bv || (v == bv && i < bi)) {
+    bv = v;
+    bi = i;
+  }
+}
+
+__global__ void argmax_kernel(const float* logits, int64_t V, bool vec4, int32_t* out) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const float* row = logits + int64_t(blockIdx.x) * V;
+  float bv = -INFINITY;
+  int bi = INT_MAX;
+  if (vec4) {  // 16-byte loads, 4 in flight per thread: one SM streams a 160k vocabulary row
+    const float4* r4 = reinterpret_cast<const float4*>(row);
+    const int64_t n4 = V / 4;
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < n4; i += blockDim.x) {
+      const float4 v = r4[i];
+      const int b = int(i * 4);
+      better(bv, bi, v.x, b);
+      better(bv, bi, v.y, b + 1);
+      better(bv, bi, v.z, b + 2);
+      better(bv, bi, v.w, b + 3);
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) better(bv, bi, row[i], int(i));
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    better(bv, bi, ov, oi);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sv[warp] = bv;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    const int nw = blockDim.x >> 5;
+    bv = lane < nw ? sv[lane] : -INFINITY;
+    bi = lane < nw ? si[lane] : INT_MAX;
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      better(bv, bi, ov, oi);
+    }
+    if (lane == 0) out[blockIdx.x] = bi == INT_MAX ? 0 : bi;  // all-NaN row: 0 rather than garbage
+  }
+}
+
+// ---------------------------------------------------------------- AttnRes mix
+struct SrcList {
+  const float* p[kMaxAttnResSources];
+};
+
+// One block per token, one pass over the sources for every score: each thread keeps fp64 partial
+// dots and sums of squares of its elements per source (registers: NS source slots, unrolled), the
+// block sums them, thread 0 does the fp64 softmax (as the CPU kernel), then the fp32 weighted sum
+// of the RAW sources in source order. VEC = 4: 16-byte loads, so that one SM has enough bytes in
+// flight for a decode token (9 sources × 7168 floats read by a single block).
+template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
+__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
+                                                          float eps, float* out) {
+  __shared__ double red[THREADS / 32][2 * NS];
+  __shared__ float p[NS];
+  using VT = typename std::conditional<VEC == 4, float4, float>::type;
+  const int64_t t = blockIdx.x, nv = H / VEC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double dt[NS], ss[NS];
+#pragma unroll
+  for (int j = 0; j < NS; ++j) dt[j] = ss[j] = 0.0;
+  for (int64_t i = threadIdx.x; i < nv; i += THREADS) {
+    const VT f = reinterpret_cast<const VT*>(fold)[i];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      if (j < n_src) {
+        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
+        if constexpr (VEC == 4) {
+          dt[j] = fma(double(v.x), double(f.x), dt[j]);
+          dt[j] = fma(double(v.y), double(f.y), dt[j]);
+          dt[j] = fma(double(v.z), double(f.z), dt[j]);
+          dt[j] = fma(double(v.w), double(f.w), dt[j]);
+          ss[j] = fma(double(v.x), double(v.x), ss[j]);
+          ss[j] = fma(double(v.y), double(v.y), ss[j]);
+          ss[j] = fma(double(v.z), double(v.z), ss[j]);
+          ss[j] = fma(double(v.w), double(v.w), ss[j]);
+        } else {
+          dt[j] = fma(double(v), double(f), dt[j]);
+          ss[j] = fma(double(v), double(v), ss[j]);
+        }
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+    if (j < n_src) {
+      double a = dt[j], b = ss[j];
+      for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+      }
+      if (lane == 0) {
+        red[warp][2 * j] = a;
+        red[warp][2 * j + 1] = b;
+      }
+    }
+  __syncthreads();
+  // Warp 0: lane j sums source j over the warps, then the softmax across the lanes (fp64).
+  if (warp == 0) {
+    double a = 0, b = 0;
+    if (lane < n_src)
+      for (int w = 0; w < THREADS / 32; ++w) {
+        a += red[w][2 * lane];
+        b += red[w][2 * lane + 1];
+      }
+    const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
+    double mx = sc;
+    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const double e = lane < n_src ? exp(sc - mx) : 0.0;
+    double z = e;
+    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (lane < n_src) p[lane] = float(e / z);
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < nv; i += THREADS) {
+    VT acc = reinterpret_cast<const VT*>(src.p[0] + t * H)[i];
+    if constexpr (VEC == 4) {
+      acc.x *= p[0];
+      acc.y *= p[0];
+      acc.z *= p[0];
+      acc.w *= p[0];
+    } else {
+      acc *= p[0];
+    }
+#pragma unroll
+    for (int j = 1; j < NS; ++j)
+      if (j < n_src) {
+        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
+        if constexpr (VEC == 4) {
+          acc.x = fmaf(p[j], v.x, acc.x);
+          acc.y = fmaf(p[j], v.y, acc.y);
+          acc.z = fmaf(p[j], v.z, acc.z);
+          acc.w = fmaf(p[j], v.w, acc.w);
+        } else {
+          acc = fmaf(p[j], v, acc);
+        }
+      }
+    reinterpret_cast<VT*>(out + t * H)[i] = acc;
+  }
+}
+
+template <int NS>
+void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* fold, float eps, float* out, bool vec,
+                    Stream s) {
+  // 32 fp64 slot pairs need the register room of 256-thread blocks.
+  constexpr int TH = NS <= 16 ? 512 : 256;
+  if (vec)
+    attnres_kernel<NS, 4, TH><<<unsigned(T), TH, 0, s>>>(l, n, H, fold, eps, out);
+  else
+    attnres_kernel<NS, 1, TH><<<unsigned(T), TH, 0, s>>>(l, n, H, fold, eps, out);
+}
+
+}  // namespace
+
+// ================================================================ host API
+void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s) {
+  launch_norm<false>(x, T, n, w, eps, 1.0f, out, s, "rmsnorm");
+}
+
+void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Stream s) {
+  launch_norm<true>(x, rows, n, nullptr, eps, scale, x, s, "l2norm_scale");
+}
+
+void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out, Stream s) {
+  if (n <= 0) return;
+  situ_glu_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(g, u, n, b1, b2, out);
+  check_launch("situ_glu");
+}
+
+void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out,
+                     Stream s) {
+  if (K < 1 || K > kConvMaxK) fail("short_conv_silu: kernel width " + std::to_string(K) + " outside 1.." + std::to_string(kConvMaxK));
+  if (T <= 0 || C <= 0) return;
+  const dim3 grid(unsigned((C + 127) / 128), unsigned((T + kConvTile - 1) / kConvTile));
+  const int k = int(K);
+  switch (k) {
+    case 1: short_conv_kernel<1><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+    case 2: short_conv_kernel<2><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+    case 3: short_conv_kernel<3><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+    case 4: short_conv_kernel<4><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+    default: short_conv_kernel<0><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+  }
+  check_launch("short_conv_silu");
+}
+
+void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
+              float lower_bound, float* g, Stream s) {
+  const int64_t n = T * H * D;
+  if (n <= 0) return;
+  kda_gate_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(f, T, H, D, A_log, dt_bias, lower_bound, g);
+  check_launch("kda_gate");
+}
+
+void sigmoid_inplace(float* x, int64_t n, Stream s) {
+  if (n <= 0) return;
+  sigmoid_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(x, n);
+  check_launch("sigmoid_inplace");
+}
+
+void sigmoid_gate_mul(float* x, const float* gate, int64_t n, Stream s) {
+  if (n <= 0) return;
+  sigmoid_gate_mul_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(x, gate, n);
+  check_launch("sigmoid_gate_mul");
+}
+
+void add_inplace(float* y, const float* x, int64_t n, Stream s) {
+  if (n <= 0) return;
+  add_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(y, x, n);
+  check_launch("add_inplace");
+}
+
+void embed_rows(const WeightMat& E, const int32_t* ids, int64_t T, float* out, Stream s) {
+  if (T <= 0) return;
+  const dim3 grid(unsigned(std::min<int64_t>((E.cols + kEwThreads - 1) / kEwThreads, 64)), unsigned(T));
+  switch (E.fmt) {
+    case WFormat::F32: embed_kernel<0><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::F16: embed_kernel<1><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::BF16: embed_kernel<2><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::MXFP4: fail("embed_rows: an MXFP4 embedding table is not supported on the GPU (F32/F16/BF16 only)");
+  }
+  check_launch("embed_rows");
+}
+
+void argmax_rows(const float* logits, int64_t T, int64_t V, int32_t* out, Stream s) {
+  if (T <= 0) return;
+  // Row starts are 16-byte aligned when the base is and V is a multiple of 4.
+  const bool vec4 = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
+  argmax_kernel<<<unsigned(T), 1024, 0, s>>>(logits, V, vec4, out);
+  check_launch("argmax_rows");
+}
+
+void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps, float* out,
+                 Stream s) {
+  if (n_src < 1 || n_src > kMaxAttnResSources)
+    fail("attnres_mix: " + std::to_string(n_src) + " sources; the GPU kernel takes 1.." +
+         std::to_string(kMaxAttnResSources));
+  if (T <= 0) return;
+  SrcList l{};
+  for (int64_t j = 0; j < n_src; ++j) l.p[j] = src[j];
+  const int n = int(n_src);
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool vec = H % 4 == 0 && al16(fold) && al16(out);
+  for (int64_t j = 0; j < n_src; ++j) vec = vec && al16(src[j]);
+  if (n <= 4)
+    launch_attnres<4>(l, n, T, H, fold, eps, out, vec, s);
+  else if (n <= 8)
+    launch_attnres<8>(l, n, T, H, fold, eps, out, vec, s);
+  else if (n <= 16)
+    launch_attnres<16>(l, n, T, H, fold, eps, out, vec, s);
+  else
+    launch_attnres<32>(l, n, T, H, fold, eps, out, vec, s);
+  check_launch("attnres_mix");
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,743 @@
+// CUDA MLA over the latent cache (cuda_ops.h): the cache append (normalised latent + shared k_r),
+// the absorbed attention (q̃ = W_UKᵀ q_nope, softmax over [c | k_r] keys, W_UV on the latent
+// output) and the device-side length counter. fp32 everywhere in both precisions.
+// Must not: sync, allocate, or read the cache length on the host (it lives on the device so a
+// captured decode graph replays with a growing cache); the grid never depends on that length.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace k3::cuda {
+
+namespace {
+
+// ---------------------------------------------------------------- cache append
+// One block per new token: RMSNorm of the latent (fp64 sum of squares, fp32 w·(x·inv) as the CPU
+// rmsnorm), and the raw k_r copied, both at row *len_dev + t.
+__global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, int64_t R, const float* __restrict__ w,
+                                    float eps, const int32_t* __restrict__ len_dev, float* __restrict__ c_cache,
+                                    float* __restrict__ kr_cache) {
+  __shared__ double red[32];
+  const int64_t t = blockIdx.x, pos = int64_t(*len_dev) + t;
+  const float* x = ckv + t * (L + R);
+  double ss = 0;
+  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) ss += double(x[i]) * double(x[i]);
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    double v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) red[0] = v;
+  }
+  __syncthreads();
+  const float inv = float(1.0 / sqrt(red[0] / double(L) + double(eps)));
+  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) c_cache[pos * L + i] = w[i] * (x[i] * inv);
+  for (int64_t i = threadIdx.x; i < R; i += blockDim.x) kr_cache[pos * R + i] = x[L + i];
+}
+
+__global__ void advance_len_kernel(int32_t* len, int32_t T) { *len += T; }
+
+// ---------------------------------------------------------------- per-head products with kv_b
+template <int FMT>  // 0 F32, 1 F16, 2 BF16: decoded exactly as WeightMat::at
+__device__ __forceinline__ float load_w(const void* p, int64_t i) {
+  if constexpr (FMT == 0) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (FMT == 1) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  } else {
+    return __uint_as_float(uint32_t(static_cast<const unsigned short*>(p)[i]) << 16);
+  }
+}
+
+// For each head h (grid z): Y[t, h, n] = Σ_k X[t, h, k] · B_h(k, n), with B from kv_b:
+//   NT = false (q̃ = W_UKᵀ q_nope):  B_h(k, n) = kv_b[h·per + k, n]          (k < nope, n < kv_lora)
+//   NT = true  (out = W_UV o_lat):   B_h(k, n) = kv_b[h·per + nope + n, k]   (k < kv_lora, n < v)
+// 32 (tokens) × 64 tile per block, 16-deep k slabs through shared memory, 2×4 outputs per thread.
+// For decode (T = 1) every weight is read once; for prefill each weight tile serves 32 tokens.
+constexpr int kGM = 32, kGN = 64, kGK = 16;
+
+template <int FMT, bool NT>
+__global__ void __launch_bounds__(256) head_gemm_kernel(const float* __restrict__ X, int64_t ldx_t, int64_t ldx_h,
+                                                        const void* __restrict__ W, int64_t wcols, int64_t per,
+                                                        int64_t row_off, int64_t T, int K, int N,
+                                                        float* __restrict__ Y, int64_t ldy_t, int64_t ldy_h) {
+  __shared__ float As[kGK][kGM + 4];
+  __shared__ float Bs[kGK][kGN + 4];
+  const int tid = threadIdx.x, tm = tid / 16, tn = tid % 16;
+  const int64_t h = blockIdx.z, t0 = int64_t(blockIdx.y) * kGM;
+  const int n0 = blockIdx.x * kGN;
+  const int64_t wrow0 = h * per + row_off;
+  float acc[2][4] = {};
+  for (int k0 = 0; k0 < K; k0 += kGK) {
+    for (int idx = tid; idx < kGM * kGK; idx += 256) {
+      const int m = idx / kGK, kk = idx % kGK;
+      const int64_t t = t0 + m;
+      As[kk][m] = (t < T && k0 + kk < K) ? X[t * ldx_t + h * ldx_h + k0 + kk] : 0.0f;
+    }
+    for (int idx = tid; idx < kGK * kGN; idx += 256) {
+      int kk, n;
+      if (NT) {  // weight rows are n: read along k (contiguous)
+        n = idx / kGK;
+        kk = idx % kGK;
+      } else {   // weight rows are k: read along n (contiguous)
+        kk = idx / kGN;
+        n = idx % kGN;
+      }
+      float b = 0.0f;
+      if (k0 + kk < K && n0 + n < N)
+        b = NT ? load_w<FMT>(W, (wrow0 + n0 + n) * wcols + k0 + kk) : load_w<FMT>(W, (wrow0 + k0 + kk) * wcols + n0 + n);
+      Bs[kk][n] = b;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kGK; ++kk) {
+      const float a0 = As[kk][tm * 2], a1 = As[kk][tm * 2 + 1];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float b = Bs[kk][tn + 16 * j];
+        acc[0][j] = fmaf(a0, b, acc[0][j]);
+        acc[1][j] = fmaf(a1, b, acc[1][j]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t = t0 + tm * 2 + i;
+    if (t >= T) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int n = n0 + tn + 16 * j;
+      if (n < N) Y[t * ldy_t + h * ldy_h + n] = acc[i][j];
+    }
+  }
+}
+
+// Small T (decode): the same two products as GEMVs, every weight read once. The vector kernels
+// read 16 bytes of weights per load with all of a thread's loads independent, so enough bytes are
+// in flight to stream kv_b at HBM speed; the scalar kernels take any shape and alignment.
+constexpr int kGemvT = 8;
+
+template <int FMT>
+struct WVec {  // 16 bytes of weights: 4 fp32 or 8 fp16/bf16, decoded exactly
+  static constexpr int N = FMT == 0 ? 4 : 8;
+  __device__ __forceinline__ static void load(const void* base, int64_t elem, float* out) {
+    const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const char*>(base) + elem * (FMT == 0 ? 4 : 2));
+    if constexpr (FMT == 0) {
+      out[0] = __uint_as_float(u.x);
+      out[1] = __uint_as_float(u.y);
+      out[2] = __uint_as_float(u.z);
+      out[3] = __uint_as_float(u.w);
+    } else {
+      const uint32_t wds[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned short lo = (unsigned short)(wds[i] & 0xffffu), hi = (unsigned short)(wds[i] >> 16);
+        if constexpr (FMT == 1) {
+          out[2 * i] = __half2float(__ushort_as_half(lo));
+          out[2 * i + 1] = __half2float(__ushort_as_half(hi));
+        } else {
+          out[2 * i] = __uint_as_float(uint32_t(lo) << 16);
+          out[2 * i + 1] = __uint_as_float(uint32_t(hi) << 16);
+        }
+      }
+    }
+  }
+};
+
+// q̃[t, h, l] = Σ_i q[t, h, i] · kv_b[h·per + i, l]. Block = head h; thread = (column group of
+// N = 16 bytes, row group); row groups meet in shared memory in a fixed order (deterministic).
+template <int FMT>
+__global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restrict__ q, int64_t dq,
+                                                            const void* __restrict__ W, int64_t wcols, int64_t per,
+                                                            int64_t T, int64_t heads, int nope, int L,
+                                                            float* __restrict__ ql) {
+  constexpr int N = WVec<FMT>::N;
+  extern __shared__ float gsm[];
+  const int CG = L / N, RG = 256 / CG, nr = (nope + RG - 1) / RG;
+  float* qs = gsm;                 // [T][nope]
+  float* red = gsm + T * nope;     // [RG][T][L]
+  const int64_t h = blockIdx.x;
+  const int tid = threadIdx.x, cg = tid % CG, rg = tid / CG;
+  for (int idx = tid; idx < T * nope; idx += 256) {
+    const int t = idx / nope, i = idx % nope;
+    qs[idx] = q[(t * heads + h) * dq + i];
+  }
+  __syncthreads();
+  if (rg < RG) {
+    float acc[kGemvT][N];
+#pragma unroll
+    for (int t = 0; t < kGemvT; ++t)
+#pragma unroll
+      for (int u = 0; u < N; ++u) acc[t][u] = 0.0f;
+    const int i0 = rg * nr, i1 = min(nope, i0 + nr);
+#pragma unroll 8
+    for (int i = i0; i < i1; ++i) {
+      float wv[N];
+      WVec<FMT>::load(W, (h * per + i) * wcols + int64_t(cg) * N, wv);
+#pragma unroll
+      for (int t = 0; t < kGemvT; ++t)
+        if (t < T) {
+          const float qv = qs[t * nope + i];
+#pragma unroll
+          for (int u = 0; u < N; ++u) acc[t][u] = fmaf(qv, wv[u], acc[t][u]);
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < kGemvT; ++t)
+      if (t < T)
+#pragma unroll
+        for (int u = 0; u < N; ++u) red[(rg * T + t) * L + cg * N + u] = acc[t][u];
+  }
+  __syncthreads();
+  for (int idx = tid; idx < T * L; idx += 256) {
+    const int t = idx / L, l = idx % L;
+    float v = red[t * L + l];
+    for (int r = 1; r < RG; ++r) v += red[(r * T + t) * L + l];
+    ql[(t * heads + h) * L + l] = v;
+  }
+}
+
+// out[t, h, j] = Σ_l kv_b[h·per + nope + j, l] · o_lat[t, h, l]; a warp per (h, j), 16-byte
+// weight loads along l.
+template <int FMT>
+__global__ void __launch_bounds__(256) out_gemv_vec_kernel(const float* __restrict__ ol, const void* __restrict__ W,
+                                                           int64_t wcols, int64_t per, int64_t T, int64_t heads,
+                                                           int nope, int dv, int L, float* __restrict__ out) {
+  constexpr int N = WVec<FMT>::N;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (h, j) pair
+  if (r >= heads * dv) return;
+  const int64_t h = r / dv, j = r % dv;
+  const int64_t base = (h * per + nope + j) * wcols;
+  float acc[kGemvT] = {};
+#pragma unroll 4
+  for (int l = lane * N; l < L; l += 32 * N) {
+    float wv[N];
+    WVec<FMT>::load(W, base + l, wv);
+#pragma unroll
+    for (int t = 0; t < kGemvT; ++t)
+      if (t < T) {
+        const float4* o4 = reinterpret_cast<const float4*>(ol + (t * heads + h) * L + l);
+#pragma unroll
+        for (int u = 0; u < N / 4; ++u) {
+          const float4 o = o4[u];
+          acc[t] = fmaf(wv[4 * u], o.x, acc[t]);
+          acc[t] = fmaf(wv[4 * u + 1], o.y, acc[t]);
+          acc[t] = fmaf(wv[4 * u + 2], o.z, acc[t]);
+          acc[t] = fmaf(wv[4 * u + 3], o.w, acc[t]);
+        }
+      }
+  }
+#pragma unroll
+  for (int t = 0; t < kGemvT; ++t) {
+    if (t >= T) break;
+    float v = acc[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) out[(t * heads + h) * dv + j] = v;
+  }
+}
+
+// Any shape: thread per (h, l) column, rows in a loop.
+template <int FMT>
+__global__ void __launch_bounds__(256) qlat_gemv_kernel(const float* __restrict__ q, int64_t dq, const void* __restrict__ W,
+                                                        int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
+                                                        int L, float* __restrict__ ql) {
+  extern __shared__ float qs[];  // [T][nope]
+  const int64_t h = blockIdx.y;
+  const int l = blockIdx.x * 256 + threadIdx.x;
+  for (int idx = threadIdx.x; idx < T * nope; idx += 256) {
+    const int t = idx / nope, i = idx % nope;
+    qs[idx] = q[(t * heads + h) * dq + i];
+  }
+  __syncthreads();
+  if (l >= L) return;
+  float acc[kGemvT] = {};
+  const int64_t base = h * per * wcols + l;
+#pragma unroll 8
+  for (int i = 0; i < nope; ++i) {
+    const float w = load_w<FMT>(W, base + int64_t(i) * wcols);
+#pragma unroll
+    for (int t = 0; t < kGemvT; ++t)
+      if (t < T) acc[t] = fmaf(qs[t * nope + i], w, acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < kGemvT; ++t)
+    if (t < T) ql[(t * heads + h) * L + l] = acc[t];
+}
+
+// Any shape: a warp per (h, j), lanes along l.
+template <int FMT>
+__global__ void __launch_bounds__(256) out_gemv_kernel(const float* __restrict__ ol, const void* __restrict__ W,
+                                                       int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
+                                                       int dv, int L, float* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  const int64_t r = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (h, j) pair
+  if (r >= heads * dv) return;
+  const int64_t h = r / dv, j = r % dv;
+  const int64_t base = (h * per + nope + j) * wcols;
+  float acc[kGemvT] = {};
+#pragma unroll 4
+  for (int l = lane; l < L; l += 32) {
+    const float w = load_w<FMT>(W, base + l);
+#pragma unroll
+    for (int t = 0; t < kGemvT; ++t)
+      if (t < T) acc[t] = fmaf(w, ol[(t * heads + h) * L + l], acc[t]);
+  }
+#pragma unroll
+  for (int t = 0; t < kGemvT; ++t) {
+    if (t >= T) break;
+    float v = acc[t];
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) out[(t * heads + h) * dv + j] = v;
+  }
+}
+
+// ---------------------------------------------------------------- attention over the latent cache
+// Block = (query t, group of kHG heads, key split). Keys are [c_s | k_r[s]] (kv_lora + rope wide),
+// shared by every head, so a group of heads reads each key tile once. Per tile of kBS keys:
+//   scores (kHG × kBS, depth kv_lora + rope): 4×4 register tiles, the depth split 16 ways across
+//     thread groups, then summed in a fixed order (deterministic);
+//   online softmax per head (fp32, running max m and sum z);
+//   o[h, l] = o[h, l]·corr_h + Σ_s p[h, s] c_s[l]  (each thread owns kv_lora columns for all heads).
+// A tile's key loads are all issued before any is stored (one memory latency per tile), and two
+// blocks share an SM so one computes while the other loads.
+// Keys visible to query t: s <= pos0 + t (pos0 read on the device). Splits (flash-decoding) divide
+// them into contiguous ranges of at least kMinSplitKeys keys, so a short cache uses few splits;
+// the partial (m, z, o) of the used splits are merged by combine_kernel.
+constexpr int kHG = 16, kBS = 16, kAttThreads = 256, kXSplit = 16, kKtLd = kBS + 4;
+constexpr int64_t kMinSplitKeys = 64;
+constexpr int kMaxRope = 128;
+
+struct AttnArgs {
+  const float* q;   // [T, heads, nope + rope]
+  const float* ql;  // [T, heads, L]  q̃ (and, with one split, the normalised output o_lat in place)
+  const float* c;   // [S, L]
+  const float* kr;  // [S, R]
+  const int32_t* len;
+  float* out;                       // nsplit == 1: o_lat [T, heads, L] (== ql)
+  float *part_o, *part_m, *part_z;  // nsplit > 1: [nsplit, T, heads, L] and [nsplit, T, heads]
+  int64_t T, heads, nope, rope, L;
+  int nsplit;
+  bool vec;  // L and rope multiples of 4: 16-byte key loads
+  float scale;
+};
+
+// Splits in use for a query that sees n keys, and the keys per split (whole tiles).
+__device__ __forceinline__ void split_plan(int64_t n, int nsplit, int* used, int64_t* per) {
+  int64_t u = (n + kMinSplitKeys - 1) / kMinSplitKeys;
+  u = u < nsplit ? u : nsplit;
+  *used = int(u);
+  *per = ((n + u - 1) / u + kBS - 1) / kBS * kBS;
+}
+
+// shared memory: QT [X][kHG] | KT [X][kKtLd] | partial scores [kXSplit][kHG*kBS] | pT [kBS][kHG] |
+// corr, m, z [kHG]
+__host__ __device__ inline size_t att_smem_floats(int L, int R) {
+  const int X = L + R;
+  return size_t(X) * kHG + size_t(X) * kKtLd + size_t(kXSplit) * kHG * kBS + kBS * kHG + 3 * kHG;
+}
+
+// Key-tile items: (key s, 4 consecutive depth columns x0..x0+3), s fastest, so a warp's transposed
+// stores KT[x][s] hit 32 different banks and its loads read 16 keys × 32 contiguous bytes.
+__device__ __forceinline__ float4 load_key4(const AttnArgs& a, int64_t key, int x0) {
+  const int L = int(a.L), R = int(a.rope);
+  if (a.vec) {
+    if (x0 < L) return *reinterpret_cast<const float4*>(a.c + key * L + x0);
+    return *reinterpret_cast<const float4*>(a.kr + key * R + (x0 - L));
+  }
+  float v[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const int x = x0 + u;
+    v[u] = x < L ? a.c[key * L + x] : x < L + R ? a.kr[key * R + (x - L)] : 0.0f;
+  }
+  return make_float4(v[0], v[1], v[2], v[3]);
+}
+
+// Two blocks per SM where the shared memory allows it (kv_lora <= 512), so cap the registers there.
+template <int LM>  // kv_lora columns per thread (L <= 256·LM)
+__global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kernel(AttnArgs a) {
+  // Key items per thread per tile: 16 keys × (L + R)/4 column groups / 256 threads.
+  constexpr int NR = (kBS * ((LM * 256 + kMaxRope) / 4) + kAttThreads - 1) / kAttThreads;
+  extern __shared__ float4 smem4[];
+  float* sm = reinterpret_cast<float*>(smem4);
+  const int L = int(a.L), R = int(a.rope), X = L + R, NX = (X + 3) / 4, items = kBS * NX;
+  float* QT = sm;                        // [X][kHG]
+  float* KT = QT + size_t(X) * kHG;      // [X][kKtLd]
+  float* SP = KT + size_t(X) * kKtLd;    // [kXSplit][kHG * kBS]
+  float* PT = SP + kXSplit * kHG * kBS;  // [kBS][kHG]
+  float* corr = PT + kBS * kHG;
+  float* mrun = corr + kHG;
+  float* zrun = mrun + kHG;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t t = blockIdx.x;
+  const int hg0 = blockIdx.y * kHG, sp = blockIdx.z;
+  const int64_t nkeys = int64_t(*a.len) + t + 1;  // causal: keys 0..pos0+t
+  int used;
+  int64_t per_split;
+  split_plan(nkeys, a.nsplit, &used, &per_split);
+  if (sp >= used) return;  // the whole block: a split this query does not need (never merged)
+  const int64_t s_begin = int64_t(sp) * per_split;
+  const int64_t s_end = s_begin + per_split < nkeys ? s_begin + per_split : nkeys;
+
+  // q̃ and q_rope of the group's heads, transposed (depth-major) for float4 reads along heads;
+  // heads fastest across lanes (conflict-free stores).
+  for (int idx = tid; idx < kHG * X; idx += kAttThreads) {
+    const int hh = idx % kHG, x = idx / kHG, h = hg0 + hh;
+    float v = 0.0f;
+    if (h < a.heads)
+      v = x < L ? a.ql[(t * a.heads + h) * L + x] : a.q[(t * a.heads + h) * (a.nope + R) + a.nope + (x - L)];
+    QT[x * kHG + hh] = v;
+  }
+  if (tid < kHG) {
+    mrun[tid] = -INFINITY;
+    zrun[tid] = 0.0f;
+  }
+  float acc[kHG][LM];
+#pragma unroll
+  for (int hh = 0; hh < kHG; ++hh)
+#pragma unroll
+    for (int m = 0; m < LM; ++m) acc[hh][m] = 0.0f;
+
+  // Score micro-tile of this thread: heads 4·ht.., keys 4·st.., depth slice xs.
+  const int tile = lane & 15, xs = warp * 2 + (lane >> 4);
+  const int ht = tile / 4, st = tile % 4;
+  const int xper = (X + kXSplit - 1) / kXSplit, xa = xs * xper, xb = min(X, xa + xper);
+
+  for (int64_t sb = s_begin; sb < s_end; sb += kBS) {
+    const int nb = int(s_end - sb < kBS ? s_end - sb : kBS);
+    {
+      float4 pre[NR];  // keys sb .. sb+15 (zero beyond s_end): every load issued, then stored
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const int it = tid + r * kAttThreads, s = it % kBS;
+        pre[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (it < items && s < nb) pre[r] = load_key4(a, sb + s, (it / kBS) * 4);
+      }
+      __syncthreads();  // the previous tile's KT / PT are no longer read
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const int it = tid + r * kAttThreads, s = it % kBS, x0 = (it / kBS) * 4;
+        if (it < items) {
+          const float v[4] = {pre[r].x, pre[r].y, pre[r].z, pre[r].w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            if (x0 + u < X) KT[(x0 + u) * kKtLd + s] = v[u];
+        }
+      }
+    }
+    __syncthreads();
+    {
+      float sc[4][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sc[i][j] = 0.0f;
+#pragma unroll 4
+      for (int x = xa; x < xb; ++x) {
+        const float4 qv = *reinterpret_cast<const float4*>(QT + x * kHG + ht * 4);
+        const float4 kv = *reinterpret_cast<const float4*>(KT + x * kKtLd + st * 4);
+        const float qa[4] = {qv.x, qv.y, qv.z, qv.w}, ka[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) sc[i][j] = fmaf(qa[i], ka[j], sc[i][j]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        *reinterpret_cast<float4*>(SP + xs * (kHG * kBS) + (ht * 4 + i) * kBS + st * 4) =
+            make_float4(sc[i][0], sc[i][1], sc[i][2], sc[i][3]);
+    }
+    __syncthreads();
+    // Online softmax: warp w handles heads 2w and 2w+1, lanes = keys (16 per head).
+    {
+      const int hh = warp * 2 + (lane >> 4), s = lane & 15;
+      float v = 0.0f;
+#pragma unroll
+      for (int x = 0; x < kXSplit; ++x) v += SP[x * (kHG * kBS) + hh * kBS + s];
+      v = s < nb ? v * a.scale : -INFINITY;
+      float mx = v;
+      for (int off = 8; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mold = mrun[hh], mnew = fmaxf(mold, mx);
+      const float p = s < nb ? expf(v - mnew) : 0.0f;
+      float ps = p;
+      for (int off = 8; off > 0; off >>= 1) ps += __shfl_xor_sync(0xffffffffu, ps, off);
+      PT[s * kHG + hh] = p;
+      __syncwarp();
+      if (s == 0) {
+        const float cf = expf(mold - mnew);  // 0 while nothing was seen (mold = -inf)
+        corr[hh] = cf;
+        zrun[hh] = zrun[hh] * cf + ps;
+        mrun[hh] = mnew;
+      }
+    }
+    __syncthreads();
+    // o ← o·corr + P·C over this tile.
+    {
+#pragma unroll
+      for (int hh = 0; hh < kHG; ++hh) {
+        const float cf = corr[hh];
+#pragma unroll
+        for (int m = 0; m < LM; ++m) acc[hh][m] *= cf;
+      }
+      // Keys 4 at a time: float4 reads of KT along s (8 lanes cover all 32 banks); keys >= nb
+      // have p = 0 and zero-filled KT, so whole groups are safe.
+      for (int s0 = 0; s0 < nb; s0 += 4) {
+        float cv[LM][4];
+#pragma unroll
+        for (int m = 0; m < LM; ++m) {
+          const int l = tid + 256 * m;
+          float4 c4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          if (l < L) c4 = *reinterpret_cast<const float4*>(KT + l * kKtLd + s0);
+          cv[m][0] = c4.x;
+          cv[m][1] = c4.y;
+          cv[m][2] = c4.z;
+          cv[m][3] = c4.w;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int h4 = 0; h4 < kHG / 4; ++h4) {
+            const float4 pv = *reinterpret_cast<const float4*>(PT + (s0 + u) * kHG + h4 * 4);
+            const float pa[4] = {pv.x, pv.y, pv.z, pv.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+              for (int m = 0; m < LM; ++m) acc[h4 * 4 + i][m] = fmaf(pa[i], cv[m][u], acc[h4 * 4 + i][m]);
+          }
+      }
+    }
+  }
+  __syncthreads();
+  // Results. One split: the normalised o_lat (over this block's own q̃ rows, already in shared
+  // memory). Several: the unnormalised partial with its (m, z); a used split without keys writes
+  // m = -inf, z = 0, o = 0 so the merge gives it weight 0.
+#pragma unroll
+  for (int hh = 0; hh < kHG; ++hh) {
+    const int h = hg0 + hh;
+    if (h >= a.heads) continue;
+    const int64_t row = t * a.heads + h;
+    if (a.nsplit == 1) {
+      const float inv = 1.0f / zrun[hh];
+#pragma unroll
+      for (int m = 0; m < LM; ++m) {
+        const int l = tid + 256 * m;
+        if (l < L) a.out[row * L + l] = acc[hh][m] * inv;
+      }
+    } else {
+      const int64_t prow = int64_t(sp) * a.T * a.heads + row;
+#pragma unroll
+      for (int m = 0; m < LM; ++m) {
+        const int l = tid + 256 * m;
+        if (l < L) a.part_o[prow * L + l] = acc[hh][m];
+      }
+      if (tid == 0) {
+        a.part_m[prow] = mrun[hh];
+        a.part_z[prow] = zrun[hh];
+      }
+    }
+  }
+}
+
+// Merge of the used splits' partials: o_lat[t, h] = Σ e^{m_sp − M} o_sp / Σ e^{m_sp − M} z_sp.
+// Block = (t, h) row; the split weights once in shared memory, then the columns.
+__global__ void combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_m,
+                               const float* __restrict__ part_z, const int32_t* __restrict__ len, int64_t heads,
+                               int64_t rows, int nsplit, int64_t L, float* __restrict__ out) {
+  __shared__ float wsp[64];
+  __shared__ float s_inv;
+  const int64_t row = blockIdx.x, t = row / heads;
+  int used;
+  int64_t per;
+  split_plan(int64_t(*len) + t + 1, nsplit, &used, &per);
+  if (threadIdx.x == 0) {
+    float M = -INFINITY;
+    for (int sp = 0; sp < used; ++sp) M = fmaxf(M, part_m[sp * rows + row]);
+    float Z = 0.0f;
+    for (int sp = 0; sp < used; ++sp) {
+      const float m = part_m[sp * rows + row];
+      const float wgt = m == -INFINITY ? 0.0f : expf(m - M);
+      wsp[sp] = wgt;
+      Z += wgt * part_z[sp * rows + row];
+    }
+    s_inv = 1.0f / Z;
+  }
+  __syncthreads();
+  for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
+    float acc = 0.0f;
+    for (int sp = 0; sp < used; ++sp)
+      if (wsp[sp] != 0.0f) acc = fmaf(wsp[sp], part_o[(sp * rows + row) * L + l], acc);
+    out[row * L + l] = acc * s_inv;
+  }
+}
+
+int sm_count() {
+  static const int n = [] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = 132;
+    }
+    return v;
+  }();
+  return n;
+}
+
+// Key splits by T: decode needs them to spread a long cache over the GPU (one wave of two blocks
+// per SM: 44 splits for 96 heads on 132 SMs), prefill has T·heads/16 blocks already. A function of
+// T and the head count only (1..64), so the workspace size and the grid are fixed per T.
+int mla_splits(int64_t T, int64_t heads) {
+  if (T <= 2) {
+    const int64_t blocks = T * ((heads + kHG - 1) / kHG);
+    return int(std::max<int64_t>(1, std::min<int64_t>(64, 2 * sm_count() / std::max<int64_t>(1, blocks))));
+  }
+  return T <= 8 ? 16 : T <= 32 ? 4 : 1;
+}
+
+constexpr int kMaxAttSmem = 200 * 1024;
+constexpr int kMaxGemvSmem = 48 * 1024;
+
+// q̃ = W_UKᵀ q_nope (nt = false) or out = W_UV o_lat (nt = true) for every head.
+template <int FMT>
+void head_products_fmt(bool nt, const float* X, const WeightMat& W, const MlaAttnDims& d, int64_t T, float* Y,
+                       Stream s) {
+  const int64_t per = d.nope + d.v, dq = d.nope + d.rope, L = d.kv_lora, H = d.heads;
+  if (T <= kGemvT) {
+    constexpr int N = WVec<FMT>::N;
+    const bool vec = L % N == 0 && L / N <= 256 && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(X) % 16 == 0;
+    if (nt) {
+      const unsigned blocks = unsigned((H * d.v + 7) / 8);
+      if (vec)
+        out_gemv_vec_kernel<FMT><<<blocks, 256, 0, s>>>(X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L), Y);
+      else
+        out_gemv_kernel<FMT><<<blocks, 256, 0, s>>>(X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L), Y);
+    } else {
+      const size_t vsmem = size_t(T * d.nope + (256 / std::max<int64_t>(1, L / N)) * T * L) * 4;
+      if (vec && vsmem <= size_t(kMaxGemvSmem)) {
+        qlat_gemv_vec_kernel<FMT><<<unsigned(H), 256, vsmem, s>>>(X, dq, W.data, W.cols, per, T, H, int(d.nope),
+                                                                   int(L), Y);
+      } else {
+        const dim3 grid(unsigned((L + 255) / 256), unsigned(H));
+        qlat_gemv_kernel<FMT><<<grid, 256, size_t(T * d.nope) * 4, s>>>(X, dq, W.data, W.cols, per, T, H,
+                                                                         int(d.nope), int(L), Y);
+      }
+    }
+    return;
+  }
+  if (nt) {
+    const dim3 grid(unsigned((d.v + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
+    head_gemm_kernel<FMT, true><<<grid, 256, 0, s>>>(X, H * L, L, W.data, W.cols, per, d.nope, T, int(L), int(d.v), Y,
+                                                     H * d.v, d.v);
+  } else {
+    const dim3 grid(unsigned((L + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
+    head_gemm_kernel<FMT, false><<<grid, 256, 0, s>>>(X, H * dq, dq, W.data, W.cols, per, 0, T, int(d.nope), int(L), Y,
+                                                      H * L, L);
+  }
+}
+
+void head_products(bool nt, const float* X, const WeightMat& W, const MlaAttnDims& d, int64_t T, float* Y, Stream s) {
+  switch (W.fmt) {
+    case WFormat::F32: head_products_fmt<0>(nt, X, W, d, T, Y, s); break;
+    case WFormat::F16: head_products_fmt<1>(nt, X, W, d, T, Y, s); break;
+    case WFormat::BF16: head_products_fmt<2>(nt, X, W, d, T, Y, s); break;
+    case WFormat::MXFP4: fail("mla_attend_absorbed: kv_b_proj in MXFP4 is not supported on the GPU (F32/F16/BF16 only)");
+  }
+}
+
+template <int LM>
+void launch_attend(const AttnArgs& a, size_t smem, Stream s) {
+  static const bool attr_set = [] {
+    return cudaFuncSetAttribute(mla_attend_kernel<LM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAttSmem) ==
+           cudaSuccess;
+  }();
+  if (!attr_set) fail("mla_attend_absorbed: this GPU cannot give " + std::to_string(kMaxAttSmem) + " bytes of shared memory per block");
+  const dim3 grid(unsigned(a.T), unsigned((a.heads + kHG - 1) / kHG), unsigned(a.nsplit));
+  mla_attend_kernel<LM><<<grid, kAttThreads, smem, s>>>(a);
+}
+
+}  // namespace
+
+void mla_cache_append(const float* ckv, int64_t T, int64_t kv_lora, int64_t rope, const float* norm_w, float eps,
+                      const int32_t* len_dev, float* c_cache, float* kr_cache, Stream s) {
+  if (T <= 0) return;
+  cache_append_kernel<<<unsigned(T), 256, 0, s>>>(ckv, kv_lora, rope, norm_w, eps, len_dev, c_cache, kr_cache);
+  check_launch("mla_cache_append");
+}
+
+int64_t mla_absorbed_work_floats(int64_t T, const MlaAttnDims& d) {
+  const int64_t rows = T * d.heads, ns = mla_splits(T, d.heads);
+  return rows * d.kv_lora + (ns > 1 ? ns * rows * (d.kv_lora + 2) : 0);
+}
+
+void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, const int32_t* len_dev,
+                         const WeightMat& kv_b, const MlaAttnDims& d, float* work, float* out, Precision p, Stream s) {
+  (void)p;  // fp32 in both precisions (the BF16 mode keeps this op in fp32: it is not a GEMM of activations)
+  if (T <= 0) return;
+  const int64_t L = d.kv_lora, per = d.nope + d.v;
+  if (kv_b.rows != d.heads * per || kv_b.cols != L)
+    fail("mla_attend_absorbed: kv_b is " + std::to_string(kv_b.rows) + "x" + std::to_string(kv_b.cols) + ", expected " +
+         std::to_string(d.heads * per) + "x" + std::to_string(L));
+  if (L > 1024 || d.rope > kMaxRope)
+    fail("mla_attend_absorbed: kv_lora " + std::to_string(L) + " / rope " + std::to_string(d.rope) +
+         " beyond the GPU kernel's 1024 / " + std::to_string(kMaxRope));
+  const size_t smem = att_smem_floats(int(L), int(d.rope)) * 4;
+  if (smem > size_t(kMaxAttSmem))
+    fail("mla_attend_absorbed: kv_lora + rope = " + std::to_string(L + d.rope) + " needs more shared memory than a block has");
+  const int ns = mla_splits(T, d.heads);
+  const int64_t rows = T * d.heads;
+  float* ql = work;  // [T, heads, L]: q̃, then o_lat
+  // 1. q̃[t, h] = W_UK[h]ᵀ q_nope[t, h]
+  head_products(false, q, kv_b, d, T, ql, s);
+  check_launch("mla_attend_absorbed (q_lat)");
+  // 2. attention over the latent cache
+  AttnArgs a{};
+  a.q = q;
+  a.ql = ql;
+  a.c = c;
+  a.kr = k_r;
+  a.len = len_dev;
+  a.out = ql;
+  a.part_o = work + rows * L;
+  a.part_m = a.part_o + int64_t(ns) * rows * L;
+  a.part_z = a.part_m + int64_t(ns) * rows;
+  a.T = T;
+  a.heads = d.heads;
+  a.nope = d.nope;
+  a.rope = d.rope;
+  a.L = L;
+  a.nsplit = ns;
+  a.vec = L % 4 == 0 && d.rope % 4 == 0 && reinterpret_cast<uintptr_t>(c) % 16 == 0 &&
+          reinterpret_cast<uintptr_t>(k_r) % 16 == 0;
+  a.scale = d.scale;
+  if (L <= 256)
+    launch_attend<1>(a, smem, s);
+  else if (L <= 512)
+    launch_attend<2>(a, smem, s);
+  else
+    launch_attend<4>(a, smem, s);
+  check_launch("mla_attend_absorbed (attend)");
+  if (ns > 1) {
+    combine_kernel<<<unsigned(rows), 128, 0, s>>>(a.part_o, a.part_m, a.part_z, len_dev, d.heads, rows, ns, L, ql);
+    check_launch("mla_attend_absorbed (combine)");
+  }
+  // 3. out[t, h] = W_UV[h] o_lat[t, h]
+  head_products(true, ql, kv_b, d, T, out, s);
+  check_launch("mla_attend_absorbed (out)");
+}
+
+void advance_len(int32_t* len_dev, int64_t T, Stream s) {
+  advance_len_kernel<<<1, 1, 0, s>>>(len_dev, int32_t(T));
+  check_launch("advance_len");
+}
+
+}  // namespace k3::cuda
