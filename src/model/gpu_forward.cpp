@@ -253,6 +253,7 @@ void Model::use_gpu(const GpuOptions& o) {
   g->dense = take(ws.dense);
   g->logits = take(ws.logits);
   g->ids = reinterpret_cast<int32_t*>(take(ws.ids));
+  if (size_t(p - g->work.as<float>()) * 4 > g->work.bytes()) fail("GPU: internal error: activation workspace overrun");
   const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
   // Decode splits the keys across blocks and needs more scratch per token than prefill: size for
   // the largest of the shapes a forward can take.

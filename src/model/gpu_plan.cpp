@@ -24,6 +24,7 @@ size_t glu_bytes(const GluWeights& g) { return mat_bytes(g.gate) + mat_bytes(g.u
 
 GpuWorkSizes gpu_work_sizes(const ModelDims& d, int64_t T, int64_t dense_inter, int64_t shared_inter) {
   GpuWorkSizes w;
+  w.tokens = T;
   w.hidden_bufs = 5;  // a, xn, y, h (output site), shared-expert output
   w.depth_slots = d.layers / std::max<int64_t>(1, d.block_size) + 2;
   const int64_t C = d.kda.dim(), D = d.kda.head_dim, Hk = d.kda.heads;

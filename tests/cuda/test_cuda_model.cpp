@@ -26,10 +26,12 @@ namespace {
 // issue's bar; the CPU's exact mode holds 1e-5). Paths of the same mode against each other
 // (chunked vs recurrent KDA, prefill + decode vs one pass) are held to the same number.
 constexpr double kFp32Tol = 1e-4;
-// fast (bf16): activations rounded to bf16 in GEMMs of > 8 tokens. Measured on the device and
-// recorded in docs/data/cuda-gates.md; the bar is set above what bf16 rounding of every GEMM input
-// gives on the trained K3-nano (the CPU's fast mode measures 1.5e-2 there).
-constexpr double kBf16Tol = 3e-2;
+// fast (bf16): activations rounded to bf16 in GEMMs of > 8 tokens. Gated on the trained K3-nano
+// (measured 2.0e-3 on the H200; the CPU's fast mode measures 1.5e-2 there), where logits have
+// real margins. On the random tiny fixtures bf16 is reported, not gated: their generator only
+// guarantees router top-k gaps of 1e-4, below bf16's 2^-9 rounding, so a rounded hidden state
+// can select another expert and move the logits by tenths (0.29-0.43 measured, as on the CPU).
+constexpr double kBf16Tol = 1e-2;
 
 fs::path tp_tiny() { return k3test::shared_dir_rt() / "fixtures/third-party/kimi-k3-in-c-tiny"; }
 fs::path ours(const std::string& name) { return k3test::source_dir() / "tests/fixtures" / name; }
@@ -103,30 +105,33 @@ std::vector<int32_t> argmax_rows(const std::vector<float>& l, size_t V) {
 
 // Prints one line per measured error so the device run records the numbers (scripts/cuda_test.sh).
 void report(const std::string& what, double err, double tol) {
-  std::printf("[gate] %-48s rel-L2 %.3e (tol %.0e)\n", what.c_str(), err, tol);
+  if (tol > 0)
+    std::printf("[gate] %-48s rel-L2 %.3e (tol %.0e)\n", what.c_str(), err, tol);
+  else
+    std::printf("[gate] %-48s rel-L2 %.3e (reported, not gated)\n", what.c_str(), err);
 }
 
 // Every decode path of one numerics mode against `base` (the fp64 reference logits).
+// gated = false only reports the errors (bf16 on the random fixtures, see kBf16Tol).
 void check_paths(const k3::Model& m, const std::vector<int32_t>& ids, const std::vector<float>& base,
-                 k3::ops::Numerics n, double tol, const std::string& name) {
+                 k3::ops::Numerics n, double tol, const std::string& name, bool gated = true) {
   const std::string tag = name + (n == kF32 ? " fp32" : " bf16");
+  const auto gate = [&](const std::string& what, double e) {
+    report(tag + " " + what, e, gated ? tol : 0);
+    if (gated) {
+      EXPECT_LT(e, tol) << tag << " " << what;
+    }
+  };
   const auto full = full_pass(m, ids, mode(n));
-  double e = rel_l2(full, base);
-  report(tag + " full pass", e, tol);
-  EXPECT_LT(e, tol) << tag << " full pass";
-  e = rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Recurrent)), base);
-  report(tag + " recurrent KDA", e, tol);
-  EXPECT_LT(e, tol) << tag << " recurrent KDA prefill";
-  e = rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Chunked, 4)), base);
-  report(tag + " chunk 4", e, tol);
-  EXPECT_LT(e, tol) << tag << " chunk 4";
-  for (size_t split : {size_t(1), size_t(5), ids.size() - 1}) {
-    e = rel_l2(incremental(m, ids, split, mode(n)), base);
-    report(tag + " prefill " + std::to_string(split) + " then decode", e, tol);
-    EXPECT_LT(e, tol) << tag << " prefill " << split << " then decode";
-  }
+  gate("full pass", rel_l2(full, base));
+  gate("recurrent KDA", rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Recurrent)), base));
+  gate("chunk 4", rel_l2(full_pass(m, ids, mode(n, k3::KdaAlgo::Chunked, 4)), base));
+  for (size_t split : {size_t(1), size_t(5), ids.size() - 1})
+    gate("prefill " + std::to_string(split) + " then decode", rel_l2(incremental(m, ids, split, mode(n)), base));
   // Teacher-forced argmax must match the reference at every position.
-  EXPECT_EQ(argmax_rows(full, size_t(m.dims().vocab)), argmax_rows(base, size_t(m.dims().vocab))) << tag;
+  if (gated) {
+    EXPECT_EQ(argmax_rows(full, size_t(m.dims().vocab)), argmax_rows(base, size_t(m.dims().vocab))) << tag;
+  }
 }
 
 }  // namespace
@@ -150,8 +155,7 @@ TEST_P(CudaOwnFixture, GatesInBothModes) {
   const auto want = g["ids"].get<std::vector<int32_t>>();
   check_paths(*m, ids, expect, kF32, kFp32Tol, GetParam());
   EXPECT_EQ(greedy(*m, prompt, g["n"].get<int>(), mode(kF32)), want) << "fp32 greedy";
-  check_paths(*m, ids, expect, kFast, kBf16Tol, GetParam());
-  EXPECT_EQ(greedy(*m, prompt, g["n"].get<int>(), mode(kFast)), want) << "bf16 greedy";
+  check_paths(*m, ids, expect, kFast, kBf16Tol, GetParam(), /*gated=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, CudaOwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));
@@ -166,23 +170,33 @@ TEST(CudaThirdPartyTiny, TeacherForcedGreedyAndLogitsHead) {
   const auto tf = e["tf_pred"].get<std::vector<int32_t>>();
   const size_t V = size_t(m->dims().vocab);
   for (auto n : {kF32, kFast}) {
-    const std::string tag = n == kF32 ? "fp32" : "bf16";
+    // bf16 on this random fixture is reported, not gated (see kBf16Tol).
+    const bool gated = n == kF32;
+    const std::string tag = gated ? "fp32" : "bf16";
     const auto logits = full_pass(*m, full, mode(n));
-    EXPECT_EQ(argmax_rows(logits, V), tf) << tag << " teacher-forced argmax";
+    const auto tf_got = argmax_rows(logits, V);
     double worst = 0;
     for (size_t t = 0; t < full.size(); ++t)
       for (size_t j = 0; j < 8; ++j)
         worst = std::max(worst, std::abs(double(logits[t * V + j]) - e["logits_head"][t][j].get<double>()));
-    std::printf("[gate] third-party tiny %s logits head max |diff| %.3e\n", tag.c_str(), worst);
-    if (n == kF32) EXPECT_LT(worst, 1e-4) << "fp32 logits head";  // the CPU gate's bound
-    EXPECT_EQ(greedy(*m, prompt, int(full.size() - prompt.size()), mode(n)),
-              std::vector<int32_t>(full.begin() + std::ptrdiff_t(prompt.size()), full.end()))
-        << tag << " greedy";
+    size_t tf_same = 0;
+    for (size_t t = 0; t < tf.size(); ++t) tf_same += tf_got[t] == tf[t] ? 1 : 0;
+    std::printf("[gate] third-party tiny %s logits head max |diff| %.3e, teacher-forced argmax %zu/%zu\n", tag.c_str(),
+                worst, tf_same, tf.size());
+    const auto gen = greedy(*m, prompt, int(full.size() - prompt.size()), mode(n));
+    const std::vector<int32_t> want(full.begin() + std::ptrdiff_t(prompt.size()), full.end());
+    if (gated) {
+      EXPECT_EQ(tf_got, tf) << tag << " teacher-forced argmax";
+      EXPECT_LT(worst, 1e-4) << "fp32 logits head";  // the CPU gate's bound
+      EXPECT_EQ(gen, want) << tag << " greedy";
+    }
     // Incremental decode (graphs) == the full pass of the same mode.
     const auto inc = incremental(*m, full, 3, mode(n));
     const double d = rel_l2(inc, logits);
-    report("third-party tiny " + tag + " prefill 3 then decode vs full", d, n == kF32 ? kFp32Tol : kBf16Tol);
-    EXPECT_LT(d, n == kF32 ? kFp32Tol : kBf16Tol) << tag;
+    report("third-party tiny " + tag + " prefill 3 then decode vs full", d, gated ? kFp32Tol : 0);
+    if (gated) {
+      EXPECT_LT(d, kFp32Tol) << tag;
+    }
   }
 }
 

@@ -9,7 +9,9 @@ namespace k3::cuda {
 
 namespace {
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail(std::string("CUDA: ") + what + ": " + cudaGetErrorString(e));
+  if (e == cudaSuccess) return;
+  cudaGetLastError();  // clear it, so the next check does not report this failure again
+  fail(std::string("CUDA: ") + what + ": " + cudaGetErrorString(e));
 }
 std::string human_bytes(size_t b) {
   char buf[64];

@@ -1,0 +1,945 @@
+// GPU matrix products (cuda_ops.h matmul / expert_matmul): GEMVs for T <= kGemvMaxT and experts
+// (formats decoded in registers), tiled GEMMs above (fp32 SIMT, cuBLAS for BF16, bf16 mma.sync for MXFP4).
+// Owns: the per-device cuBLAS handles and the grow-only bf16 activation scratch of the T > kGemvMaxT path.
+// Must not: allocate, sync or read device data on the host in the GEMV / expert paths (CUDA graphs
+// capture them), or expand MXFP4 weights in memory.
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "core/error.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace k3::cuda {
+
+namespace {
+// Error messages are formatted into a buffer: this file is compiled as C++17 by nvcc, and string
+// concatenation here would reference std::string members that the static library resolves from
+// whichever C++20 object defines them first (dragging unrelated objects into every link).
+[[noreturn]] void failf(const char* fmt, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  fail(buf);
+}
+}  // namespace
+
+const char* precision_name(Precision p) { return p == Precision::F32 ? "fp32" : "bf16"; }
+
+Precision parse_precision(const char* name) {
+  if (name && std::strcmp(name, "fp32") == 0) return Precision::F32;
+  if (name && std::strcmp(name, "bf16") == 0) return Precision::BF16;
+  failf("unknown matmul precision '%s' (expected fp32 or bf16)", name ? name : "");
+}
+
+namespace {
+
+// ------------------------------------------------------------------ decoding helpers
+
+constexpr int kGemvWarps = 4;  // warps per GEMV block (small blocks balance the tail across SMs)
+constexpr int kGemvThreads = 32 * kGemvWarps;
+
+template <WFormat F>
+constexpr int64_t row_bytes(int64_t cols) {
+  return F == WFormat::F32 ? cols * 4 : F == WFormat::MXFP4 ? cols / 2 : cols * 2;
+}
+// float4s of activations per 16-byte weight chunk (4, 8 or 32 columns).
+template <WFormat F>
+constexpr int chunk_f4() {
+  return F == WFormat::F32 ? 1 : F == WFormat::MXFP4 ? 8 : 2;
+}
+
+// GEMV shape for (format, T). Each lane owns 16-byte weight chunks of R rows, U chunks per row per
+// step (R * U loads in flight), so every weight load is reused for all T tokens and every
+// activation load for R rows. Limits beyond HBM seen on H200: (1) activation loads: lanes read 32
+// different columns at a time, and through L1 each such strided load costs a cycle per cache line
+// touched (32 for MXFP4: 128 bytes of x per lane) -- staging x in shared memory took MXFP4 T = 8
+// from 131 to ~390 GB/s; (2) MXFP4 is then bound by the instruction issue of its in-register
+// decode (~2.1 TB/s at T = 1; overlapping loads with math did not move it). SMEM path: x tiles
+// staged in shared memory (swizzled, conflict-free 128-bit reads), the next tile's weight loads
+// issued before the current tile is computed (double-buffered in registers; BF16 T = 8 went from
+// 1.5 to 1.9 TB/s); MXFP4 always, the others from 2 tokens (at T = 1 their direct loads are cheap,
+// and one row per warp, the smallest work unit, balances the tail across SMs best: 3.7 TB/s).
+template <WFormat F, int T>
+struct GemvCfg {
+  static constexpr bool smem() { return F == WFormat::MXFP4 || T >= 2; }
+  static constexpr int rows() { return F == WFormat::MXFP4 ? (T <= 4 ? 4 : 2) : T == 1 ? 1 : T > 4 ? 4 : 2; }
+  // Loads per lane per step: the SMEM path holds two steps' worth (double buffer); the direct path
+  // relies on other warps, and above 4 tokens its registers go to the accumulators.
+  static constexpr int loads() { return smem() ? (F == WFormat::MXFP4 && T > 4 ? 2 : 4) : T > 4 ? 4 : 8; }
+  static constexpr int u0() { return rows() >= loads() ? 1 : loads() / rows(); }
+  // x tile = T x (32 U chunks), kept within 48 KB of static shared memory.
+  static constexpr int U() { return T * 32 * u0() * chunk_f4<F>() * 16 <= 48 * 1024 ? u0() : 1; }
+  static constexpr int tile_f4() { return 32 * U() * chunk_f4<F>(); }  // float4s per token per tile (a power of 2)
+  // MXFP4 decodes weights with a 2^-126 factor (decode_fp4x8): when T <= R it is cheaper to lift
+  // the activations by 2^64 (exact while |x| < 2^64; products stay normal for |x| > 2^-64) and drop
+  // 2^62 at each block end than to lift every decoded weight.
+  static constexpr bool lift_x() { return F == WFormat::MXFP4 && T <= rows(); }
+};
+
+// Position of float4 f of a staged x tile: XOR of the low 3 bits with bits 3..5 spreads the 8
+// lanes of a 128-bit shared-memory phase (consecutive chunks) over all 32 banks for any chunk size.
+__device__ __forceinline__ int swz(int f) { return f ^ ((f >> 3) & 7); }
+
+// 16 weight bytes that are read exactly once: no L1 allocation (L1 keeps the activations), and a
+// 256-byte L2 prefetch since the neighbouring lanes read the rest of the line.
+__device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
+  uint4 v;
+  // volatile: keeps the issue order the pipelined loops rely on (loads ahead of math and barriers).
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float4 ld_x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+
+// E8M0 scale 2^(s-127) from its exponent bits; s = 0 is the subnormal 2^-127, 255 is NaN (OCP MX),
+// as core/dtype.h e8m0_to_f32.
+__device__ __forceinline__ float e8m0_value(uint32_t s) {
+  return __uint_as_float(s == 255u ? 0x7fc00000u : s == 0u ? 0x00400000u : s << 23);
+}
+
+// One E2M1 code (bit 3 = sign) exactly: the 3 magnitude bits placed at fp32 bits 22..24 read as
+// E2M1 * 2^-126 (codes 0/1 land on fp32 subnormals, which have E2M1's own linear spacing), and the
+// power-of-two multiply restores the value.
+__device__ __forceinline__ float fp4_value(uint32_t code) {
+  return __uint_as_float(((code & 7u) << 22) | ((code & 8u) << 28)) * 0x1p126f;
+}
+
+// The 8 E2M1 codes of a word (code i in bits 4i..4i+3) as fp32 E2M1 * 2^-126, exact (see
+// fp4_value). The decode is integer work per element, so it is kept to ~2.6 instructions: a mask
+// keeps codes k and k+4 (16 bits apart), and one multiply by a sum of two powers of two copies a
+// code to bits 22..25 and 28..31 (the copies never overlap, so no carries); masking bits 22..24 and
+// 31 leaves its magnitude and sign. The other code of the pair shifts out or lands below bit 22.
+__device__ __forceinline__ void decode_fp4x8(uint32_t q, float (&w)[8]) {
+  const uint32_t q2 = q >> 8;
+  const uint32_t p0 = q & 0x000f000fu, p1 = q & 0x00f000f0u;    // codes 0,4 / 1,5
+  const uint32_t p2 = q2 & 0x000f000fu, p3 = q2 & 0x00f000f0u;  // codes 2,6 / 3,7
+  constexpr uint32_t kKeep = 0x81c00000u;
+  w[0] = __uint_as_float((p0 * 0x10400000u) & kKeep);  // x (2^22 + 2^28)
+  w[4] = __uint_as_float((p0 * 0x00001040u) & kKeep);  // x (2^6 + 2^12)
+  w[1] = __uint_as_float((p1 * 0x01040000u) & kKeep);  // x (2^18 + 2^24)
+  w[5] = __uint_as_float((p1 * 0x00000104u) & kKeep);  // x (2^2 + 2^8)
+  w[2] = __uint_as_float((p2 * 0x10400000u) & kKeep);
+  w[6] = __uint_as_float((p2 * 0x00001040u) & kKeep);
+  w[3] = __uint_as_float((p3 * 0x01040000u) & kKeep);
+  w[7] = __uint_as_float((p3 * 0x00000104u) & kKeep);
+}
+
+// W[row, c] of any format, one element (the generic paths: unaligned rows, tiles, tails).
+template <WFormat F>
+__device__ __forceinline__ float load_weight(const uint8_t* W, const uint8_t* S, int64_t row, int64_t c, int64_t cols) {
+  if constexpr (F == WFormat::F32) {
+    return __ldg(reinterpret_cast<const float*>(W) + row * cols + c);
+  } else if constexpr (F == WFormat::BF16) {
+    return __uint_as_float(uint32_t(__ldg(reinterpret_cast<const unsigned short*>(W) + row * cols + c)) << 16);
+  } else if constexpr (F == WFormat::F16) {
+    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(W) + row * cols + c)));
+  } else {
+    const uint32_t b = __ldg(W + row * (cols / 2) + c / 2);
+    return fp4_value((c & 1) ? b >> 4 : b & 15u) * e8m0_value(__ldg(S + row * (cols / 32) + c / 32));
+  }
+}
+
+// ------------------------------------------------------------------ GEMV (T <= kGemvMaxT, experts)
+
+// One 16-byte chunk of each of R rows times T activation rows: acc[r][t] += W[r, chunk] . x[t, chunk].
+// getx(t, k) returns float4 k of the chunk's activations of token t (lifted by 2^64 for kLiftX).
+// MXFP4 chunks are exactly one 32-column scale block.
+template <WFormat F, int T, int R, class GetX>
+__device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (&sc)[R], GetX getx,
+                                          float (&acc)[R][T]) {
+  if constexpr (F == WFormat::F32) {
+    float4 xv[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xv[t] = getx(t, 0);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float w0 = __uint_as_float(wv[r].x), w1 = __uint_as_float(wv[r].y), w2 = __uint_as_float(wv[r].z),
+                  w3 = __uint_as_float(wv[r].w);
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float a = acc[r][t];
+        a = fmaf(w0, xv[t].x, a);
+        a = fmaf(w1, xv[t].y, a);
+        a = fmaf(w2, xv[t].z, a);
+        acc[r][t] = fmaf(w3, xv[t].w, a);
+      }
+    }
+  } else if constexpr (F == WFormat::BF16 || F == WFormat::F16) {
+    float4 xa[T], xb[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      xa[t] = getx(t, 0);
+      xb[t] = getx(t, 1);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float w[8];
+      const uint32_t u[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (F == WFormat::BF16) {
+          w[2 * i] = __uint_as_float(u[i] << 16);
+          w[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+        } else {
+          __half2 h;
+          std::memcpy(&h, &u[i], 4);
+          const float2 f = __half22float2(h);
+          w[2 * i] = f.x;
+          w[2 * i + 1] = f.y;
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        float a = acc[r][t];
+        a = fmaf(w[0], xa[t].x, a);
+        a = fmaf(w[1], xa[t].y, a);
+        a = fmaf(w[2], xa[t].z, a);
+        a = fmaf(w[3], xa[t].w, a);
+        a = fmaf(w[4], xb[t].x, a);
+        a = fmaf(w[5], xb[t].y, a);
+        a = fmaf(w[6], xb[t].z, a);
+        acc[r][t] = fmaf(w[7], xb[t].w, a);
+      }
+    }
+  } else {
+    constexpr bool kLiftX = T <= R;  // == GemvCfg::lift_x() for the R the callers use
+    float part[R][T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) part[r][t] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float xv[T][8];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const float4 a = getx(t, 2 * k), b = getx(t, 2 * k + 1);
+        xv[t][0] = a.x;
+        xv[t][1] = a.y;
+        xv[t][2] = a.z;
+        xv[t][3] = a.w;
+        xv[t][4] = b.x;
+        xv[t][5] = b.y;
+        xv[t][6] = b.z;
+        xv[t][7] = b.w;
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t q = k == 0 ? wv[r].x : k == 1 ? wv[r].y : k == 2 ? wv[r].z : wv[r].w;
+        float w[8];
+        decode_fp4x8(q, w);
+        if constexpr (!kLiftX) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) w[i] *= 0x1p126f;
+        }
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          float a = part[r][t];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a = fmaf(w[i], xv[t][i], a);
+          part[r][t] = a;
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float sf = e8m0_value(sc[r]);
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(kLiftX ? part[r][t] * 0x1p62f : part[r][t], sf, acc[r][t]);
+    }
+  }
+}
+
+template <int R, int T>
+__device__ __forceinline__ void warp_sum(float (&acc)[R][T]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      float v = acc[r][t];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+      acc[r][t] = v;
+    }
+}
+
+// Issues the 16-byte loads (and MXFP4 scales) of chunks j0 + 32u (u < U) of R rows.
+template <WFormat F, int R, int U>
+__device__ __forceinline__ void load_chunks(const uint8_t* const (&wr)[R], const uint8_t* const (&sr)[R], int64_t j0,
+                                            int64_t nch, bool active, uint4 (&wv)[U][R], uint32_t (&sc)[U][R]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t j = j0 + 32 * u;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      wv[u][r] = make_uint4(0, 0, 0, 0);
+      sc[u][r] = 127;
+      if (active && j < nch) {
+        wv[u][r] = ld_stream16(wr[r] + 16 * j);
+        if constexpr (F == WFormat::MXFP4) sc[u][r] = __ldg(sr[r] + j);
+      }
+    }
+  }
+}
+
+// One warp, activations read directly (L1): acc[r][t] = W[row[r], :] . x_t for R rows (indices
+// into W, all valid) and T activation rows; every lane ends with the totals. VEC: rows start
+// 16-byte aligned and are whole 16-byte chunks, activations 16-byte aligned; otherwise one
+// element per lane step.
+template <WFormat F, int T, int R, int U, bool VEC>
+__device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, const int64_t (&row)[R], int64_t cols,
+                                          const float* const (&xt)[T], float (&acc)[R][T]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+  const int lane = threadIdx.x & 31;
+  if constexpr (VEC) {
+    constexpr int E4 = chunk_f4<F>();
+    constexpr float kLift = (F == WFormat::MXFP4 && T <= R) ? 0x1p64f : 1.0f;
+    const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
+    const uint8_t* wr[R];
+    const uint8_t* sr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      wr[r] = W + row[r] * rb;
+      sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+    }
+    for (int64_t j0 = lane; j0 < nch; j0 += 32 * U) {
+      uint4 wv[U][R];
+      uint32_t sc[U][R];
+      load_chunks<F, R, U>(wr, sr, j0, nch, true, wv, sc);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t j = j0 + 32 * u;
+        if (j < nch)
+          chunk_fma<F, T, R>(wv[u], sc[u],
+                             [&](int t, int k) {
+                               float4 v = ld_x4(xt[t] + (j * E4 + k) * 4);
+                               v.x *= kLift;
+                               v.y *= kLift;
+                               v.z *= kLift;
+                               v.w *= kLift;
+                               return v;
+                             },
+                             acc);
+      }
+    }
+  } else {
+    for (int64_t c = lane; c < cols; c += 32) {
+      float xv[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) xv[t] = __ldg(xt[t] + c);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float w = load_weight<F>(W, S, row[r], c, cols);
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[r][t] = fmaf(w, xv[t], acc[r][t]);
+      }
+    }
+  }
+  warp_sum<R, T>(acc);
+}
+
+// The whole block (it syncs; every warp calls it, `active` false for warps without rows), x staged
+// in shared memory tile by tile: a tile is the 32 U chunks one warp step covers. Weight loads run a
+// tile ahead: tile k+1's are issued before tile k's activations are staged and its math done, so
+// the weight stream never waits for the decode. Same contract as warp_gemv<VEC = true>; all warps
+// share the activations (token t at x0 + t x_stride).
+template <WFormat F, int T>
+__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
+                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active,
+                                                int64_t cols, const float* x0, int64_t x_stride,
+                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
+  using C = GemvCfg<F, T>;
+  constexpr int R = C::rows(), U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
+  __shared__ float4 xs[T * kTileF4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
+  const int lane = threadIdx.x & 31;
+  const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
+  const uint8_t* wr[R];
+  const uint8_t* sr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    wr[r] = W + row[r] * rb;
+    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+  }
+  constexpr int kStage = (T * kTileF4 + kGemvThreads - 1) / kGemvThreads;  // float4s each thread stages
+  constexpr int kBatch = kStage < 4 ? kStage : 4;                             // loaded before any is stored
+  uint4 wv[U][R], wn[U][R];
+  uint32_t sc[U][R], sn[U][R];
+  load_chunks<F, R, U>(wr, sr, lane, nch, active, wv, sc);
+  for (int64_t jt = 0; jt < nch; jt += 32 * U) {
+    load_chunks<F, R, U>(wr, sr, jt + 32 * U + lane, nch, active, wn, sn);  // next tile, in flight meanwhile
+    const int nf = int(min(int64_t(32 * U), nch - jt)) * E4;  // float4s per token in this tile
+#pragma unroll
+    for (int i0 = 0; i0 < kStage; i0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int e = int(threadIdx.x) + (i0 + i) * kGemvThreads, t = e / kTileF4, f = e % kTileF4;
+        if (i0 + i < kStage && e < T * kTileF4 && f < nf) v[i] = ld_x4(x0 + t * x_stride + (jt * E4 + f) * 4);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int e = int(threadIdx.x) + (i0 + i) * kGemvThreads, t = e / kTileF4, f = e % kTileF4;
+        if (i0 + i < kStage && e < T * kTileF4 && f < nf) {
+          if constexpr (C::lift_x()) {
+            v[i].x *= 0x1p64f;
+            v[i].y *= 0x1p64f;
+            v[i].z *= 0x1p64f;
+            v[i].w *= 0x1p64f;
+          }
+          xs[t * kTileF4 + swz(f)] = v[i];
+        }
+      }
+    }
+    __syncthreads();
+    if (active) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int jl = lane + 32 * u;
+        if (jt + jl < nch)
+          chunk_fma<F, T, R>(wv[u], sc[u], [&](int t, int k) { return xs[t * kTileF4 + swz(jl * E4 + k)]; }, acc);
+      }
+    }
+    __syncthreads();  // the next tile overwrites xs
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        wv[u][r] = wn[u][r];
+        sc[u][r] = sn[u][r];
+      }
+  }
+  warp_sum<R, T>(acc);
+}
+
+// Y[t, r] = W[r, :] . X[t, :] for T <= kGemvMaxT; each warp owns R rows.
+template <WFormat F, int T, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, float* Y) {
+  using C = GemvCfg<F, T>;
+  constexpr int R = C::rows();
+  constexpr bool kSmem = VEC && C::smem();
+  const int64_t r0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * R;
+  const bool active = r0 < rows;
+  if (!kSmem && !active) return;  // whole warps leave together, so the shuffles stay full-warp
+  int64_t row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = max(int64_t(0), min(r0 + r, rows - 1));  // clamped rows: computed, not stored
+  float acc[R][T];
+  if constexpr (kSmem) {
+    block_gemv_smem<F, T>(W, S, row, active, cols, X, cols, acc);
+  } else {
+    const float* xt[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xt[t] = X + t * cols;
+    warp_gemv<F, T, R, C::U(), VEC>(W, S, row, cols, xt, acc);
+  }
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+      if (lane == (r * T + t) % 32 && r0 + r < rows) Y[t * rows + r0 + r] = acc[r][t];
+}
+
+// Routed experts, one block column per n (decode: N = top_k distinct experts): Y[n, :] = W_{ids[n]} . X[n / x_div].
+// ids are read here, on the device, so a captured graph follows whatever the router wrote.
+template <WFormat F, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    expert_gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E,
+                       const int32_t* ids, const float* X, int64_t x_div, float* Y) {
+  using C = GemvCfg<F, 1>;
+  constexpr int R = C::rows();
+  constexpr bool kSmem = VEC && C::smem();
+  const int64_t n = blockIdx.y;
+  const int64_t r0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * R;
+  const bool active = r0 < R_exp;
+  if (!kSmem && !active) return;
+  const int lane = threadIdx.x & 31;
+  const int64_t e = __ldg(ids + n);
+  float* y = Y + n * R_exp;
+  if (e < 0 || e >= E) {  // a bad router output must not read outside W: the rows become NaN (whole block)
+    if (active && lane < R && r0 + lane < R_exp) y[r0 + lane] = __uint_as_float(0x7fc00000u);
+    return;
+  }
+  int64_t row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = e * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  const float* xt[1] = {X + (n / x_div) * cols};
+  float acc[R][1];
+  if constexpr (kSmem)
+    block_gemv_smem<F, 1>(W, S, row, active, cols, xt[0], 0, acc);
+  else
+    warp_gemv<F, 1, R, C::U(), VEC>(W, S, row, cols, xt, acc);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (lane == r && r0 + r < R_exp) y[r0 + r] = acc[r][0];
+}
+
+// Routed experts for many n (prefill): block (tile, e) finds the n routed to expert e (a scan of
+// ids, amortized over kGroupRows rows) and reads each weight once per kGemvMaxT of them (direct
+// activation loads: warps run different row counts, so no block barriers inside). The extra block
+// row e == E turns ids outside [0, E) into NaN rows instead of reading outside W.
+constexpr int kGroupRows = 256;
+// Up to this many slots the per-slot kernel is used: decode (T <= kGemvMaxT tokens x top_k) routes
+// each token to distinct experts, so grouping would only pad batches; beyond it, prefill.
+constexpr int64_t kExpertPerTokenMaxN = 128;
+template <WFormat F, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    expert_group_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E,
+                        const int32_t* ids, int64_t N, const float* X, int64_t x_div, float* Y) {
+  constexpr int T = int(kGemvMaxT);
+  using C = GemvCfg<F, T>;
+  constexpr int R = C::rows();
+  __shared__ int sel[kGemvThreads + T];
+  __shared__ int cnt;
+  const int64_t e = blockIdx.y;
+  const int64_t lo = int64_t(blockIdx.x) * kGroupRows, hi = min(lo + int64_t(kGroupRows), R_exp);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+
+  // Rows [lo, hi) of expert e for the batch b[0, c) (1 <= c <= T; padded with the last entry).
+  auto run_batch = [&](const int* b, int c) {
+    if (e == E) {
+      for (int64_t i = threadIdx.x; i < int64_t(c) * (hi - lo); i += kGemvThreads)
+        Y[int64_t(b[i / (hi - lo)]) * R_exp + lo + i % (hi - lo)] = __uint_as_float(0x7fc00000u);
+      return;
+    }
+    const float* xt[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xt[t] = X + (int64_t(b[min(t, c - 1)]) / x_div) * cols;
+    for (int64_t r0 = lo + int64_t(warp) * R; r0 < hi; r0 += int64_t(kGemvWarps) * R) {
+      int64_t row[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) row[r] = e * R_exp + min(r0 + r, hi - 1);
+      float acc[R][T];
+      warp_gemv<F, T, R, C::U(), VEC>(W, S, row, cols, xt, acc);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int t = 0; t < T; ++t)
+          if (lane == (r * T + t) % 32 && t < c && r0 + r < hi) Y[int64_t(b[t]) * R_exp + r0 + r] = acc[r][t];
+    }
+  };
+
+  if (threadIdx.x == 0) cnt = 0;
+  __syncthreads();
+  for (int64_t base = 0; base < N; base += kGemvThreads) {
+    const int64_t i = base + threadIdx.x;
+    if (i < N) {
+      const int64_t id = __ldg(ids + i);
+      const bool mine = e == E ? (id < 0 || id >= E) : id == e;
+      if (mine) sel[atomicAdd(&cnt, 1)] = int(i);
+    }
+    __syncthreads();
+    const int c = cnt, full = c / T * T;
+    for (int b = 0; b < full; b += T) run_batch(sel + b, T);
+    __syncthreads();  // everyone is done with sel/cnt before the remainder moves to the front
+    if (threadIdx.x < c - full) sel[threadIdx.x] = sel[full + threadIdx.x];  // disjoint: full >= T > c - full, or full == 0
+    if (threadIdx.x == 0) cnt = c - full;
+    __syncthreads();
+  }
+  if (cnt > 0) run_batch(sel, cnt);
+}
+
+// ------------------------------------------------------------------ T > kGemvMaxT: fp32 SIMT tiles
+
+// Y tile of 64 tokens x 64 rows per block, 4x4 per thread, k-steps of 16 staged in shared memory
+// as fp32 (weights decoded from any format on the way in). ROUND_X: activations rounded to bf16
+// first (Precision::BF16 for weights the tensor-core paths do not take: F16/F32 keep their exact
+// values, so the result is the fp32-accumulated product of the rounded activations).
+constexpr int kSimtTile = 64, kSimtBK = 16, kSimtThreads = 256;
+template <WFormat F, bool ROUND_X>
+__global__ void __launch_bounds__(kSimtThreads)
+    gemm_simt_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, int64_t T,
+                     float* Y) {
+  __shared__ __align__(16) float Xs[kSimtBK][kSimtTile + 4];
+  __shared__ __align__(16) float Ws[kSimtBK][kSimtTile + 4];
+  const int tid = threadIdx.x, tr = tid % 16, tt = tid / 16;
+  const int64_t r0 = int64_t(blockIdx.x) * kSimtTile, t0 = int64_t(blockIdx.y) * kSimtTile;
+  float acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < cols; k0 += kSimtBK) {
+#pragma unroll
+    for (int i = 0; i < kSimtTile * kSimtBK / kSimtThreads; ++i) {
+      const int idx = tid + kSimtThreads * i, kk = idx % kSimtBK, m = idx / kSimtBK;
+      const int64_t c = k0 + kk;
+      float xv = 0.0f, wv = 0.0f;
+      if (c < cols) {
+        if (t0 + m < T) {
+          xv = __ldg(X + (t0 + m) * cols + c);
+          if constexpr (ROUND_X) xv = __bfloat162float(__float2bfloat16_rn(xv));
+        }
+        if (r0 + m < rows) wv = load_weight<F>(W, S, r0 + m, c, cols);
+      }
+      Xs[kk][m] = xv;
+      Ws[kk][m] = wv;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kSimtBK; ++kk) {
+      const float4 a = *reinterpret_cast<const float4*>(&Xs[kk][tt * 4]);
+      const float4 b = *reinterpret_cast<const float4*>(&Ws[kk][tr * 4]);
+      const float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t t = t0 + tt * 4 + i, r = r0 + tr * 4 + j;
+      if (t < T && r < rows) Y[t * rows + r] = acc[i][j];
+    }
+}
+
+// ------------------------------------------------------------------ T > kGemvMaxT, BF16: MXFP4 on tensor cores
+
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate) on tiles of 128 weight rows x 64 tokens, k-steps
+// of 32 columns = one MXFP4 scale block. While staging, the E2M1 codes are decoded to bf16 (exact:
+// 2 significant bits, never subnormal) and activations rounded to bf16 (RNE). Each k-step
+// accumulates into fresh registers, which are then scaled by the row's E8M0 block scale and added
+// in fp32: scales never meet bf16 range limits or subnormal handling, and any truncation inside the
+// tensor-core accumulation is limited to 32 terms. Tiles are double-buffered through registers: the
+// next k-step's global loads are in flight during the current step's MMAs.
+constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8, kMmaThreads = 256;  // ld 40: conflict-free fragments
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
+         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__global__ void __launch_bounds__(kMmaThreads)
+    gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, int64_t T,
+                        float* Y) {
+  __shared__ __align__(16) uint16_t Ws[2][kMmaBM][kMmaLd];
+  __shared__ __align__(16) uint16_t Xs[2][kMmaBN][kMmaLd];
+  __shared__ float Ss[2][kMmaBM];  // block scale of each weight row for the staged k-step
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tq = lane & 3;    // mma fragment coordinates
+  const int wm = warp & 3, wn = warp >> 2;  // warp tile: 32 rows x 32 tokens
+  const int64_t r0 = int64_t(blockIdx.x) * kMmaBM, t0 = int64_t(blockIdx.y) * kMmaBN;
+  const int nk = int(cols / kMmaBK);
+
+  // Staging roles: two threads per weight row (8 bytes = 16 codes each), four per token (8 floats).
+  // Rows/tokens past the end load a valid one; their outputs are never stored.
+  const int w_row = tid >> 1, w_half = tid & 1;
+  const int64_t wr = min(r0 + w_row, rows - 1);
+  const uint8_t* wp = W + wr * (cols / 2) + 8 * w_half;
+  const uint8_t* sp = S + wr * (cols / 32);
+  const int x_tok = tid >> 2, x_k = (tid & 3) * 8;
+  const float* xp = X + min(t0 + x_tok, T - 1) * cols + x_k;
+
+  uint2 wreg = make_uint2(0, 0);
+  uint32_t sreg = 0;
+  float4 xa = make_float4(0, 0, 0, 0), xb = xa;
+  auto load = [&](int kt) {
+    wreg = __ldg(reinterpret_cast<const uint2*>(wp + int64_t(kt) * 16));
+    sreg = __ldg(sp + kt);
+    xa = ld_x4(xp + int64_t(kt) * kMmaBK);
+    xb = ld_x4(xp + int64_t(kt) * kMmaBK + 4);
+  };
+  auto store = [&](int buf) {
+    if (w_half == 0) Ss[buf][w_row] = e8m0_value(sreg);
+    uint32_t out[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t byte = ((i < 4 ? wreg.x : wreg.y) >> (8 * (i & 3))) & 0xffu;
+      const float lo = fp4_value(byte & 15u), hi = fp4_value(byte >> 4);
+      out[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);  // exact: low bits are zero
+    }
+    *reinterpret_cast<uint4*>(&Ws[buf][w_row][16 * w_half]) = make_uint4(out[0], out[1], out[2], out[3]);
+    *reinterpret_cast<uint4*>(&Ws[buf][w_row][16 * w_half + 8]) = make_uint4(out[4], out[5], out[6], out[7]);
+    *reinterpret_cast<uint4*>(&Xs[buf][x_tok][x_k]) =
+        make_uint4(pack_bf16x2(xa.x, xa.y), pack_bf16x2(xa.z, xa.w), pack_bf16x2(xb.x, xb.y), pack_bf16x2(xb.z, xb.w));
+  };
+
+  float acc[2][4][4] = {};
+  load(0);
+  store(0);
+  __syncthreads();
+  for (int kt = 0; kt < nk; ++kt) {
+    const int buf = kt & 1;
+    if (kt + 1 < nk) load(kt + 1);
+    float step[2][4][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kMmaBK; ks += 16) {
+      uint32_t a[2][4], b[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const uint16_t* p = &Ws[buf][wm * 32 + mi * 16 + g][ks + 2 * tq];
+        a[mi][0] = *reinterpret_cast<const uint32_t*>(p);
+        a[mi][1] = *reinterpret_cast<const uint32_t*>(p + 8 * kMmaLd);
+        a[mi][2] = *reinterpret_cast<const uint32_t*>(p + 8);
+        a[mi][3] = *reinterpret_cast<const uint32_t*>(p + 8 * kMmaLd + 8);
+      }
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const uint16_t* p = &Xs[buf][wn * 32 + ni * 8 + g][ks + 2 * tq];
+        b[ni][0] = *reinterpret_cast<const uint32_t*>(p);
+        b[ni][1] = *reinterpret_cast<const uint32_t*>(p + 8);
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_bf16(step[mi][ni], a[mi], b[ni]);
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const float s_lo = Ss[buf][wm * 32 + mi * 16 + g], s_hi = Ss[buf][wm * 32 + mi * 16 + g + 8];
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[mi][ni][i] = fmaf(step[mi][ni][i], i < 2 ? s_lo : s_hi, acc[mi][ni][i]);
+    }
+    if (kt + 1 < nk) store(buf ^ 1);  // that buffer was last read before the previous barrier
+    __syncthreads();
+  }
+  // C fragment: c0,c1 = (row g, tokens 2tq, 2tq+1), c2,c3 = (row g+8, same tokens).
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int64_t r = r0 + wm * 32 + mi * 16 + g + (i >= 2 ? 8 : 0);
+        const int64_t t = t0 + wn * 32 + ni * 8 + 2 * tq + (i & 1);
+        if (r < rows && t < T) Y[t * rows + r] = acc[mi][ni][i];
+      }
+}
+
+// fp32 -> bf16 (RNE) copy of the activations for cuBLAS.
+__global__ void to_bf16_kernel(const float* x, int64_t n, __nv_bfloat16* y) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) y[i] = __float2bfloat16_rn(x[i]);
+}
+
+// ------------------------------------------------------------------ host side
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int64_t host_row_bytes(const WeightMat& W) {
+  switch (W.fmt) {
+    case WFormat::F32: return W.cols * 4;
+    case WFormat::F16:
+    case WFormat::BF16: return W.cols * 2;
+    case WFormat::MXFP4: return W.cols / 2;
+  }
+  return 0;
+}
+
+// The 16-byte GEMV path: every row start 16-byte aligned and activations rows too.
+bool gemv_vec_ok(const WeightMat& W, const float* X) {
+  return aligned16(W.data) && host_row_bytes(W) % 16 == 0 && aligned16(X) && W.cols % 4 == 0;
+}
+
+void check_weight(const WeightMat& W, const char* what) {
+  const char* problem = nullptr;
+  const size_t esize = W.fmt == WFormat::F32 ? 4 : W.fmt == WFormat::MXFP4 ? 1 : 2;
+  if (W.rows < 0 || W.cols < 0)
+    problem = "has a negative shape";
+  else if (W.data == nullptr && W.rows * W.cols > 0)
+    problem = "has no data";
+  else if (reinterpret_cast<uintptr_t>(W.data) % esize != 0)
+    problem = "data is not aligned to its element size";
+  else if (W.fmt == WFormat::MXFP4 && W.cols % 32 != 0)
+    problem = "MXFP4 columns must be a multiple of 32";
+  else if (W.fmt == WFormat::MXFP4 && W.scales == nullptr && W.rows * W.cols > 0)
+    problem = "MXFP4 weight has no scales";
+  if (problem)
+    failf("%s: %s [%lld, %lld] %s", what, wformat_name(W.fmt), (long long)W.rows, (long long)W.cols, problem);
+}
+
+template <WFormat F, int T>
+void launch_gemv_t(const WeightMat& W, const float* X, float* Y, Stream s) {
+  constexpr int R = GemvCfg<F, T>::rows();
+  const int64_t blocks = (W.rows + int64_t(kGemvWarps) * R - 1) / (int64_t(kGemvWarps) * R);
+  const auto* w = static_cast<const uint8_t*>(W.data);
+  if (gemv_vec_ok(W, X))
+    gemv_kernel<F, T, true><<<unsigned(blocks), kGemvThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, Y);
+  else
+    gemv_kernel<F, T, false><<<unsigned(blocks), kGemvThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, Y);
+  check_launch("gemv kernel");
+}
+
+template <WFormat F>
+void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  switch (T) {
+    case 1: return launch_gemv_t<F, 1>(W, X, Y, s);
+    case 2: return launch_gemv_t<F, 2>(W, X, Y, s);
+    case 3: return launch_gemv_t<F, 3>(W, X, Y, s);
+    case 4: return launch_gemv_t<F, 4>(W, X, Y, s);
+    case 5: return launch_gemv_t<F, 5>(W, X, Y, s);
+    case 6: return launch_gemv_t<F, 6>(W, X, Y, s);
+    case 7: return launch_gemv_t<F, 7>(W, X, Y, s);
+    default: return launch_gemv_t<F, 8>(W, X, Y, s);
+  }
+}
+
+template <bool ROUND_X>
+void launch_simt(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  const dim3 grid(unsigned((W.rows + kSimtTile - 1) / kSimtTile), unsigned((T + kSimtTile - 1) / kSimtTile));
+  const auto* w = static_cast<const uint8_t*>(W.data);
+  switch (W.fmt) {
+    case WFormat::F32:
+      gemm_simt_kernel<WFormat::F32, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      break;
+    case WFormat::F16:
+      gemm_simt_kernel<WFormat::F16, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      break;
+    case WFormat::BF16:
+      gemm_simt_kernel<WFormat::BF16, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      break;
+    case WFormat::MXFP4:
+      gemm_simt_kernel<WFormat::MXFP4, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      break;
+  }
+  check_launch("gemm simt kernel");
+}
+
+// cuBLAS state per device (handle) and per (device, stream) (bf16 activations + workspace: two
+// streams never share a buffer). T > kGemvMaxT is never graph-captured, so growing here is allowed;
+// growing frees the old buffer, and cudaFree waits for the device. Handles and buffers live until
+// process exit on purpose (destroying them from static destructors races the CUDA runtime teardown).
+constexpr int kMaxDevices = 64;
+constexpr size_t kCublasWorkspace = size_t(32) << 20;
+struct StreamScratch {
+  DevBuf xb, ws;
+};
+std::mutex g_cublas_mu;
+cublasHandle_t g_handles[kMaxDevices] = {};
+std::map<std::pair<int, Stream>, StreamScratch>* g_scratch = nullptr;
+
+void cublas_check(cublasStatus_t st, const char* what) {
+  if (st != CUBLAS_STATUS_SUCCESS) failf("cuBLAS: %s: %s", what, cublasGetStatusString(st));
+}
+
+void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) failf("CUDA: matmul: no current device");
+  std::lock_guard<std::mutex> lock(g_cublas_mu);
+  cublasHandle_t& h = g_handles[dev];
+  if (!h) cublas_check(cublasCreate(&h), "create handle");
+  if (!g_scratch) g_scratch = new std::map<std::pair<int, Stream>, StreamScratch>();
+  StreamScratch& sc = (*g_scratch)[{dev, s}];
+  const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);
+  if (sc.xb.bytes() < need) sc.xb = DevBuf(std::max(need, sc.xb.bytes() * 3 / 2), "bf16 activations for cuBLAS");
+  if (!sc.ws) sc.ws = DevBuf(kCublasWorkspace, "cuBLAS workspace");
+  auto* xb = sc.xb.as<__nv_bfloat16>();
+  const int64_t n = T * W.cols;
+  to_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s>>>(X, n, xb);
+  check_launch("to_bf16 kernel");
+  cublas_check(cublasSetStream(h, s), "set stream");
+  cublas_check(cublasSetWorkspace(h, sc.ws.get(), sc.ws.bytes()), "set workspace");  // after SetStream (it resets it)
+  // Column-major view: Y^T [rows, T] (ld rows) = W [rows, cols] (= W^T col-major, ld cols)^T . X^T [cols, T] (ld cols).
+  const float alpha = 1.0f, beta = 0.0f;
+  cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(W.rows), int(T), int(W.cols), &alpha, W.data,
+                            CUDA_R_16BF, int(W.cols), xb, CUDA_R_16BF, int(W.cols), &beta, Y, CUDA_R_32F, int(W.rows),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "bf16 GEMM");
+}
+
+template <WFormat F>
+void launch_expert_f(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
+                     float* Y, Stream s) {
+  const int64_t E = W.rows / R;
+  const auto* w = static_cast<const uint8_t*>(W.data);
+  const bool vec = gemv_vec_ok(W, X);
+  if (N <= kExpertPerTokenMaxN) {
+    constexpr int Rw = GemvCfg<F, 1>::rows();
+    const dim3 grid(unsigned((R + int64_t(kGemvWarps) * Rw - 1) / (int64_t(kGemvWarps) * Rw)), unsigned(N));
+    if (vec)
+      expert_gemv_kernel<F, true><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, X, x_div, Y);
+    else
+      expert_gemv_kernel<F, false><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, X, x_div, Y);
+    check_launch("expert gemv kernel");
+  } else {
+    const dim3 grid(unsigned((R + kGroupRows - 1) / kGroupRows), unsigned(E + 1));
+    if (vec)
+      expert_group_kernel<F, true><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, N, X, x_div, Y);
+    else
+      expert_group_kernel<F, false><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, N, X, x_div, Y);
+    check_launch("expert group kernel");
+  }
+}
+
+}  // namespace
+
+void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p, Stream s) {
+  check_weight(W, "matmul");
+  if (T <= 0 || W.rows == 0) return;
+  if (T > 65535LL * kSimtTile || W.rows > (int64_t(1) << 31) - 1) failf("matmul: shape too large for the GPU kernels");
+  if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
+  if (T <= kGemvMaxT) {
+    switch (W.fmt) {
+      case WFormat::F32: return launch_gemv_f<WFormat::F32>(W, X, T, Y, s);
+      case WFormat::F16: return launch_gemv_f<WFormat::F16>(W, X, T, Y, s);
+      case WFormat::BF16: return launch_gemv_f<WFormat::BF16>(W, X, T, Y, s);
+      case WFormat::MXFP4: return launch_gemv_f<WFormat::MXFP4>(W, X, T, Y, s);
+    }
+    return;
+  }
+  if (p == Precision::F32) return launch_simt<false>(W, X, T, Y, s);
+  // Precision::BF16: activations rounded to bf16, weights exact, fp32 accumulation, on every path.
+  if (W.fmt == WFormat::BF16 && aligned16(W.data) && aligned16(X)) return matmul_cublas_bf16(W, X, T, Y, s);
+  if (W.fmt == WFormat::MXFP4 && aligned16(W.data) && aligned16(X)) {
+    const dim3 grid(unsigned((W.rows + kMmaBM - 1) / kMmaBM), unsigned((T + kMmaBN - 1) / kMmaBN));
+    gemm_mma_fp4_kernel<<<grid, kMmaThreads, 0, s>>>(static_cast<const uint8_t*>(W.data), W.scales, W.rows, W.cols, X,
+                                                     T, Y);
+    check_launch("gemm mma fp4 kernel");
+    return;
+  }
+  // F16 / F32 weights (bf16 tensor cores would round them) and unaligned BF16 / MXFP4 views.
+  launch_simt<true>(W, X, T, Y, s);
+}
+
+void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
+                   float* Y, Precision p, Stream s) {
+  check_weight(W, "expert_matmul");
+  if (R <= 0 || W.rows % R != 0)
+    failf("expert_matmul: %lld stacked rows are not a multiple of %lld rows per expert", (long long)W.rows,
+          (long long)R);
+  if (x_div < 1) failf("expert_matmul: x_div must be >= 1");
+  if (N <= 0) return;
+  if (N > (int64_t(1) << 31) - 1 || W.rows / R > 65534) failf("expert_matmul: too many slots or experts for the GPU kernels");
+  if (W.cols == 0) return dev_memset(Y, 0, size_t(N * R) * sizeof(float), s);
+  // Both precisions: fp32 activations (GEMV-style kernels, like the T <= kGemvMaxT matmul).
+  (void)p;
+  switch (W.fmt) {
+    case WFormat::F32: return launch_expert_f<WFormat::F32>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::F16: return launch_expert_f<WFormat::F16>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::BF16: return launch_expert_f<WFormat::BF16>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::MXFP4: return launch_expert_f<WFormat::MXFP4>(W, R, ids, N, X, x_div, Y, s);
+  }
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,458 @@
+// Device tests of k3::cuda::matmul / expert_matmul (ops/cuda/gemm.cu) against the fp64 twin
+// k3::ref::matmul: every format x T x precision on odd shapes, unaligned views, MXFP4 special
+// scales, routed experts (repeated ids, x_div, bad ids), a captured graph that follows ids changed on
+// the device, and CudaGemmBench (prints GB/s; asserts correctness only).
+// Owns: the GPU GEMM tolerances below. Every output is pre-filled (NaN) to catch unwritten elements.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/cuda_util.h"
+#include "common/num_util.h"
+#include "common/op_tolerances.h"
+#include "common/weight_util.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "ops/cuda/cuda_ops.h"
+#include "ops/ops.h"
+
+namespace {
+
+using k3::WFormat;
+using k3::cuda::Precision;
+using k3test::count_nan;
+using k3test::rel_l2;
+
+// fp32 precision (and every GEMV / expert path, which read fp32 activations in both precisions):
+// fp32 products and sums vs fp64, the project-wide fp32 reduction tolerance.
+constexpr double kTolF32 = k3test::kTolReduce;
+// BF16 precision at T > kGemvMaxT: activations rounded to bf16 (<= 2^-9 relative each, ~1e-3..5e-3
+// aggregate over random-sign sums), so 1e-2 vs the exact product catches dropped or mis-paired
+// terms; and it must equal the fp64 product of the ROUNDED activations to fp32 accuracy (weights
+// are never rounded), the way tests/ops/test_gemm_levels.cpp holds the CPU Fast mode.
+constexpr double kTolBf16VsExact = 1e-2;
+constexpr double kTolBf16VsRounded = 1e-5;
+
+const WFormat kFormats[] = {WFormat::F32, WFormat::F16, WFormat::BF16, WFormat::MXFP4};
+const int64_t kTs[] = {1, 3, 8, 9, 33, 100};
+const Precision kPrecisions[] = {Precision::F32, Precision::BF16};
+
+struct Shape {
+  int64_t rows, cols;
+};
+// Rows never a multiple of the GEMV (8/16-row) or tile (64/128-row) blocks; columns with tails
+// (37, 1000 = not a multiple of 16-byte chunks for F32/F16/BF16), aligned (4104 = 4096 + 8) and tiny.
+std::vector<Shape> shapes(WFormat f) {
+  if (f == WFormat::MXFP4) return {{37, 96}, {130, 1024}, {33, 3584}};
+  return {{37, 1000}, {19, 37}, {70, 4104}, {3, 7}};
+}
+
+std::string label(WFormat f, int64_t rows, int64_t cols, int64_t T, Precision p) {
+  return std::string(k3::wformat_name(f)) + " [" + std::to_string(rows) + ", " + std::to_string(cols) +
+         "] T=" + std::to_string(T) + " " + k3::cuda::precision_name(p);
+}
+
+std::vector<float> round_bf16(const std::vector<float>& x) {
+  std::vector<float> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = k3::bf16_to_f32(k3::f32_to_bf16(x[i]));
+  return r;
+}
+
+std::vector<float> ref_matmul(const k3::WeightMat& W, const std::vector<float>& X, int64_t T) {
+  std::vector<float> y(size_t(T * W.rows), k3test::qnan());
+  k3::ref::matmul(W, X.data(), T, y.data());
+  return y;
+}
+
+std::vector<float> gpu_matmul(const k3::WeightMat& dev_w, const std::vector<float>& X, int64_t T, Precision p) {
+  const auto dx = k3test::to_dev(X);
+  auto dy = k3test::dev_nan(size_t(T * dev_w.rows));
+  k3::cuda::matmul(dev_w, dx.as<float>(), T, dy.as<float>(), p, nullptr);
+  k3::cuda::sync();
+  return k3test::from_dev<float>(dy, size_t(T * dev_w.rows));
+}
+
+// Rows [r0, r0 + n) of a host or device view (contiguous rows; MXFP4 scales follow).
+k3::WeightMat row_view(const k3::WeightMat& W, int64_t r0, int64_t n) {
+  k3::WeightMat v = W;
+  v.rows = n;
+  v.data = static_cast<const uint8_t*>(W.data) + r0 * int64_t(k3test::weight_data_bytes(W) / size_t(W.rows));
+  if (W.fmt == WFormat::MXFP4) v.scales = W.scales + r0 * (W.cols / 32);
+  return v;
+}
+
+// The check every matmul result gets: all written, and within the tolerance of its path.
+void expect_matches(const std::vector<float>& y, const std::vector<float>& exact, const std::vector<float>& rounded,
+                    int64_t T, Precision p) {
+  ASSERT_EQ(count_nan(y), 0u) << "unwritten (or NaN) outputs";
+  if (p == Precision::F32 || T <= k3::cuda::kGemvMaxT) {
+    EXPECT_LT(rel_l2(y, exact), kTolF32);
+  } else {
+    EXPECT_LT(rel_l2(y, exact), kTolBf16VsExact);
+    EXPECT_LT(rel_l2(y, rounded), kTolBf16VsRounded);
+  }
+}
+
+}  // namespace
+
+TEST(CudaGemm, PrecisionNames) {
+  K3_REQUIRE_GPU();
+  for (Precision p : kPrecisions) EXPECT_EQ(k3::cuda::parse_precision(k3::cuda::precision_name(p)), p);
+  EXPECT_STREQ(k3::cuda::precision_name(Precision::BF16), "bf16");
+  EXPECT_THROW(k3::cuda::parse_precision("fp16"), k3::Error);
+  EXPECT_THROW(k3::cuda::parse_precision(""), k3::Error);
+}
+
+TEST(CudaGemm, MatmulMatchesTwinEveryFormat) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(101);
+  for (WFormat f : kFormats)
+    for (const Shape& sh : shapes(f)) {
+      const k3test::OwnedW W = k3test::make_weight(rng, f, sh.rows, sh.cols);
+      const k3test::DevWeight dw = k3test::upload_weight(W.w);
+      for (int64_t T : kTs) {
+        const auto X = k3test::rand_vec(rng, size_t(T * sh.cols));
+        const auto exact = ref_matmul(W.w, X, T);
+        const auto rounded = T > k3::cuda::kGemvMaxT ? ref_matmul(W.w, round_bf16(X), T) : exact;
+        for (Precision p : kPrecisions) {
+          SCOPED_TRACE(label(f, sh.rows, sh.cols, T, p));
+          expect_matches(gpu_matmul(dw.view, X, T, p), exact, rounded, T, p);
+        }
+      }
+    }
+}
+
+// A device view that starts off 16-byte alignment (e.g. a slice at an odd element offset) must take
+// the element-wise paths and still be right.
+TEST(CudaGemm, UnalignedViewsMatchTwin) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(102);
+  for (WFormat f : kFormats) {
+    const int64_t rows = 21, cols = f == WFormat::MXFP4 ? 256 : 4104;
+    const k3test::OwnedW W = k3test::make_weight(rng, f, rows, cols);
+    const size_t n = k3test::weight_data_bytes(W.w);
+    const size_t off = f == WFormat::F32 ? 4 : f == WFormat::MXFP4 ? 1 : 2;  // element-aligned, not 16-byte
+    k3::cuda::DevBuf data(n + 16, "unaligned test weight"), scales;
+    k3::cuda::h2d(static_cast<uint8_t*>(data.get()) + off, W.w.data, n);
+    k3::WeightMat v = W.w;
+    v.data = static_cast<uint8_t*>(data.get()) + off;
+    if (f == WFormat::MXFP4) {
+      scales = k3::cuda::DevBuf(size_t(rows * cols / 32), "unaligned test scales");
+      k3::cuda::h2d(scales.get(), W.w.scales, size_t(rows * cols / 32));
+      v.scales = scales.as<uint8_t>();
+    }
+    k3::cuda::sync();
+    for (int64_t T : {int64_t(1), int64_t(5), int64_t(40)}) {
+      const auto X = k3test::rand_vec(rng, size_t(T * cols));
+      const auto exact = ref_matmul(W.w, X, T);
+      const auto rounded = ref_matmul(W.w, round_bf16(X), T);
+      for (Precision p : kPrecisions) {
+        SCOPED_TRACE(label(f, rows, cols, T, p) + " view offset " + std::to_string(off));
+        expect_matches(gpu_matmul(v, X, T, p), exact, rounded, T, p);
+      }
+    }
+  }
+}
+
+// E8M0 edge scales: 0 (the subnormal 2^-127), 1, 2 (tiny weights, ~1e-38), large ones, and 255
+// (NaN: every output of a row holding such a block is NaN, the others unaffected).
+TEST(CudaGemm, Mxfp4SpecialScales) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(103);
+  const int64_t rows = 40, cols = 256;
+  struct ScaleSet {
+    const char* name;
+    std::vector<uint8_t> values;
+  };
+  const ScaleSet sets[] = {{"tiny", {0, 1, 2, 3}}, {"huge", {150, 180, 200}}, {"mixed", {0, 1, 100, 127, 140}}};
+  for (const ScaleSet& set : sets) {
+    k3test::OwnedW W = k3test::make_weight(rng, WFormat::MXFP4, rows, cols);
+    std::uniform_int_distribution<size_t> pick(0, set.values.size() - 1);
+    for (auto& s : W.scales) s = set.values[pick(rng)];
+    const std::vector<int64_t> nan_rows = {5, 17, 39};
+    for (int64_t r : nan_rows) W.scales[size_t(r * (cols / 32) + (r % (cols / 32)))] = 255;
+    const k3test::DevWeight dw = k3test::upload_weight(W.w);
+    for (int64_t T : {int64_t(1), int64_t(3), int64_t(33)}) {
+      const auto X = k3test::rand_vec(rng, size_t(T * cols));
+      const auto exact = ref_matmul(W.w, X, T);
+      const auto rounded = ref_matmul(W.w, round_bf16(X), T);
+      for (Precision p : kPrecisions) {
+        SCOPED_TRACE(std::string(set.name) + " " + label(WFormat::MXFP4, rows, cols, T, p));
+        const auto dx = k3test::to_dev(X);
+        auto dy = k3test::to_dev(std::vector<float>(size_t(T * rows), -7777.0f));  // sentinel: NaN is expected
+        k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), p, nullptr);
+        const auto y = k3test::from_dev<float>(dy, size_t(T * rows));
+        std::vector<float> got, want, want_rounded;
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = 0; r < rows; ++r) {
+            const size_t i = size_t(t * rows + r);
+            const bool nan_row = std::find(nan_rows.begin(), nan_rows.end(), r) != nan_rows.end();
+            ASSERT_TRUE(std::isnan(exact[i]) == nan_row) << "reference at t=" << t << " r=" << r;
+            if (nan_row) {
+              EXPECT_TRUE(std::isnan(y[i])) << "t=" << t << " r=" << r << " got " << y[i];
+            } else {
+              ASSERT_NE(y[i], -7777.0f) << "unwritten output t=" << t << " r=" << r;
+              got.push_back(y[i]);
+              want.push_back(exact[i]);
+              want_rounded.push_back(rounded[i]);
+            }
+          }
+        expect_matches(got, want, want_rounded, T, p);
+      }
+    }
+  }
+}
+
+namespace {
+
+// Reference for expert_matmul: Y[n] = W_{ids[n]} . X[n / x_div] through the fp64 twin per slot.
+std::vector<float> ref_experts(const k3::WeightMat& W, int64_t R, const std::vector<int32_t>& ids,
+                               const std::vector<float>& X, int64_t x_div) {
+  const int64_t N = int64_t(ids.size()), C = W.cols;
+  std::vector<float> y(size_t(N * R), k3test::qnan());
+  for (int64_t n = 0; n < N; ++n) {
+    const k3::WeightMat We = row_view(W, int64_t(ids[size_t(n)]) * R, R);
+    k3::ref::matmul(We, X.data() + (n / x_div) * C, 1, y.data() + n * R);
+  }
+  return y;
+}
+
+std::vector<float> gpu_experts(const k3::WeightMat& dev_w, int64_t R, const std::vector<int32_t>& ids,
+                               const std::vector<float>& X, int64_t x_div, Precision p, float fill) {
+  const auto dx = k3test::to_dev(X);
+  const auto di = k3test::to_dev(ids);
+  const size_t n = ids.size() * size_t(R);
+  auto dy = k3test::to_dev(std::vector<float>(n, fill));
+  k3::cuda::expert_matmul(dev_w, R, di.as<int32_t>(), int64_t(ids.size()), dx.as<float>(), x_div, dy.as<float>(), p,
+                          nullptr);
+  k3::cuda::sync();
+  return k3test::from_dev<float>(dy, n);
+}
+
+}  // namespace
+
+// Decode-sized N (one block column per slot) and prefill-sized N (experts grouped, weights shared by
+// up to 8 slots); repeated ids; x_div = 1 (one activation row per slot) and = top_k (slots of a token
+// share its row); 16-byte and element-wise paths (cols 96 / 37).
+TEST(CudaGemm, ExpertMatmulMatchesTwin) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(104);
+  const int64_t E = 6, R = 37, top_k = 4;
+  for (WFormat f : kFormats)
+    for (int64_t C : {int64_t(96), int64_t(37)}) {
+      if (f == WFormat::MXFP4 && C % 32 != 0) continue;
+      const k3test::OwnedW W = k3test::make_weight(rng, f, E * R, C);
+      const k3test::DevWeight dw = k3test::upload_weight(W.w);
+      for (int64_t N : {int64_t(12), int64_t(300)})
+        for (int64_t x_div : {int64_t(1), top_k}) {
+          std::uniform_int_distribution<int32_t> pick(0, int32_t(E - 1));
+          std::vector<int32_t> ids(static_cast<size_t>(N));
+          for (auto& i : ids) i = pick(rng);
+          ids[1] = ids[0];  // a guaranteed repeat (N > E makes more)
+          const auto X = k3test::rand_vec(rng, size_t((N / x_div) * C));
+          const auto want = ref_experts(W.w, R, ids, X, x_div);
+          for (Precision p : kPrecisions) {
+            SCOPED_TRACE(label(f, E * R, C, 1, p) + " N=" + std::to_string(N) + " x_div=" + std::to_string(x_div));
+            const auto y = gpu_experts(dw.view, R, ids, X, x_div, p, k3test::qnan());
+            ASSERT_EQ(count_nan(y), 0u);
+            EXPECT_LT(rel_l2(y, want), kTolF32);  // fp32 activations on every expert path
+          }
+        }
+    }
+}
+
+// A routing id outside [0, E) must not read outside W: that slot's rows become NaN, others are right.
+TEST(CudaGemm, ExpertMatmulBadIdGivesNanRows) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(105);
+  const int64_t E = 4, R = 24, C = 64;
+  const k3test::OwnedW W = k3test::make_weight(rng, WFormat::MXFP4, E * R, C);
+  const k3test::DevWeight dw = k3test::upload_weight(W.w);
+  for (int64_t N : {int64_t(8), int64_t(200)}) {
+    std::vector<int32_t> ids(static_cast<size_t>(N));
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i % E);
+    ids[3] = int32_t(E);
+    ids[5] = -1;
+    const auto X = k3test::rand_vec(rng, size_t(N * C));
+    const auto y = gpu_experts(dw.view, R, ids, X, 1, Precision::F32, -7777.0f);
+    std::vector<int32_t> good_ids = ids;
+    good_ids[3] = good_ids[5] = 0;
+    const auto want = ref_experts(W.w, R, good_ids, X, 1);
+    std::vector<float> got_ok, want_ok;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t r = 0; r < R; ++r) {
+        const float v = y[size_t(n * R + r)];
+        SCOPED_TRACE("N=" + std::to_string(N) + " n=" + std::to_string(n) + " r=" + std::to_string(r));
+        if (n == 3 || n == 5) {
+          EXPECT_TRUE(std::isnan(v)) << v;
+        } else {
+          ASSERT_NE(v, -7777.0f);
+          got_ok.push_back(v);
+          want_ok.push_back(want[size_t(n * R + r)]);
+        }
+      }
+    EXPECT_LT(rel_l2(got_ok, want_ok), kTolF32) << "N=" << N;
+  }
+}
+
+// The decode step is captured once and replayed: ids are read on the device at replay time, so new
+// routing written into the same buffer selects the new experts without re-capturing.
+TEST(CudaGemm, GraphReplayFollowsDeviceIds) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(106);
+  const int64_t E = 8, R = 64, C = 256, top_k = 4;
+  const k3test::OwnedW We = k3test::make_weight(rng, WFormat::MXFP4, E * R, C);
+  const k3test::OwnedW Wd = k3test::make_weight(rng, WFormat::BF16, 96, C);
+  const k3test::DevWeight dwe = k3test::upload_weight(We.w), dwd = k3test::upload_weight(Wd.w);
+  const auto X = k3test::rand_vec(rng, size_t(C));
+  const std::vector<int32_t> ids0 = {1, 6, 3, 0}, ids1 = {7, 2, 5, 6};
+  auto dx = k3test::to_dev(X);
+  auto di = k3test::to_dev(ids0);
+  auto dy1 = k3test::dev_nan(size_t(Wd.w.rows)), dy2 = k3test::dev_nan(size_t(top_k * R));
+  k3::cuda::Stream s = k3::cuda::stream_create();
+  k3::cuda::capture_begin(s);
+  k3::cuda::matmul(dwd.view, dx.as<float>(), 1, dy1.as<float>(), Precision::BF16, s);
+  k3::cuda::expert_matmul(dwe.view, R, di.as<int32_t>(), top_k, dx.as<float>(), top_k, dy2.as<float>(), Precision::BF16,
+                          s);
+  k3::cuda::GraphExec g = k3::cuda::capture_end(s);
+  const auto dense_want = ref_matmul(Wd.w, X, 1);
+  for (const auto* ids : {&ids0, &ids1}) {
+    k3::cuda::h2d(di.get(), ids->data(), ids->size() * sizeof(int32_t), s);
+    k3::cuda::dev_memset(dy2.get(), 0xff, size_t(top_k * R) * sizeof(float), s);  // NaN pattern: must be rewritten
+    k3::cuda::graph_launch(g, s);
+    k3::cuda::sync(s);
+    const auto y1 = k3test::from_dev<float>(dy1, size_t(Wd.w.rows));
+    const auto y2 = k3test::from_dev<float>(dy2, size_t(top_k * R));
+    ASSERT_EQ(count_nan(y1), 0u);
+    ASSERT_EQ(count_nan(y2), 0u);
+    EXPECT_LT(rel_l2(y1, dense_want), kTolF32);
+    EXPECT_LT(rel_l2(y2, ref_experts(We.w, R, *ids, X, top_k)), kTolF32) << "ids set " << (ids == &ids0 ? 0 : 1);
+  }
+  k3::cuda::graph_destroy(g);
+  k3::cuda::stream_destroy(s);
+}
+
+namespace {
+
+struct Timed {
+  double ms;  // per call
+};
+template <class Fn>
+Timed time_calls(k3::cuda::Stream s, int reps, Fn&& fn) {
+  for (int i = 0; i < 5; ++i) fn();
+  k3::cuda::EventTimer timer;
+  timer.start(s);
+  for (int i = 0; i < reps; ++i) fn();
+  timer.stop(s);
+  return {timer.ms() / reps};
+}
+
+// Row subsets [0, 64) and the last 64 rows of each token's output against the twin.
+void check_row_subsets(const k3::WeightMat& W, const std::vector<float>& X, int64_t T, const std::vector<float>& y,
+                       double tol, const std::vector<float>* X_for_ref = nullptr) {
+  for (int64_t r0 : {int64_t(0), W.rows - 64}) {
+    const k3::WeightMat v = row_view(W, r0, 64);
+    const auto want = ref_matmul(v, X_for_ref ? *X_for_ref : X, T);
+    std::vector<float> got(want.size());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = 0; r < 64; ++r) got[size_t(t * 64 + r)] = y[size_t(t * W.rows + r0 + r)];
+    ASSERT_EQ(count_nan(got), 0u);
+    EXPECT_LT(rel_l2(got, want), tol) << "rows from " << r0 << " T=" << T;
+  }
+}
+
+}  // namespace
+
+// GEMV bandwidth: bytes of weights (+ scales) read per second at T = 1 (the decode step), and a few
+// larger T; prefill rates of the tensor-core paths for reference. Correctness is asserted, speed is
+// only printed (it depends on the machine).
+TEST(CudaGemmBench, GemvBandwidth) {
+  K3_REQUIRE_GPU();
+  const auto info = k3::cuda::device_info();
+  std::printf("device: %s, %d SMs, datasheet HBM %.0f GB/s\n", info.name.c_str(), info.multiprocessors,
+              info.peak_bandwidth_gbs());
+  std::mt19937 rng(107);
+  k3::cuda::Stream s = k3::cuda::stream_create();
+  struct Case {
+    WFormat f;
+    int64_t rows, cols;
+  };
+  for (const Case& c : {Case{WFormat::BF16, 7168, 7168}, Case{WFormat::MXFP4, 16 * 3072, 3584}}) {
+    const k3test::OwnedW W = k3test::make_weight(rng, c.f, c.rows, c.cols);
+    const k3test::DevWeight dw = k3test::upload_weight(W.w);
+    const double bytes =
+        double(k3test::weight_data_bytes(W.w)) + (c.f == WFormat::MXFP4 ? double(c.rows * c.cols / 32) : 0.0);
+    for (int64_t T : {int64_t(1), int64_t(2), int64_t(4), int64_t(8)}) {
+      const auto X = k3test::rand_vec(rng, size_t(T * c.cols));
+      const auto dx = k3test::to_dev(X);
+      auto dy = k3test::dev_nan(size_t(T * c.rows));
+      const Timed tm = time_calls(s, 50, [&] {
+        k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s);
+      });
+      std::printf("matmul %-5s [%6lld, %5lld] T=%lld: %8.1f us  %7.0f GB/s (%.0f%% of datasheet)\n",
+                  k3::wformat_name(c.f), (long long)c.rows, (long long)c.cols, (long long)T, tm.ms * 1e3,
+                  bytes / (tm.ms * 1e-3) / 1e9, 100.0 * bytes / (tm.ms * 1e-3) / 1e9 / info.peak_bandwidth_gbs());
+      const auto y = k3test::from_dev<float>(dy, size_t(T * c.rows));
+      if (T == 1 && c.f == WFormat::BF16) {
+        ASSERT_EQ(count_nan(y), 0u);
+        EXPECT_LT(rel_l2(y, ref_matmul(W.w, X, 1)), kTolF32);
+      } else {
+        check_row_subsets(W.w, X, T, y, kTolF32);
+      }
+    }
+    if (c.f == WFormat::MXFP4) {
+      // The same bytes as 16 routed experts of [3072, 3584] for one token (decode, top_k = 16).
+      const int64_t R = 3072, N = 16;
+      std::vector<int32_t> ids(N);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      const auto X = k3test::rand_vec(rng, size_t(c.cols));
+      const auto dx = k3test::to_dev(X);
+      const auto di = k3test::to_dev(ids);
+      auto dy = k3test::dev_nan(size_t(N * R));
+      const Timed tm = time_calls(s, 50, [&] {
+        k3::cuda::expert_matmul(dw.view, R, di.as<int32_t>(), N, dx.as<float>(), N, dy.as<float>(), Precision::BF16, s);
+      });
+      std::printf("expert_matmul MXFP4 16 x [3072, 3584] N=16: %8.1f us  %7.0f GB/s\n", tm.ms * 1e3,
+                  bytes / (tm.ms * 1e-3) / 1e9);
+      const auto y = k3test::from_dev<float>(dy, size_t(N * R));
+      ASSERT_EQ(count_nan(y), 0u);
+      for (int64_t n : {int64_t(0), N - 1}) {
+        const k3::WeightMat We = row_view(W.w, int64_t(ids[size_t(n)]) * R, R);
+        const auto want = ref_matmul(We, X, 1);
+        EXPECT_LT(rel_l2(y.data() + n * R, want.data(), size_t(R)), kTolF32) << "slot " << n;
+      }
+    }
+  }
+  // Prefill (T = 512) on the BF16-precision tensor-core paths: cuBLAS (BF16) and mma.sync (MXFP4).
+  for (WFormat f : {WFormat::BF16, WFormat::MXFP4}) {
+    const int64_t rows = 7168, cols = 7168, T = 512;
+    const k3test::OwnedW W = k3test::make_weight(rng, f, rows, cols);
+    const k3test::DevWeight dw = k3test::upload_weight(W.w);
+    const auto X = k3test::rand_vec(rng, size_t(T * cols));
+    const auto dx = k3test::to_dev(X);
+    auto dy = k3test::dev_nan(size_t(T * rows));
+    const Timed tm = time_calls(s, 10, [&] {
+      k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s);
+    });
+    std::printf("matmul %-5s [%lld, %lld] T=%lld bf16: %8.1f us  %6.1f TFLOP/s\n", k3::wformat_name(f),
+                (long long)rows, (long long)cols, (long long)T, tm.ms * 1e3,
+                2.0 * double(rows * cols * T) / (tm.ms * 1e-3) / 1e12);
+    const auto y = k3test::from_dev<float>(dy, size_t(T * rows));
+    // Subset check on 8 tokens x 128 rows (the full fp64 twin would take minutes).
+    const int64_t Tc = 8;
+    const std::vector<float> Xc(X.begin(), X.begin() + Tc * cols);
+    const auto Xr = round_bf16(Xc);
+    std::vector<float> yc(size_t(Tc * rows));
+    for (int64_t t = 0; t < Tc; ++t)
+      for (int64_t r = 0; r < rows; ++r) yc[size_t(t * rows + r)] = y[size_t(t * rows + r)];
+    check_row_subsets(W.w, Xc, Tc, yc, kTolBf16VsRounded, &Xr);
+  }
+  k3::cuda::stream_destroy(s);
+}
