@@ -35,6 +35,16 @@ size_t data_bytes(const WeightMat& w) {
 }
 size_t scale_bytes(const WeightMat& w) { return w.fmt == WFormat::MXFP4 ? size_t(w.rows * (w.cols / 32)) : 0; }
 
+// Expert e (rows [e*R, (e+1)*R)) of a stacked expert matrix, as its own view.
+WeightMat expert_view(const WeightMat& stacked, int64_t R, int64_t e) {
+  WeightMat w = stacked;
+  w.rows = R;
+  const WeightMat one{stacked.fmt, R, stacked.cols, nullptr, nullptr};
+  w.data = static_cast<const char*>(stacked.data) + size_t(e) * data_bytes(one);
+  if (stacked.fmt == WFormat::MXFP4) w.scales = stacked.scales + size_t(e) * scale_bytes(one);
+  return w;
+}
+
 // Places weights into one device allocation. Run twice: a sizing pass (base == nullptr) and a
 // copying pass, so the arena is exactly as large as what is put in it.
 class Uploader {
@@ -190,8 +200,14 @@ struct GpuModel {
   int32_t* ids = nullptr;
   cu::DevBuf mla_work;
   int32_t* ids_pinned = nullptr;  // host staging of the token id a graph replay reads
+  // MoE prefill grouped by expert: gathered inputs + outputs [2, Tcap*top_k, latent], and the row
+  // lists [2, Tcap*top_k] (device + pinned host staging).
+  cu::DevBuf moe_group_buf, moe_rows_buf;
+  float* moe_grouped = nullptr;
+  int32_t *moe_rows = nullptr, *moe_rows_pinned = nullptr;
 
   ~GpuModel() {
+    cu::host_free_pinned(moe_rows_pinned);
     cu::host_free_pinned(ids_pinned);
     cu::stream_destroy(stream);
   }
@@ -261,6 +277,14 @@ void Model::use_gpu(const GpuOptions& o) {
   for (int64_t t : {int64_t(1), std::min<int64_t>(T, 32), T}) mla_floats = std::max(mla_floats, cu::mla_absorbed_work_floats(t, ad));
   g->mla_work = cu::DevBuf(size_t(mla_floats) * 4, "MLA workspace");
   g->ids_pinned = static_cast<int32_t*>(cu::host_alloc_pinned(sizeof(int32_t)));
+  if (d.moe.experts > 0 && d.moe.top_k > 0) {
+    const size_t slots = size_t(T * d.moe.top_k);
+    g->moe_group_buf = cu::DevBuf(2 * slots * size_t(d.moe.latent) * 4, "MoE prefill grouping");
+    g->moe_grouped = g->moe_group_buf.as<float>();
+    g->moe_rows_buf = cu::DevBuf(2 * slots * 4, "MoE prefill row lists");
+    g->moe_rows = g->moe_rows_buf.as<int32_t>();
+    g->moe_rows_pinned = static_cast<int32_t*>(cu::host_alloc_pinned(2 * slots * 4));
+  }
   gpu_ = std::move(g);
 }
 
@@ -554,11 +578,51 @@ void moe(const Ctx& c, size_t L, const float* x, float* out) {
   cu::matmul(w.router, x, T, logits, cu::Precision::F32, c.s);
   cu::router_topk(logits, w.bias, T, d.experts, K, d.renormalize, d.routed_scale, idx, wt, c.s);
   cu::matmul(w.down_lat, x, T, z, c.p, c.s);
-  // Every (token, slot) pair runs its expert's GLU; ids stay on the device (graph-safe).
-  cu::expert_matmul(w.w1, d.inter, idx, T * K, z, K, hg, c.p, c.s);
-  cu::expert_matmul(w.w3, d.inter, idx, T * K, z, K, hu, c.p, c.s);
-  cu::situ_glu(hg, hu, T * K * d.inter, d.situ.beta, d.situ.linear_beta, hg, c.s);
-  cu::expert_matmul(w.w2, d.latent, idx, T * K, hg, 1, ye, c.p, c.s);
+  if (T <= cu::kGemvMaxT) {
+    // Decode: every (token, slot) pair runs its expert's GLU as a GEMV; the ids stay on the
+    // device, so a captured graph replays whatever the router selects.
+    cu::expert_matmul(w.w1, d.inter, idx, T * K, z, K, hg, c.p, c.s);
+    cu::expert_matmul(w.w3, d.inter, idx, T * K, z, K, hu, c.p, c.s);
+    cu::situ_glu(hg, hu, T * K * d.inter, d.situ.beta, d.situ.linear_beta, hg, c.s);
+    cu::expert_matmul(w.w2, d.latent, idx, T * K, hg, 1, ye, c.p, c.s);
+  } else {
+    // Prefill: group the slots by expert on the host (the selection comes back once per layer),
+    // then each selected expert is one GEMM over its tokens (tensor cores in bf16) instead of a
+    // GEMV per slot. Every slot's output lands in its own row of ye, so the combine below (and
+    // its summation order) is the same as on the decode path.
+    std::vector<int32_t> sel(size_t(T * K));
+    cu::d2h(sel.data(), idx, sel.size() * 4, c.s);
+    std::vector<int64_t> count(size_t(d.experts) + 1, 0);
+    for (int32_t e : sel) {
+      if (e < 0 || e >= d.experts) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(d.experts));
+      ++count[size_t(e) + 1];
+    }
+    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];  // first slot of expert e
+    int32_t* rows = c.g.moe_rows_pinned;  // [T*K] token rows (gather), then [T*K] slot rows (scatter)
+    std::vector<int64_t> fill(count.begin(), count.end() - 1);
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      const int64_t at = fill[size_t(sel[size_t(slot)])]++;
+      rows[at] = int32_t(slot / K);
+      rows[T * K + at] = int32_t(slot);
+    }
+    int32_t* rows_dev = c.g.moe_rows;
+    cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4, c.s);
+    float *xg = c.g.moe_grouped, *yg = xg + T * K * d.latent;
+    cu::gather_rows(z, rows_dev, T * K, d.latent, xg, c.s);
+    for (int64_t e = 0; e < d.experts; ++e) {
+      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
+      if (n == 0) continue;
+      cu::matmul(expert_view(w.w1, d.inter, e), xg + o * d.latent, n, hg + o * d.inter, c.p, c.s);
+      cu::matmul(expert_view(w.w3, d.inter, e), xg + o * d.latent, n, hu + o * d.inter, c.p, c.s);
+    }
+    cu::situ_glu(hg, hu, T * K * d.inter, d.situ.beta, d.situ.linear_beta, hg, c.s);
+    for (int64_t e = 0; e < d.experts; ++e) {
+      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
+      if (n) cu::matmul(expert_view(w.w2, d.latent, e), hg + o * d.inter, n, yg + o * d.latent, c.p, c.s);
+    }
+    cu::scatter_rows(yg, rows_dev + T * K, T * K, d.latent, ye, c.s);
+    cu::sync(c.s);  // the pinned row lists are rewritten by the next layer
+  }
   cu::moe_combine(ye, wt, T, K, d.latent, agg, c.s);
   if (d.latent_norm) cu::rmsnorm(agg, T, d.latent, w.lat_norm, d.norm_eps, agg, c.s);
   cu::matmul(w.up_lat, agg, T, out, c.p, c.s);

@@ -34,7 +34,8 @@ GpuWorkSizes gpu_work_sizes(const ModelDims& d, int64_t T, int64_t dense_inter, 
                2 * a.heads * a.kv_lora);  // qa, q, ckv, attn, gate, absorbed work (q_lat + o_lat)
   const MoeDims& e = d.moe;
   w.moe = T * (e.experts + 2 * e.top_k + 2 * e.latent + 2 * e.top_k * e.inter + e.top_k * e.latent +
-               2 * shared_inter);  // router logits, idx + weights, z + agg, expert gate/up, expert out, shared
+               2 * shared_inter +  // router logits, idx + weights, z + agg, expert gate/up, expert out, shared
+               2 * e.top_k * e.latent + 2 * e.top_k);  // prefill grouped by expert: rows in/out, row lists
   w.dense = T * 2 * dense_inter;
   w.logits = T * d.vocab;
   w.ids = T;

@@ -1,12 +1,14 @@
 // Device tests of the CUDA ops of cuda_ops.h except the matrix products: each kernel against its
 // fp64 twin in k3::ref (or a double host loop), NaN-prefilled outputs, small odd shapes and K3
-// shapes, KDA state carried across calls, MLA with the length on the device and a replayed graph.
+// shapes, KDA state carried across calls, MLA with the length on the device and a replayed graph;
+// and the decode-size latency of the small ops (printed, with a same-bits check).
 // Owns: nothing the engine uses (tolerances: tests/common/op_tolerances.h). Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <random>
 #include <string>
@@ -53,8 +55,10 @@ std::string dims(std::initializer_list<std::pair<const char*, int64_t>> kv) {
 TEST(CudaOps, Rmsnorm) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(201);
+  // n % 4 == 0: 16-byte paths (a warp per row up to 512, a block per row up to 8192, each thread
+  // holding its float4s in registers); otherwise, or beyond 8192, the scalar kernels.
   for (auto [T, n] : {std::pair<int64_t, int64_t>{1, 7}, {3, 128}, {5, 333}, {1, 7168}, {3, 7168}, {96 * 2, 128},
-                      {40, 512}, {2, 1500}}) {
+                      {40, 512}, {2, 1500}, {1, 4096}, {1, 1024}, {3, 200}, {1, 8192}, {2, 10000}}) {
     for (bool with_w : {false, true}) {
       SCOPED_TRACE(dims({{"T", T}, {"n", n}, {"w", with_w}}));
       const auto x = rand_vec(rng, size_t(T * n), 0.05f, 3.0f);
@@ -76,7 +80,8 @@ TEST(CudaOps, Rmsnorm) {
 TEST(CudaOps, L2normScale) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(202);
-  for (auto [rows, n] : {std::pair<int64_t, int64_t>{1, 16}, {7, 13}, {12, 128}, {96 * 3, 128}, {5, 33}, {2, 2000}}) {
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{1, 16}, {7, 13}, {12, 128}, {96 * 3, 128}, {5, 33}, {2, 2000},
+                         {32, 64}, {3, 384}}) {
     SCOPED_TRACE(dims({{"rows", rows}, {"n", n}}));
     const auto x = rand_vec(rng, size_t(rows * n), 0.05f, 2.0f);
     auto ref = x;
@@ -238,8 +243,10 @@ TEST(CudaOps, ArgmaxRowsLowestIndexOnTies) {
 TEST(CudaOps, AttnresMix) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(209);
+  // T <= 64: one cluster of blocks per token (hidden split across them); larger T: a block per token.
   for (auto [n_src, T, H] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 8}, {2, 3, 37}, {9, 4, 128}, {5, 1, 129},
-                             {9, 1, 7168}, {9, 3, 7168}, {3, 40, 100}, {32, 2, 1000}}) {
+                             {9, 1, 7168}, {9, 3, 7168}, {3, 40, 100}, {32, 2, 1000}, {3, 1, 4096},
+                             {17, 1, 4100}, {4, 70, 256}, {32, 1, 7168}}) {
     SCOPED_TRACE(dims({{"n_src", n_src}, {"T", T}, {"H", H}}));
     std::vector<std::vector<float>> src;
     std::vector<const float*> ptr;
@@ -259,6 +266,13 @@ TEST(CudaOps, AttnresMix) {
     const auto got = down(dout, size_t(T * H));
     ASSERT_EQ(count_nan(got), 0u);
     EXPECT_LT(rel_l2(got, ref), kTolReduce);
+    // Deterministic, and the same bits on a created stream (the model's launch path).
+    cu::Stream st = cu::stream_create();
+    auto dout2 = k3test::dev_nan(size_t(T * H));
+    cu::attnres_mix(dptr.data(), n_src, T, H, dfold.as<float>(), 1e-5f, dout2.as<float>(), st);
+    cu::sync(st);
+    cu::stream_destroy(st);
+    EXPECT_EQ(down(dout2, size_t(T * H)), got);
   }
   // More sources than the kernel's pointer list holds: a one-line k3::Error, nothing launched.
   std::vector<const float*> too_many(size_t(cu::kMaxAttnResSources + 1), nullptr);
@@ -577,7 +591,10 @@ TEST(CudaOps, MlaDecodeGraphReplayGrowsCache) {
 TEST(CudaOps, RouterTopkMatchesTwin) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(216);
-  for (auto [T, E, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 8, 2}, {3, 64, 6}, {5, 896, 16}, {2, 1000, 1}}) {
+  // E <= 1024 and k <= 32 take the warp-merge kernel (one to eight warps, the last one partly
+  // filled); beyond either limit the block-round kernel.
+  for (auto [T, E, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 8, 2}, {3, 64, 6}, {5, 896, 16}, {2, 1000, 1},
+                         {1, 64, 8}, {2, 130, 6}, {1, 1024, 32}, {2, 300, 33}, {1, 1100, 8}}) {
     for (bool with_bias : {false, true})
       for (bool renorm : {true, false}) {
         const float scale = renorm ? 2.5f : 1.0f;
@@ -623,6 +640,91 @@ TEST(CudaOps, MoeCombine) {
     ASSERT_EQ(count_nan(got), 0u);
     EXPECT_LT(rel_l2(got, ref), kTolReduce);
   }
+}
+
+
+// ================================================================ decode-size latency
+// The small ops at T = 1 and K3 / gpu-bench shapes, as a decode step runs them: 20 calls back to
+// back captured in one graph on a created stream (the model's launch path), the graph replayed;
+// microseconds per call printed (speed depends on the machine, so it is only printed). Asserted:
+// after the replays each output holds the same bits as after a single call (every op here is
+// deterministic and idempotent: out-of-place, inputs untouched).
+TEST(CudaOpsBench, DecodeSmallOpLatency) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(300);
+  cu::Stream s = cu::stream_create();
+  const auto bench = [&](const std::string& name, const auto& op, const cu::DevBuf& out, size_t n_words) {
+    SCOPED_TRACE(name);
+    op();
+    cu::sync(s);
+    const auto once = k3test::from_dev<uint32_t>(out, n_words);
+    constexpr int kCalls = 20, kReplays = 10;
+    cu::capture_begin(s);
+    for (int i = 0; i < kCalls; ++i) op();
+    cu::GraphExec g = cu::capture_end(s);
+    cu::graph_launch(g, s);
+    cu::EventTimer timer;
+    timer.start(s);
+    for (int r = 0; r < kReplays; ++r) cu::graph_launch(g, s);
+    timer.stop(s);
+    const double us = timer.ms() * 1000.0 / (kCalls * kReplays);
+    cu::sync(s);
+    cu::graph_destroy(g);
+    std::printf("[op-latency] %-44s %7.2f us/call\n", name.c_str(), us);
+    EXPECT_EQ(k3test::from_dev<uint32_t>(out, n_words), once);
+  };
+  for (int64_t H : {4096, 7168}) {
+    const auto x = rand_vec(rng, size_t(H), 0.05f, 3.0f), w = rand_vec(rng, size_t(H), 0.5f, 1.5f);
+    auto dx = up(x), dw = up(w), dout = k3test::dev_nan(size_t(H));
+    bench("rmsnorm n=" + std::to_string(H),
+          [&] { cu::rmsnorm(dx.as<float>(), 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout, size_t(H));
+    for (int64_t n_src : {3, 9}) {
+      std::vector<cu::DevBuf> dsrc;
+      std::vector<const float*> dptr;
+      for (int64_t j = 0; j < n_src; ++j) {
+        dsrc.push_back(up(rand_vec(rng, size_t(H), 0.05f, 2.0f)));
+        dptr.push_back(dsrc.back().as<float>());
+      }
+      bench("attnres_mix n_src=" + std::to_string(n_src) + " H=" + std::to_string(H),
+            [&] { cu::attnres_mix(dptr.data(), n_src, 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout,
+            size_t(H));
+    }
+  }
+  for (auto [E, K] : {std::pair<int64_t, int64_t>{64, 8}, {896, 16}}) {
+    auto dl = up(rand_vec(rng, size_t(E), 0.01f, 4.0f)), db = up(rand_vec(rng, size_t(E), 0.001f, 0.3f));
+    auto di = up(std::vector<int32_t>(size_t(K), -1));
+    auto dwt = k3test::dev_nan(size_t(K));
+    bench("router_topk E=" + std::to_string(E) + " k=" + std::to_string(K),
+          [&] {
+            cu::router_topk(dl.as<float>(), db.as<float>(), 1, E, K, true, 2.5f, di.as<int32_t>(), dwt.as<float>(), s);
+          },
+          di, size_t(K));
+  }
+  {  // the KDA head norms (32 heads x 128) and the LoRA latent norm
+    auto dx = up(rand_vec(rng, 32 * 128, 0.05f, 2.0f)), dout = k3test::dev_nan(32 * 128);
+    auto dw = up(rand_vec(rng, 128, 0.5f, 1.5f));
+    bench("rmsnorm rows=32 n=128", [&] { cu::rmsnorm(dx.as<float>(), 32, 128, dw.as<float>(), 1e-5f, dout.as<float>(), s); },
+          dout, 32 * 128);
+  }
+  for (int64_t pos0 : {0, 3072}) {  // gpu-bench MLA: 32 heads, nope 128, rope 64, v 128, kv_lora 512
+    const MlaCase c{32, 128, 64, 128, 512, pos0, 1, k3::WFormat::BF16};
+    const k3::MlaAttnDims d = mla_dims(c);
+    const int64_t S = pos0 + 1;
+    k3test::OwnedW kvb = k3test::make_weight(rng, c.fmt, c.heads * (c.nope + c.v), c.kv_lora, 0.5f);
+    k3test::DevWeight dkvb = k3test::upload_weight(kvb.w);
+    auto dq_ = up(rand_vec(rng, size_t(c.heads * (c.nope + c.rope))));
+    auto dc = up(rand_vec(rng, size_t(S * c.kv_lora))), dk = up(rand_vec(rng, size_t(S * c.rope)));
+    auto dlen = up(std::vector<int32_t>{int32_t(pos0)});
+    auto work = k3test::dev_nan(size_t(cu::mla_absorbed_work_floats(1, d)));
+    auto dout = k3test::dev_nan(size_t(c.heads * c.v));
+    bench("mla_attend_absorbed T=1 pos0=" + std::to_string(pos0),
+          [&] {
+            cu::mla_attend_absorbed(dq_.as<float>(), 1, dc.as<float>(), dk.as<float>(), dlen.as<int32_t>(), dkvb.view,
+                                    d, work.as<float>(), dout.as<float>(), cu::Precision::F32, s);
+          },
+          dout, size_t(c.heads * c.v));
+  }
+  cu::stream_destroy(s);
 }
 
 }  // namespace

@@ -82,3 +82,11 @@ void router_topk(const float* logits, const float* bias, int64_t T, int64_t E, i
 void moe_combine(const float* y, const float* w, int64_t T, int64_t k, int64_t n, float* agg, Stream s);
 
 }  // namespace k3::cuda
+
+namespace k3::cuda {
+// ------------------------------------------------------------------ row gather / scatter (rows.cu)
+// For grouping MoE prefill by expert: dst[i] = src[rows[i]] (gather) or dst[rows[i]] = src[i]
+// (scatter; each destination row written once), i < n, rows of `width` floats, rows on the device.
+void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst, Stream s);
+void scatter_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst, Stream s);
+}  // namespace k3::cuda

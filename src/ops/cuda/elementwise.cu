@@ -3,22 +3,28 @@
 // Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu, kda_gate, sigmoid_*, add_inplace,
 // embed_rows, argmax_rows, attnres_mix.
 // Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
+// Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <type_traits>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
 
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kEwThreads = 256;
 
@@ -27,6 +33,7 @@ unsigned ew_blocks(int64_t n) {
   const int64_t b = (n + kEwThreads - 1) / kEwThreads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
 }
+
 
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -55,6 +62,7 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf
 template <bool L2>
 __global__ void norm_rows_warp(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale,
                                float* out) {
+  pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (r >= rows) return;
   const int lane = threadIdx.x & 31;
@@ -75,6 +83,7 @@ __global__ void norm_rows_warp(const float* x, int64_t rows, int64_t n, const fl
 template <bool L2>
 __global__ void norm_rows_block(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale,
                                 float* out) {
+  pdl_enter();
   __shared__ double red[32];
   const int64_t r = blockIdx.x;
   const float* xr = x + r * n;
@@ -91,23 +100,132 @@ __global__ void norm_rows_block(const float* x, int64_t rows, int64_t n, const f
   }
 }
 
-// Short rows (KDA heads of 128, LoRA latents of 512): a warp per row, 8 rows per block; long rows
-// (the 7168-wide hidden state): a block per row.
+// 16-byte paths (n % 4 == 0, x/w/out 16-byte aligned): every float4 of the row a thread owns is
+// loaded once into registers (all loads issued before the first use), so a row costs one memory
+// latency, then the reduction, then the stores. Same per-element math as above; only the order of
+// the fp64 partial sums differs.
+// Warp per row, RC float4 per lane (n <= 128·RC); 4 rows per 128-thread block.
+template <bool L2, int RC>
+__global__ void __launch_bounds__(128) norm_rows_warp_vec(const float* x, int64_t rows, int64_t n, const float* w,
+                                                          float eps, float scale, float* out) {
+  pdl_enter();
+  const int64_t r = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (r >= rows) return;
+  const int lane = threadIdx.x & 31, nv = int(n / 4);
+  const float4* xr = reinterpret_cast<const float4*>(x + r * n);
+  float4 v[RC], wv[RC];
+#pragma unroll
+  for (int c = 0; c < RC; ++c) {
+    const int i = lane + 32 * c;
+    v[c] = wv[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < nv) v[c] = xr[i];
+    if (!L2 && w && i < nv) wv[c] = reinterpret_cast<const float4*>(w)[i];
+  }
+  double ss = 0;
+#pragma unroll
+  for (int c = 0; c < RC; ++c) {
+    ss = fma(double(v[c].x), double(v[c].x), ss);
+    ss = fma(double(v[c].y), double(v[c].y), ss);
+    ss = fma(double(v[c].z), double(v[c].z), ss);
+    ss = fma(double(v[c].w), double(v[c].w), ss);
+  }
+  ss = warp_sum(ss);
+  float4* orow = reinterpret_cast<float4*>(out + r * n);
+  if (L2) {
+    const float f = float(double(scale) / sqrt(ss + double(eps)));
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      if (i < nv) orow[i] = make_float4(v[c].x * f, v[c].y * f, v[c].z * f, v[c].w * f);
+    }
+  } else {
+    const float inv = float(1.0 / sqrt(ss / double(n) + double(eps)));
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      if (i >= nv) continue;
+      const float4 a = v[c];
+      orow[i] = w ? make_float4(wv[c].x * (a.x * inv), wv[c].y * (a.y * inv), wv[c].z * (a.z * inv),
+                                wv[c].w * (a.w * inv))
+                  : make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    }
+  }
+}
+
+// Block per row, at most 2 float4 per thread (n <= 8192 with 1024 threads).
+template <bool L2>
+__global__ void __launch_bounds__(1024) norm_rows_block_vec(const float* x, int64_t n, const float* w, float eps,
+                                                            float scale, float* out) {
+  pdl_enter();
+  __shared__ double red[32];
+  const int64_t r = blockIdx.x;
+  const int nv = int(n / 4), tid = threadIdx.x, nt = blockDim.x;
+  const float4* xr = reinterpret_cast<const float4*>(x + r * n);
+  const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4 v0 = tid < nv ? xr[tid] : z, v1 = tid + nt < nv ? xr[tid + nt] : z;
+  float4 w0 = z, w1 = z;
+  if (!L2 && w) {
+    if (tid < nv) w0 = reinterpret_cast<const float4*>(w)[tid];
+    if (tid + nt < nv) w1 = reinterpret_cast<const float4*>(w)[tid + nt];
+  }
+  double ss = 0;
+  ss = fma(double(v0.x), double(v0.x), ss);
+  ss = fma(double(v0.y), double(v0.y), ss);
+  ss = fma(double(v0.z), double(v0.z), ss);
+  ss = fma(double(v0.w), double(v0.w), ss);
+  ss = fma(double(v1.x), double(v1.x), ss);
+  ss = fma(double(v1.y), double(v1.y), ss);
+  ss = fma(double(v1.z), double(v1.z), ss);
+  ss = fma(double(v1.w), double(v1.w), ss);
+  ss = block_sum(ss, red);
+  float4* orow = reinterpret_cast<float4*>(out + r * n);
+  const auto put = [&](int i, const float4& a, const float4& wa) {
+    if (i >= nv) return;
+    if (L2) {
+      const float f = float(double(scale) / sqrt(ss + double(eps)));
+      orow[i] = make_float4(a.x * f, a.y * f, a.z * f, a.w * f);
+    } else {
+      const float inv = float(1.0 / sqrt(ss / double(n) + double(eps)));
+      orow[i] = w ? make_float4(wa.x * (a.x * inv), wa.y * (a.y * inv), wa.z * (a.z * inv), wa.w * (a.w * inv))
+                  : make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+    }
+  };
+  put(tid, v0, w0);
+  put(tid + nt, v1, w1);
+}
+
+// Short rows (KDA heads of 128, LoRA latents of 512): a warp per row; long rows (the 7168-wide
+// hidden state): a block per row, sized so that each thread owns at most two float4.
 template <bool L2>
 void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out,
                  Stream s, const char* name) {
   if (rows <= 0 || n <= 0) return;
-  if (n <= 1024) {
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool vec = n % 4 == 0 && al16(x) && al16(out) && (L2 || !w || al16(w));
+  if (vec && n <= 512) {
+    const unsigned blocks = unsigned((rows + 3) / 4);
+    if (n <= 128)
+      launch(norm_rows_warp_vec<L2, 1>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+    else if (n <= 256)
+      launch(norm_rows_warp_vec<L2, 2>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+    else
+      launch(norm_rows_warp_vec<L2, 4>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+  } else if (vec && n <= 8192) {
+    const int64_t nv = n / 4;
+    const int threads = int(std::min<int64_t>(1024, std::max<int64_t>(64, ((nv + 1) / 2 + 31) / 32 * 32)));
+    launch(norm_rows_block_vec<L2>, unsigned(rows), threads, 0, s, x, n, w, eps, scale, out);
+  } else if (n <= 1024) {
     const int64_t per = kEwThreads / 32;
-    norm_rows_warp<L2><<<unsigned((rows + per - 1) / per), kEwThreads, 0, s>>>(x, rows, n, w, eps, scale, out);
+    launch(norm_rows_warp<L2>, unsigned((rows + per - 1) / per), kEwThreads, 0, s, x, rows, n, w, eps, scale, out);
   } else {
-    norm_rows_block<L2><<<unsigned(rows), 512, 0, s>>>(x, rows, n, w, eps, scale, out);
+    launch(norm_rows_block<L2>, unsigned(rows), 512, 0, s, x, rows, n, w, eps, scale, out);
   }
   check_launch(name);
 }
 
 // ---------------------------------------------------------------- elementwise
 __global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
+  pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float gi = g[i], ui = u[i];  // read both before the write: out may alias g
     const float a = (b1 * tanhf(gi / b1)) * sigmoidf_(gi);
@@ -118,6 +236,7 @@ __global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float
 
 __global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log,
                                 const float* dt_bias, float lb, float* g) {
+  pdl_enter();
   const int64_t n = T * H * D, HD = H * D;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t hd = i % HD, h = hd / D;
@@ -127,16 +246,19 @@ __global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D,
 }
 
 __global__ void sigmoid_kernel(float* x, int64_t n) {
+  pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = sigmoidf_(x[i]);
 }
 
 __global__ void sigmoid_gate_mul_kernel(float* x, const float* gate, int64_t n) {
+  pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = x[i] * sigmoidf_(gate[i]);
 }
 
 __global__ void add_kernel(float* y, const float* x, int64_t n) {
+  pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     y[i] = y[i] + x[i];
 }
@@ -152,6 +274,7 @@ constexpr int kConvMaxK = 16;
 template <int KT>  // KT > 0: K known at compile time (registers); KT == 0: any K <= 16
 __global__ void short_conv_kernel(const float* x, int64_t T, int64_t C, const float* w, int Krt, float* state,
                                   float* out) {
+  pdl_enter();
   const int K = KT > 0 ? KT : Krt;
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -196,6 +319,7 @@ __device__ __forceinline__ float load_w(const void* p, int64_t i) {
 
 template <int FMT>
 __global__ void embed_kernel(const void* E, int64_t rows, int64_t cols, const int32_t* ids, float* out) {
+  pdl_enter();
   const int64_t t = blockIdx.y;
   const int32_t id = ids[t];
   for (int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += int64_t(gridDim.x) * blockDim.x)
@@ -212,6 +336,7 @@ __device__ __forceinline__ void better(float& bv, int& bi, float v, int i) {
 }
 
 __global__ void argmax_kernel(const float* logits, int64_t V, bool vec4, int32_t* out) {
+  pdl_enter();
   __shared__ float sv[32];
   __shared__ int si[32];
   const float* row = logits + int64_t(blockIdx.x) * V;
@@ -261,14 +386,14 @@ struct SrcList {
   const float* p[kMaxAttnResSources];
 };
 
-// One block per token, one pass over the sources for every score: each thread keeps fp64 partial
-// dots and sums of squares of its elements per source (registers: NS source slots, unrolled), the
-// block sums them, thread 0 does the fp64 softmax (as the CPU kernel), then the fp32 weighted sum
-// of the RAW sources in source order. VEC = 4: 16-byte loads, so that one SM has enough bytes in
-// flight for a decode token (9 sources × 7168 floats read by a single block).
+// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
+// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
+// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
+// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
 template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
 __global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
                                                           float eps, float* out) {
+  pdl_enter();
   __shared__ double red[THREADS / 32][2 * NS];
   __shared__ float p[NS];
   using VT = typename std::conditional<VEC == 4, float4, float>::type;
@@ -356,15 +481,133 @@ __global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src
   }
 }
 
+// Small T (decode): one cluster of kMixCluster blocks per token, block r owning the r-th
+// contiguous slice of the hidden dimension, so the sources are streamed by 8 SMs instead of one.
+// Each block reduces its slice's fp64 partial dots and sums of squares (fixed order) into its own
+// shared memory; after one cluster barrier every block reads the 8 partials through distributed
+// shared memory and sums them in rank order (the same bits in every block, no atomics), does the
+// fp64 softmax, and writes the fp32 weighted sum of its slice (the same per-element math as above).
+// The second cluster barrier also keeps every block's partials alive until all have read them.
+constexpr int kMixCluster = 8, kMixThreads = 128;
+constexpr int64_t kMixClusterMaxT = 64;
+
+template <int NS, int VEC>
+__global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThreads)
+    attnres_cluster_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
+  pdl_enter();
+  __shared__ double red[kMixThreads / 32][2 * NS];
+  __shared__ double part[2 * NS];
+  __shared__ float p[NS];
+  using VT = typename std::conditional<VEC == 4, float4, float>::type;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t t = blockIdx.y, nv = H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
+  const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  double dt[NS], ss[NS];
+#pragma unroll
+  for (int j = 0; j < NS; ++j) dt[j] = ss[j] = 0.0;
+#pragma unroll 2
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += kMixThreads) {
+    const VT f = reinterpret_cast<const VT*>(fold)[i];
+#pragma unroll
+    for (int j = 0; j < NS; ++j)
+      if (j < n_src) {
+        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
+        if constexpr (VEC == 4) {
+          dt[j] = fma(double(v.x), double(f.x), dt[j]);
+          dt[j] = fma(double(v.y), double(f.y), dt[j]);
+          dt[j] = fma(double(v.z), double(f.z), dt[j]);
+          dt[j] = fma(double(v.w), double(f.w), dt[j]);
+          ss[j] = fma(double(v.x), double(v.x), ss[j]);
+          ss[j] = fma(double(v.y), double(v.y), ss[j]);
+          ss[j] = fma(double(v.z), double(v.z), ss[j]);
+          ss[j] = fma(double(v.w), double(v.w), ss[j]);
+        } else {
+          dt[j] = fma(double(v), double(f), dt[j]);
+          ss[j] = fma(double(v), double(v), ss[j]);
+        }
+      }
+  }
+#pragma unroll
+  for (int j = 0; j < NS; ++j)
+    if (j < n_src) {
+      double a = dt[j], b = ss[j];
+      for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+      }
+      if (lane == 0) {
+        red[warp][2 * j] = a;
+        red[warp][2 * j + 1] = b;
+      }
+    }
+  __syncthreads();
+  if (int(threadIdx.x) < 2 * n_src) {
+    double a = 0;
+    for (int w = 0; w < kMixThreads / 32; ++w) a += red[w][threadIdx.x];
+    part[threadIdx.x] = a;
+  }
+  cluster.sync();
+  if (warp == 0) {
+    double a = 0, b = 0;
+    if (lane < n_src)
+      for (int r = 0; r < kMixCluster; ++r) {
+        const double* rp = cluster.map_shared_rank(part, r);
+        a += rp[2 * lane];
+        b += rp[2 * lane + 1];
+      }
+    const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
+    double mx = sc;
+    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const double e = lane < n_src ? exp(sc - mx) : 0.0;
+    double z = e;
+    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+    if (lane < n_src) p[lane] = float(e / z);
+  }
+  cluster.sync();
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += kMixThreads) {
+    VT acc = reinterpret_cast<const VT*>(src.p[0] + t * H)[i];
+    if constexpr (VEC == 4) {
+      acc.x *= p[0];
+      acc.y *= p[0];
+      acc.z *= p[0];
+      acc.w *= p[0];
+    } else {
+      acc *= p[0];
+    }
+#pragma unroll
+    for (int j = 1; j < NS; ++j)
+      if (j < n_src) {
+        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
+        if constexpr (VEC == 4) {
+          acc.x = fmaf(p[j], v.x, acc.x);
+          acc.y = fmaf(p[j], v.y, acc.y);
+          acc.z = fmaf(p[j], v.z, acc.z);
+          acc.w = fmaf(p[j], v.w, acc.w);
+        } else {
+          acc = fmaf(p[j], v, acc);
+        }
+      }
+    reinterpret_cast<VT*>(out + t * H)[i] = acc;
+  }
+}
+
 template <int NS>
 void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* fold, float eps, float* out, bool vec,
                     Stream s) {
   // 32 fp64 slot pairs need the register room of 256-thread blocks.
   constexpr int TH = NS <= 16 ? 512 : 256;
-  if (vec)
-    attnres_kernel<NS, 4, TH><<<unsigned(T), TH, 0, s>>>(l, n, H, fold, eps, out);
+  if (T <= kMixClusterMaxT) {
+    const dim3 grid(kMixCluster, unsigned(T));
+    if (vec)
+      launch(attnres_cluster_kernel<NS, 4>, grid, kMixThreads, 0, s, l, n, H, fold, eps, out);
+    else
+      launch(attnres_cluster_kernel<NS, 1>, grid, kMixThreads, 0, s, l, n, H, fold, eps, out);
+  } else if (vec)
+    launch(attnres_kernel<NS, 4, TH>, unsigned(T), TH, 0, s, l, n, H, fold, eps, out);
   else
-    attnres_kernel<NS, 1, TH><<<unsigned(T), TH, 0, s>>>(l, n, H, fold, eps, out);
+    launch(attnres_kernel<NS, 1, TH>, unsigned(T), TH, 0, s, l, n, H, fold, eps, out);
 }
 
 }  // namespace
@@ -380,7 +623,7 @@ void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Str
 
 void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out, Stream s) {
   if (n <= 0) return;
-  situ_glu_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(g, u, n, b1, b2, out);
+  launch(situ_glu_kernel, ew_blocks(n), kEwThreads, 0, s, g, u, n, b1, b2, out);
   check_launch("situ_glu");
 }
 
@@ -391,11 +634,11 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
   const dim3 grid(unsigned((C + 127) / 128), unsigned((T + kConvTile - 1) / kConvTile));
   const int k = int(K);
   switch (k) {
-    case 1: short_conv_kernel<1><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
-    case 2: short_conv_kernel<2><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
-    case 3: short_conv_kernel<3><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
-    case 4: short_conv_kernel<4><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
-    default: short_conv_kernel<0><<<grid, 128, 0, s>>>(x, T, C, w, k, state, out); break;
+    case 1: launch(short_conv_kernel<1>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
+    case 2: launch(short_conv_kernel<2>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
+    case 3: launch(short_conv_kernel<3>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
+    case 4: launch(short_conv_kernel<4>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
+    default: launch(short_conv_kernel<0>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
   }
   check_launch("short_conv_silu");
 }
@@ -404,25 +647,25 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
               float lower_bound, float* g, Stream s) {
   const int64_t n = T * H * D;
   if (n <= 0) return;
-  kda_gate_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(f, T, H, D, A_log, dt_bias, lower_bound, g);
+  launch(kda_gate_kernel, ew_blocks(n), kEwThreads, 0, s, f, T, H, D, A_log, dt_bias, lower_bound, g);
   check_launch("kda_gate");
 }
 
 void sigmoid_inplace(float* x, int64_t n, Stream s) {
   if (n <= 0) return;
-  sigmoid_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(x, n);
+  launch(sigmoid_kernel, ew_blocks(n), kEwThreads, 0, s, x, n);
   check_launch("sigmoid_inplace");
 }
 
 void sigmoid_gate_mul(float* x, const float* gate, int64_t n, Stream s) {
   if (n <= 0) return;
-  sigmoid_gate_mul_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(x, gate, n);
+  launch(sigmoid_gate_mul_kernel, ew_blocks(n), kEwThreads, 0, s, x, gate, n);
   check_launch("sigmoid_gate_mul");
 }
 
 void add_inplace(float* y, const float* x, int64_t n, Stream s) {
   if (n <= 0) return;
-  add_kernel<<<ew_blocks(n), kEwThreads, 0, s>>>(y, x, n);
+  launch(add_kernel, ew_blocks(n), kEwThreads, 0, s, y, x, n);
   check_launch("add_inplace");
 }
 
@@ -430,9 +673,9 @@ void embed_rows(const WeightMat& E, const int32_t* ids, int64_t T, float* out, S
   if (T <= 0) return;
   const dim3 grid(unsigned(std::min<int64_t>((E.cols + kEwThreads - 1) / kEwThreads, 64)), unsigned(T));
   switch (E.fmt) {
-    case WFormat::F32: embed_kernel<0><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
-    case WFormat::F16: embed_kernel<1><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
-    case WFormat::BF16: embed_kernel<2><<<grid, kEwThreads, 0, s>>>(E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::F32: launch(embed_kernel<0>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::F16: launch(embed_kernel<1>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
+    case WFormat::BF16: launch(embed_kernel<2>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
     case WFormat::MXFP4: fail("embed_rows: an MXFP4 embedding table is not supported on the GPU (F32/F16/BF16 only)");
   }
   check_launch("embed_rows");
@@ -442,7 +685,7 @@ void argmax_rows(const float* logits, int64_t T, int64_t V, int32_t* out, Stream
   if (T <= 0) return;
   // Row starts are 16-byte aligned when the base is and V is a multiple of 4.
   const bool vec4 = V % 4 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0;
-  argmax_kernel<<<unsigned(T), 1024, 0, s>>>(logits, V, vec4, out);
+  launch(argmax_kernel, unsigned(T), 1024, 0, s, logits, V, vec4, out);
   check_launch("argmax_rows");
 }
 

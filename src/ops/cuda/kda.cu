@@ -2,14 +2,17 @@
 // kda_chunked (the chunkwise-parallel UT/WY form of spec §3.5, as ops/cpu/attn_kernels.inc).
 // Both compute exactly what k3::ref::kda_recurrent defines, with an fp32 state.
 // Must not: sync, allocate, or depend on anything but its arguments (decode runs inside a graph).
+// Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
 
@@ -18,6 +21,7 @@ namespace {
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kCols = 32;      // state columns (value channels) per block
 constexpr int kMaxDim = 256;   // Dk, Dv limit (one key channel per thread in the loads)
+
 
 // The delta rule is independent per value column j (u_j, δ_j, o_j and column j of S only involve
 // column j), so a head's state splits by columns across blocks: block = (head, 32 columns). That
@@ -39,6 +43,7 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_kernel(const float* __
                                                                  const float* __restrict__ beta, int64_t T, int64_t H,
                                                                  int Dk, int Dv, float* __restrict__ S,
                                                                  float* __restrict__ o) {
+  pdl_enter();
   __shared__ float s_al[2][kMaxDim], s_ka[2][kMaxDim], s_qa[2][kMaxDim], s_k[2][kMaxDim];
   __shared__ float s_v[2][kCols], s_beta[2], s_kqp[2][8];
   __shared__ float red_u[8][kCols], red_w[8][kCols], s_dl[kCols];
@@ -242,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __re
                                                                const float* __restrict__ beta, int64_t T, int64_t H,
                                                                int Dk, int Dv, int CM, float* __restrict__ S,
                                                                float* __restrict__ o) {
+  pdl_enter();
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const ChunkLayout L = chunk_layout(CM, Dk);
@@ -459,13 +465,13 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
   const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H));
   const int dk = int(Dk), dv = int(Dv);
   if (Dk <= 32)
-    kda_recurrent_kernel<1><<<grid, kThreads, 0, s>>>(q, k, v, g, beta, T, H, dk, dv, S, o);
+    launch(kda_recurrent_kernel<1>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
   else if (Dk <= 64)
-    kda_recurrent_kernel<2><<<grid, kThreads, 0, s>>>(q, k, v, g, beta, T, H, dk, dv, S, o);
+    launch(kda_recurrent_kernel<2>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
   else if (Dk <= 128)
-    kda_recurrent_kernel<4><<<grid, kThreads, 0, s>>>(q, k, v, g, beta, T, H, dk, dv, S, o);
+    launch(kda_recurrent_kernel<4>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
   else
-    kda_recurrent_kernel<8><<<grid, kThreads, 0, s>>>(q, k, v, g, beta, T, H, dk, dv, S, o);
+    launch(kda_recurrent_kernel<8>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
   check_launch("kda_recurrent");
 }
 
@@ -486,7 +492,7 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
   }();
   if (!attr_set) fail("kda_chunked: this GPU cannot give " + std::to_string(kMaxSmem) + " bytes of shared memory per block");
   const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H));
-  kda_chunked_kernel<<<grid, kThreads, smem, s>>>(q, k, v, g, beta, T, H, int(Dk), int(Dv), CM, S, o);
+  launch(kda_chunked_kernel, grid, kThreads, smem, s, q, k, v, g, beta, T, H, int(Dk), int(Dv), CM, S, o);
   check_launch("kda_chunked");
 }
 

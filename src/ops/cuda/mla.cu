@@ -3,6 +3,7 @@
 // output) and the device-side length counter. fp32 everywhere in both precisions.
 // Must not: sync, allocate, or read the cache length on the host (it lives on the device so a
 // captured decode graph replays with a growing cache); the grid never depends on that length.
+// Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -10,13 +11,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
 
 namespace {
+
 
 // ---------------------------------------------------------------- cache append
 // One block per new token: RMSNorm of the latent (fp64 sum of squares, fp32 w·(x·inv) as the CPU
@@ -24,6 +28,7 @@ namespace {
 __global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, int64_t R, const float* __restrict__ w,
                                     float eps, const int32_t* __restrict__ len_dev, float* __restrict__ c_cache,
                                     float* __restrict__ kr_cache) {
+  pdl_enter();
   __shared__ double red[32];
   const int64_t t = blockIdx.x, pos = int64_t(*len_dev) + t;
   const float* x = ckv + t * (L + R);
@@ -43,7 +48,10 @@ __global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, in
   for (int64_t i = threadIdx.x; i < R; i += blockDim.x) kr_cache[pos * R + i] = x[L + i];
 }
 
-__global__ void advance_len_kernel(int32_t* len, int32_t T) { *len += T; }
+__global__ void advance_len_kernel(int32_t* len, int32_t T) {
+  pdl_enter();
+  *len += T;
+}
 
 // ---------------------------------------------------------------- per-head products with kv_b
 template <int FMT>  // 0 F32, 1 F16, 2 BF16: decoded exactly as WeightMat::at
@@ -69,6 +77,7 @@ __global__ void __launch_bounds__(256) head_gemm_kernel(const float* __restrict_
                                                         const void* __restrict__ W, int64_t wcols, int64_t per,
                                                         int64_t row_off, int64_t T, int K, int N,
                                                         float* __restrict__ Y, int64_t ldy_t, int64_t ldy_h) {
+  pdl_enter();
   __shared__ float As[kGK][kGM + 4];
   __shared__ float Bs[kGK][kGN + 4];
   const int tid = threadIdx.x, tm = tid / 16, tn = tid % 16;
@@ -153,20 +162,24 @@ struct WVec {  // 16 bytes of weights: 4 fp32 or 8 fp16/bf16, decoded exactly
   }
 };
 
-// q̃[t, h, l] = Σ_i q[t, h, i] · kv_b[h·per + i, l]. Block = head h; thread = (column group of
-// N = 16 bytes, row group); row groups meet in shared memory in a fixed order (deterministic).
+// q̃[t, h, l] = Σ_i q[t, h, i] · kv_b[h·per + i, l]. Block = (head h, slice of CGB column groups
+// of N = 16 bytes): thread = (column group, row group), so the nope rows split over 256/CGB row
+// groups and each thread keeps only a few independent 16-byte loads in flight; heads × slices
+// blocks stream kv_b (one block per head left most of the GPU idle at decode). Row groups meet in
+// shared memory in a fixed order (deterministic).
 template <int FMT>
 __global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restrict__ q, int64_t dq,
                                                             const void* __restrict__ W, int64_t wcols, int64_t per,
-                                                            int64_t T, int64_t heads, int nope, int L,
+                                                            int64_t T, int64_t heads, int nope, int L, int CGB,
                                                             float* __restrict__ ql) {
+  pdl_enter();
   constexpr int N = WVec<FMT>::N;
   extern __shared__ float gsm[];
-  const int CG = L / N, RG = 256 / CG, nr = (nope + RG - 1) / RG;
+  const int CG = L / N, RG = 256 / CGB, nr = (nope + RG - 1) / RG, WB = CGB * N;
   float* qs = gsm;                 // [T][nope]
-  float* red = gsm + T * nope;     // [RG][T][L]
+  float* red = gsm + T * nope;     // [RG][T][WB]
   const int64_t h = blockIdx.x;
-  const int tid = threadIdx.x, cg = tid % CG, rg = tid / CG;
+  const int tid = threadIdx.x, cg = tid % CGB, rg = tid / CGB, cg0 = blockIdx.y * CGB;
   for (int idx = tid; idx < T * nope; idx += 256) {
     const int t = idx / nope, i = idx % nope;
     qs[idx] = q[(t * heads + h) * dq + i];
@@ -178,11 +191,11 @@ __global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restr
     for (int t = 0; t < kGemvT; ++t)
 #pragma unroll
       for (int u = 0; u < N; ++u) acc[t][u] = 0.0f;
-    const int i0 = rg * nr, i1 = min(nope, i0 + nr);
+    const int i0 = rg * nr, i1 = cg0 + cg < CG ? min(nope, i0 + nr) : i0;
 #pragma unroll 8
     for (int i = i0; i < i1; ++i) {
       float wv[N];
-      WVec<FMT>::load(W, (h * per + i) * wcols + int64_t(cg) * N, wv);
+      WVec<FMT>::load(W, (h * per + i) * wcols + int64_t(cg0 + cg) * N, wv);
 #pragma unroll
       for (int t = 0; t < kGemvT; ++t)
         if (t < T) {
@@ -195,14 +208,15 @@ __global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restr
     for (int t = 0; t < kGemvT; ++t)
       if (t < T)
 #pragma unroll
-        for (int u = 0; u < N; ++u) red[(rg * T + t) * L + cg * N + u] = acc[t][u];
+        for (int u = 0; u < N; ++u) red[(rg * T + t) * WB + cg * N + u] = acc[t][u];
   }
   __syncthreads();
-  for (int idx = tid; idx < T * L; idx += 256) {
-    const int t = idx / L, l = idx % L;
-    float v = red[t * L + l];
-    for (int r = 1; r < RG; ++r) v += red[(r * T + t) * L + l];
-    ql[(t * heads + h) * L + l] = v;
+  for (int idx = tid; idx < T * WB; idx += 256) {
+    const int t = idx / WB, l = idx % WB;
+    if (cg0 * N + l >= L) continue;
+    float v = red[t * WB + l];
+    for (int r = 1; r < RG; ++r) v += red[(r * T + t) * WB + l];
+    ql[(t * heads + h) * L + cg0 * N + l] = v;
   }
 }
 
@@ -212,6 +226,7 @@ template <int FMT>
 __global__ void __launch_bounds__(256) out_gemv_vec_kernel(const float* __restrict__ ol, const void* __restrict__ W,
                                                            int64_t wcols, int64_t per, int64_t T, int64_t heads,
                                                            int nope, int dv, int L, float* __restrict__ out) {
+  pdl_enter();
   constexpr int N = WVec<FMT>::N;
   const int lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (h, j) pair
@@ -251,6 +266,7 @@ template <int FMT>
 __global__ void __launch_bounds__(256) qlat_gemv_kernel(const float* __restrict__ q, int64_t dq, const void* __restrict__ W,
                                                         int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
                                                         int L, float* __restrict__ ql) {
+  pdl_enter();
   extern __shared__ float qs[];  // [T][nope]
   const int64_t h = blockIdx.y;
   const int l = blockIdx.x * 256 + threadIdx.x;
@@ -279,6 +295,7 @@ template <int FMT>
 __global__ void __launch_bounds__(256) out_gemv_kernel(const float* __restrict__ ol, const void* __restrict__ W,
                                                        int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
                                                        int dv, int L, float* __restrict__ out) {
+  pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (h, j) pair
   if (r >= heads * dv) return;
@@ -366,6 +383,7 @@ __device__ __forceinline__ float4 load_key4(const AttnArgs& a, int64_t key, int 
 // Two blocks per SM where the shared memory allows it (kv_lora <= 512), so cap the registers there.
 template <int LM>  // kv_lora columns per thread (L <= 256·LM)
 __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kernel(AttnArgs a) {
+  pdl_enter();
   // Key items per thread per tile: 16 keys × (L + R)/4 column groups / 256 threads.
   constexpr int NR = (kBS * ((LM * 256 + kMaxRope) / 4) + kAttThreads - 1) / kAttThreads;
   extern __shared__ float4 smem4[];
@@ -549,27 +567,32 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
 }
 
 // Merge of the used splits' partials: o_lat[t, h] = Σ e^{m_sp − M} o_sp / Σ e^{m_sp − M} z_sp.
-// Block = (t, h) row; the split weights once in shared memory, then the columns.
+// Block = (t, h) row; warp 0 computes the split weights (lane = splits lane and lane + 32; max and
+// sum by a fixed shuffle tree, so deterministic) into shared memory, then the columns.
 __global__ void combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_m,
                                const float* __restrict__ part_z, const int32_t* __restrict__ len, int64_t heads,
                                int64_t rows, int nsplit, int64_t L, float* __restrict__ out) {
+  pdl_enter();
   __shared__ float wsp[64];
   __shared__ float s_inv;
   const int64_t row = blockIdx.x, t = row / heads;
   int used;
   int64_t per;
   split_plan(int64_t(*len) + t + 1, nsplit, &used, &per);
-  if (threadIdx.x == 0) {
-    float M = -INFINITY;
-    for (int sp = 0; sp < used; ++sp) M = fmaxf(M, part_m[sp * rows + row]);
-    float Z = 0.0f;
-    for (int sp = 0; sp < used; ++sp) {
-      const float m = part_m[sp * rows + row];
-      const float wgt = m == -INFINITY ? 0.0f : expf(m - M);
-      wsp[sp] = wgt;
-      Z += wgt * part_z[sp * rows + row];
-    }
-    s_inv = 1.0f / Z;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x, sa = lane, sb = lane + 32;
+    const float ma = sa < used ? part_m[sa * rows + row] : -INFINITY;
+    const float mb = sb < used ? part_m[sb * rows + row] : -INFINITY;
+    const float za = sa < used ? part_z[sa * rows + row] : 0.0f;
+    const float zb = sb < used ? part_z[sb * rows + row] : 0.0f;
+    float M = fmaxf(ma, mb);
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float wa = ma == -INFINITY ? 0.0f : expf(ma - M), wb = mb == -INFINITY ? 0.0f : expf(mb - M);
+    wsp[sa] = wa;
+    wsp[sb] = wb;
+    float Z = wa * za + wb * zb;
+    for (int o = 16; o > 0; o >>= 1) Z += __shfl_xor_sync(0xffffffffu, Z, o);
+    if (lane == 0) s_inv = 1.0f / Z;
   }
   __syncthreads();
   for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
@@ -618,30 +641,35 @@ void head_products_fmt(bool nt, const float* X, const WeightMat& W, const MlaAtt
     if (nt) {
       const unsigned blocks = unsigned((H * d.v + 7) / 8);
       if (vec)
-        out_gemv_vec_kernel<FMT><<<blocks, 256, 0, s>>>(X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L), Y);
+        launch(out_gemv_vec_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v),
+               int(L), Y);
       else
-        out_gemv_kernel<FMT><<<blocks, 256, 0, s>>>(X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L), Y);
+        launch(out_gemv_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L),
+               Y);
     } else {
-      const size_t vsmem = size_t(T * d.nope + (256 / std::max<int64_t>(1, L / N)) * T * L) * 4;
+      // 16 column groups per block (16 row groups of nope/16 rows): H · L/(16N) blocks.
+      const int64_t CG = L / N, CGB = std::min<int64_t>(CG, 16);
+      const size_t vsmem = size_t(T * d.nope + (256 / std::max<int64_t>(1, CGB)) * T * CGB * N) * 4;
       if (vec && vsmem <= size_t(kMaxGemvSmem)) {
-        qlat_gemv_vec_kernel<FMT><<<unsigned(H), 256, vsmem, s>>>(X, dq, W.data, W.cols, per, T, H, int(d.nope),
-                                                                   int(L), Y);
+        const dim3 grid(unsigned(H), unsigned((CG + CGB - 1) / CGB));
+        launch(qlat_gemv_vec_kernel<FMT>, grid, 256, vsmem, s, X, dq, W.data, W.cols, per, T, H, int(d.nope), int(L),
+               int(CGB), Y);
       } else {
         const dim3 grid(unsigned((L + 255) / 256), unsigned(H));
-        qlat_gemv_kernel<FMT><<<grid, 256, size_t(T * d.nope) * 4, s>>>(X, dq, W.data, W.cols, per, T, H,
-                                                                         int(d.nope), int(L), Y);
+        launch(qlat_gemv_kernel<FMT>, grid, 256, size_t(T * d.nope) * 4, s, X, dq, W.data, W.cols, per, T, H,
+               int(d.nope), int(L), Y);
       }
     }
     return;
   }
   if (nt) {
     const dim3 grid(unsigned((d.v + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
-    head_gemm_kernel<FMT, true><<<grid, 256, 0, s>>>(X, H * L, L, W.data, W.cols, per, d.nope, T, int(L), int(d.v), Y,
-                                                     H * d.v, d.v);
+    launch(head_gemm_kernel<FMT, true>, grid, 256, 0, s, X, H * L, L, W.data, W.cols, per, d.nope, T, int(L),
+           int(d.v), Y, H * d.v, d.v);
   } else {
     const dim3 grid(unsigned((L + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
-    head_gemm_kernel<FMT, false><<<grid, 256, 0, s>>>(X, H * dq, dq, W.data, W.cols, per, 0, T, int(d.nope), int(L), Y,
-                                                      H * L, L);
+    launch(head_gemm_kernel<FMT, false>, grid, 256, 0, s, X, H * dq, dq, W.data, W.cols, per, 0, T, int(d.nope),
+           int(L), Y, H * L, L);
   }
 }
 
@@ -662,7 +690,7 @@ void launch_attend(const AttnArgs& a, size_t smem, Stream s) {
   }();
   if (!attr_set) fail("mla_attend_absorbed: this GPU cannot give " + std::to_string(kMaxAttSmem) + " bytes of shared memory per block");
   const dim3 grid(unsigned(a.T), unsigned((a.heads + kHG - 1) / kHG), unsigned(a.nsplit));
-  mla_attend_kernel<LM><<<grid, kAttThreads, smem, s>>>(a);
+  launch(mla_attend_kernel<LM>, grid, kAttThreads, smem, s, a);
 }
 
 }  // namespace
@@ -670,7 +698,7 @@ void launch_attend(const AttnArgs& a, size_t smem, Stream s) {
 void mla_cache_append(const float* ckv, int64_t T, int64_t kv_lora, int64_t rope, const float* norm_w, float eps,
                       const int32_t* len_dev, float* c_cache, float* kr_cache, Stream s) {
   if (T <= 0) return;
-  cache_append_kernel<<<unsigned(T), 256, 0, s>>>(ckv, kv_lora, rope, norm_w, eps, len_dev, c_cache, kr_cache);
+  launch(cache_append_kernel, unsigned(T), 256, 0, s, ckv, kv_lora, rope, norm_w, eps, len_dev, c_cache, kr_cache);
   check_launch("mla_cache_append");
 }
 
@@ -727,7 +755,7 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
     launch_attend<4>(a, smem, s);
   check_launch("mla_attend_absorbed (attend)");
   if (ns > 1) {
-    combine_kernel<<<unsigned(rows), 128, 0, s>>>(a.part_o, a.part_m, a.part_z, len_dev, d.heads, rows, ns, L, ql);
+    launch(combine_kernel, unsigned(rows), 128, 0, s, a.part_o, a.part_m, a.part_z, len_dev, d.heads, rows, ns, L, ql);
     check_launch("mla_attend_absorbed (combine)");
   }
   // 3. out[t, h] = W_UV[h] o_lat[t, h]
@@ -736,7 +764,7 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
 }
 
 void advance_len(int32_t* len_dev, int64_t T, Stream s) {
-  advance_len_kernel<<<1, 1, 0, s>>>(len_dev, int32_t(T));
+  launch(advance_len_kernel, 1, 1, 0, s, len_dev, int32_t(T));
   check_launch("advance_len");
 }
 
