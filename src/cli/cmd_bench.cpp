@@ -373,9 +373,15 @@ struct Bench {
       prefill(s, prompt.data(), int64_t(prompt.size()), [](int64_t) {});
     } else {
       int32_t tok = first;
-      for (int64_t i = 0; i < t.n; ++i) {
-        model.forward(s, &tok, 1, false, logits.data(), opt);
-        tok = int32_t(argmax());
+      if (model.on_gpu()) {  // the argmax on the device, as greedy decoding does there
+        k3::ForwardOptions o = opt;
+        o.argmax_out = &tok;
+        for (int64_t i = 0; i < t.n; ++i) model.forward(s, &tok, 1, false, nullptr, o);
+      } else {
+        for (int64_t i = 0; i < t.n; ++i) {
+          model.forward(s, &tok, 1, false, logits.data(), opt);
+          tok = int32_t(argmax());
+        }
       }
     }
     const auto t1 = std::chrono::steady_clock::now();

@@ -99,10 +99,14 @@ int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, int64_t n, b
   std::vector<float> logits(static_cast<size_t>(V));
   model->forward(s, prompt.data(), int64_t(prompt.size()), false, logits.data(), ef.options());
   std::vector<int32_t> out;
+  // On the GPU the argmax of each decode step is taken on the device (same ties: lowest id).
+  k3::ForwardOptions step = ef.options();
+  int32_t picked = -1;
+  if (model->on_gpu()) step.argmax_out = &picked;
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t tok = argmax(logits.data(), V);
+    const int32_t tok = picked >= 0 ? picked : argmax(logits.data(), V);
     out.push_back(tok);
-    if (i + 1 < n) model->forward(s, &tok, 1, false, logits.data(), ef.options());  // incremental decode
+    if (i + 1 < n) model->forward(s, &tok, 1, false, model->on_gpu() ? nullptr : logits.data(), step);  // incremental decode
   }
   if (print_ids) {
     std::string line;

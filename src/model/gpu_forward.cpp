@@ -200,6 +200,8 @@ struct GpuModel {
   int32_t* ids = nullptr;
   cu::DevBuf mla_work;
   int32_t* ids_pinned = nullptr;  // host staging of the token id a graph replay reads
+  cu::DevBuf argmax_buf;          // the device-side greedy pick (ForwardOptions::argmax_out)
+  int32_t* argmax = nullptr;
   // MoE prefill grouped by expert: gathered inputs + outputs [2, Tcap*top_k, latent], and the row
   // lists [2, Tcap*top_k] (device + pinned host staging).
   cu::DevBuf moe_group_buf, moe_rows_buf;
@@ -277,6 +279,8 @@ void Model::use_gpu(const GpuOptions& o) {
   for (int64_t t : {int64_t(1), std::min<int64_t>(T, 32), T}) mla_floats = std::max(mla_floats, cu::mla_absorbed_work_floats(t, ad));
   g->mla_work = cu::DevBuf(size_t(mla_floats) * 4, "MLA workspace");
   g->ids_pinned = static_cast<int32_t*>(cu::host_alloc_pinned(sizeof(int32_t)));
+  g->argmax_buf = cu::DevBuf(sizeof(int32_t), "greedy pick");
+  g->argmax = g->argmax_buf.as<int32_t>();
   if (d.moe.experts > 0 && d.moe.top_k > 0) {
     const size_t slots = size_t(T * d.moe.top_k);
     g->moe_group_buf = cu::DevBuf(2 * slots * size_t(d.moe.latent) * 4, "MoE prefill grouping");
@@ -752,12 +756,19 @@ void gpu_forward(const Model& m, GpuSessionState* st, const int32_t* ids, int64_
       run_forward(c, first);
     }
     st->len += n;
-    if (all_logits)
+    if (all_logits) {
       cu::d2h(logits + done * V, g.logits, size_t(n * V) * 4, g.stream);
-    else if (last)
+    } else if (last && opt.argmax_out) {
+      // Greedy on the device: 4 bytes come back instead of the vocabulary's logits.
+      cu::argmax_rows(g.logits, 1, V, g.argmax, g.stream);
+      cu::d2h(opt.argmax_out, g.argmax, sizeof(int32_t), g.stream);
+      if (logits) cu::d2h(logits, g.logits, size_t(V) * 4, g.stream);
+    } else if (last) {
+      if (!logits) fail("forward: logits output is null");
       cu::d2h(logits, g.logits, size_t(V) * 4, g.stream);
-    else
+    } else {
       cu::sync(g.stream);
+    }
     done += n;
   }
 }

@@ -324,12 +324,14 @@ void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, 
     if (ids[t] < 0 || ids[t] >= V)
       fail("token id " + std::to_string(ids[t]) + " at position " + std::to_string(t) + " is outside the vocabulary [0, " +
            std::to_string(V) + ")");
+  if (opt.argmax_out && all_logits) fail("forward: argmax_out needs all_logits == false");
   if (gpu_) {
     if (!s.gpu_.p) fail("this session was created before the model moved to the GPU; create a new session");
     gpu_forward(*this, s.gpu_.p, ids, T, all_logits, logits, opt);
     s.pos_ += T;
     return;
   }
+  if (!logits) fail("forward: logits output is null");
   // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
   DepthState depth;
   depth.partial.resize(static_cast<size_t>(T * H));
@@ -342,6 +344,7 @@ void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, 
   attnres_site(output_res, depth, T, H, dims_.eps, h.data());
   ops::rmsnorm(h.data() + first * H, nt, H, final_norm.data(), dims_.eps, h.data() + first * H);
   ops::matmul(lm_head, h.data() + first * H, nt, logits);
+  if (opt.argmax_out) *opt.argmax_out = int32_t(std::max_element(logits, logits + V) - logits);  // first max
   s.pos_ += T;
 }
 

@@ -95,6 +95,11 @@ struct ForwardOptions {
   // gates use). F32: SIMD kernels in fp32. Fast: F32 + bf16-rounded activations in prefill GEMMs
   // and MXFP4 GEMVs (the CLI default). See ops/cpu/isa.h.
   ops::Numerics numerics = ops::Numerics::Exact;
+  // GPU only, with all_logits false: the argmax of the last token's logits (ties -> lowest id) is
+  // picked on the device and written here; the logits are then not copied back (logits may be
+  // null). Greedy decoding without penalties uses it. Ignored on the CPU (logits are filled and
+  // *argmax_out is set from them).
+  int32_t* argmax_out = nullptr;
 };
 
 class Model;

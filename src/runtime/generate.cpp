@@ -54,6 +54,12 @@ DecodeResult decode(const Model& m, Session& s, Sampler& sampler, float* logits,
                     const ForwardOptions& opt, const std::function<bool(int32_t)>& on_token, GenStats* stats) {
   DecodeResult r;
   const auto t0 = std::chrono::steady_clock::now();
+  // On the GPU, greedy decoding without penalties picks each next token on the device (the same
+  // argmax, ties to the lowest id) and copies back 4 bytes instead of the logits.
+  const bool device_greedy = m.on_gpu() && sampler.plain_greedy();
+  int32_t picked = -1;
+  ForwardOptions step_opt = opt;
+  if (device_greedy) step_opt.argmax_out = &picked;
   for (int64_t i = 0;; ++i) {
     if (i >= lim.max_tokens) {
       r.reason = StopReason::MaxTokens;
@@ -63,7 +69,7 @@ DecodeResult decode(const Model& m, Session& s, Sampler& sampler, float* logits,
       r.reason = StopReason::Interrupted;
       break;
     }
-    const int32_t tok = sampler.sample(logits);
+    const int32_t tok = device_greedy && picked >= 0 ? picked : sampler.sample(logits);
     sampler.accept(tok);
     r.tokens.push_back(tok);
     if (std::find(lim.end_tokens.begin(), lim.end_tokens.end(), tok) != lim.end_tokens.end()) {
@@ -82,7 +88,7 @@ DecodeResult decode(const Model& m, Session& s, Sampler& sampler, float* logits,
       r.reason = StopReason::ContextFull;
       break;
     }
-    m.forward(s, &tok, 1, false, logits, opt);
+    m.forward(s, &tok, 1, false, device_greedy ? nullptr : logits, step_opt);
     ++r.fed;
   }
   if (stats) {

@@ -49,7 +49,8 @@ struct DecodeResult {
 };
 
 // The decode loop. `logits` holds the next-token logits on entry and is overwritten as tokens are
-// fed. on_token(id) is called for every sampled token that is not an end token; returning false
+// fed (except on the GPU with a plain-greedy sampler: each next token is then picked on the device
+// and `logits` keeps its entry value). on_token(id) is called for every sampled token that is not an end token; returning false
 // stops with StopSequence. The last sampled token is never fed (nothing would read its logits).
 DecodeResult decode(const Model& m, Session& s, Sampler& sampler, float* logits, const DecodeLimits& lim,
                     const ForwardOptions& opt, const std::function<bool(int32_t)>& on_token, GenStats* stats = nullptr);

@@ -95,6 +95,21 @@ std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prom
   return out;
 }
 
+// Greedy with the pick made on the device (ForwardOptions::argmax_out): no logits come back.
+std::vector<int32_t> greedy_on_device(const k3::Model& m, const std::vector<int32_t>& prompt, int n,
+                                      k3::ForwardOptions o) {
+  k3::Session s(m);
+  int32_t tok = -1;
+  o.argmax_out = &tok;
+  m.forward(s, prompt.data(), int64_t(prompt.size()), false, nullptr, o);
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(tok);
+    m.forward(s, &out.back(), 1, false, nullptr, o);
+  }
+  return out;
+}
+
 std::vector<int32_t> argmax_rows(const std::vector<float>& l, size_t V) {
   std::vector<int32_t> r;
   for (size_t t = 0; t * V < l.size(); ++t)
@@ -215,6 +230,8 @@ TEST(CudaK3Nano, MatchesCpuExact) {
   const auto want = greedy(*cpu, prompt, 24, mode(k3::ops::Numerics::Exact));
   EXPECT_EQ(greedy(*gpu, prompt, 24, mode(kF32)), want) << "fp32 greedy";
   EXPECT_EQ(greedy(*gpu, prompt, 24, mode(kFast)), want) << "bf16 greedy";
+  EXPECT_EQ(greedy_on_device(*gpu, prompt, 24, mode(kF32)), want) << "fp32 greedy, argmax on the device";
+  EXPECT_EQ(greedy_on_device(*gpu, prompt, 24, mode(kFast)), want) << "bf16 greedy, argmax on the device";
 }
 
 TEST(CudaModel, GraphsEqualNoGraphsBitwise) {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/num_util.h"
+#include "core/error.h"
 #include "model/model.h"
 
 namespace fs = std::filesystem;
@@ -141,3 +142,17 @@ TEST_P(OwnFixture, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));
+
+// ForwardOptions::argmax_out on the CPU: the first maximum of the logits it also writes.
+TEST(ModelForward, ArgmaxOutIsTheFirstMaximumOfTheLogits) {
+  auto m = k3::Model::load(ours("tiny").string());
+  k3::Session s(*m);
+  const std::vector<int32_t> ids{3, 1, 4, 1, 5};
+  std::vector<float> l(size_t(m->dims().vocab), k3test::qnan());
+  int32_t pick = -1;
+  k3::ForwardOptions o;
+  o.argmax_out = &pick;
+  m->forward(s, ids.data(), int64_t(ids.size()), false, l.data(), o);
+  EXPECT_EQ(pick, int32_t(std::max_element(l.begin(), l.end()) - l.begin()));
+  EXPECT_THROW(m->forward(s, ids.data(), 1, true, l.data(), o), k3::Error);  // needs last-token logits only
+}
