@@ -13,11 +13,15 @@
 #include <sstream>
 
 #include "common/cuda_util.h"
+#include "common/model_run.h"
 #include "common/num_util.h"
 #include "core/error.h"
 #include "model/model.h"
 
 namespace fs = std::filesystem;
+using k3test::full_pass;
+using k3test::greedy;
+using k3test::incremental;
 using k3test::rel_l2;
 
 namespace {
@@ -59,40 +63,6 @@ std::unique_ptr<k3::Model> gpu_model(const fs::path& dir, bool graphs = true) {
   o.initial_context = 64;  // small: the cache must grow past it in the longer tests
   m->use_gpu(o);
   return m;
-}
-
-std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids, const k3::ForwardOptions& o) {
-  k3::Session s(m);
-  std::vector<float> out(ids.size() * size_t(m.dims().vocab), k3test::qnan());
-  m.forward(s, ids.data(), int64_t(ids.size()), true, out.data(), o);
-  EXPECT_EQ(k3test::count_nan(out), 0u);
-  return out;
-}
-
-std::vector<float> incremental(const k3::Model& m, const std::vector<int32_t>& ids, size_t split,
-                               const k3::ForwardOptions& o) {
-  k3::Session s(m);
-  const size_t V = size_t(m.dims().vocab);
-  std::vector<float> out(ids.size() * V, k3test::qnan());
-  m.forward(s, ids.data(), int64_t(split), true, out.data(), o);
-  for (size_t t = split; t < ids.size(); ++t) m.forward(s, &ids[t], 1, true, out.data() + t * V, o);
-  EXPECT_EQ(s.position(), int64_t(ids.size()));
-  EXPECT_EQ(k3test::count_nan(out), 0u);
-  return out;
-}
-
-std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prompt, int n, const k3::ForwardOptions& o) {
-  k3::Session s(m);
-  const size_t V = size_t(m.dims().vocab);
-  std::vector<float> l(V);
-  m.forward(s, prompt.data(), int64_t(prompt.size()), false, l.data(), o);
-  std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    const int32_t tok = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
-    out.push_back(tok);
-    m.forward(s, &tok, 1, false, l.data(), o);
-  }
-  return out;
 }
 
 // Greedy with the pick made on the device (ForwardOptions::argmax_out): no logits come back.

@@ -9,11 +9,15 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/model_run.h"
 #include "common/num_util.h"
 #include "core/error.h"
 #include "model/model.h"
 
 namespace fs = std::filesystem;
+using k3test::full_pass;
+using k3test::greedy;
+using k3test::incremental;
 using k3test::rel_l2;
 
 namespace {
@@ -27,41 +31,6 @@ fs::path ours(const std::string& name) { return fs::path(K3_SOURCE_DIR) / "tests
 nlohmann::json read_json(const fs::path& p) {
   std::ifstream f(p);
   return nlohmann::json::parse(f);
-}
-
-std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids, const k3::ForwardOptions& o = {}) {
-  k3::Session s(m);
-  std::vector<float> out(ids.size() * size_t(m.dims().vocab), k3test::qnan());
-  m.forward(s, ids.data(), int64_t(ids.size()), true, out.data(), o);
-  EXPECT_EQ(k3test::count_nan(out), 0u);
-  return out;
-}
-
-// Prefill `split` tokens, then feed the rest one token at a time; logits of every position.
-std::vector<float> incremental(const k3::Model& m, const std::vector<int32_t>& ids, size_t split,
-                               const k3::ForwardOptions& o = {}) {
-  k3::Session s(m);
-  const size_t V = size_t(m.dims().vocab);
-  std::vector<float> out(ids.size() * V, k3test::qnan());
-  m.forward(s, ids.data(), int64_t(split), true, out.data(), o);
-  for (size_t t = split; t < ids.size(); ++t) m.forward(s, &ids[t], 1, true, out.data() + t * V, o);
-  EXPECT_EQ(s.position(), int64_t(ids.size()));
-  EXPECT_EQ(k3test::count_nan(out), 0u);
-  return out;
-}
-
-std::vector<int32_t> greedy(const k3::Model& m, const std::vector<int32_t>& prompt, int n) {
-  k3::Session s(m);
-  const size_t V = size_t(m.dims().vocab);
-  std::vector<float> l(V);
-  m.forward(s, prompt.data(), int64_t(prompt.size()), false, l.data());
-  std::vector<int32_t> out;
-  for (int i = 0; i < n; ++i) {
-    const int32_t tok = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
-    out.push_back(tok);
-    m.forward(s, &tok, 1, false, l.data());
-  }
-  return out;
 }
 
 // Every decode path (KDA chunked/recurrent, chunk sizes, MLA absorbed/expanded, prefill + decode,

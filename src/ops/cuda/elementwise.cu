@@ -386,23 +386,18 @@ struct SrcList {
   const float* p[kMaxAttnResSources];
 };
 
-// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
-// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
-// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
-// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
-template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
-__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
-                                                          float eps, float* out) {
-  pdl_enter();
-  __shared__ double red[THREADS / 32][2 * NS];
-  __shared__ float p[NS];
+// Both AttnRes kernels: this thread's fp64 partial <x_j, fold> and <x_j, x_j> over the vectors
+// i = first, first + stride, ... < last of token t, summed over the warp; lane 0 leaves the warp's
+// sums in red[warp][2j] and red[warp][2j + 1]. The caller syncs before reading red.
+template <int NS, int VEC>
+__device__ __forceinline__ void mix_partials(const SrcList& src, int n_src, int64_t t, int64_t H, const float* fold,
+                                             int64_t first, int64_t last, int64_t stride, int lane, int warp,
+                                             double (*red)[2 * NS]) {
   using VT = typename std::conditional<VEC == 4, float4, float>::type;
-  const int64_t t = blockIdx.x, nv = H / VEC;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   double dt[NS], ss[NS];
 #pragma unroll
   for (int j = 0; j < NS; ++j) dt[j] = ss[j] = 0.0;
-  for (int64_t i = threadIdx.x; i < nv; i += THREADS) {
+  for (int64_t i = first; i < last; i += stride) {
     const VT f = reinterpret_cast<const VT*>(fold)[i];
 #pragma unroll
     for (int j = 0; j < NS; ++j)
@@ -436,6 +431,22 @@ __global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src
         red[warp][2 * j + 1] = b;
       }
     }
+}
+
+// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
+// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
+// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
+// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
+template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
+__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
+                                                          float eps, float* out) {
+  pdl_enter();
+  __shared__ double red[THREADS / 32][2 * NS];
+  __shared__ float p[NS];
+  using VT = typename std::conditional<VEC == 4, float4, float>::type;
+  const int64_t t = blockIdx.x, nv = H / VEC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  mix_partials<NS, VEC>(src, n_src, t, H, fold, threadIdx.x, nv, THREADS, lane, warp, red);
   __syncthreads();
   // Warp 0: lane j sums source j over the warps, then the softmax across the lanes (fp64).
   if (warp == 0) {
@@ -504,44 +515,7 @@ __global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThread
   const int64_t t = blockIdx.y, nv = H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
   const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  double dt[NS], ss[NS];
-#pragma unroll
-  for (int j = 0; j < NS; ++j) dt[j] = ss[j] = 0.0;
-#pragma unroll 2
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += kMixThreads) {
-    const VT f = reinterpret_cast<const VT*>(fold)[i];
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-      if (j < n_src) {
-        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
-        if constexpr (VEC == 4) {
-          dt[j] = fma(double(v.x), double(f.x), dt[j]);
-          dt[j] = fma(double(v.y), double(f.y), dt[j]);
-          dt[j] = fma(double(v.z), double(f.z), dt[j]);
-          dt[j] = fma(double(v.w), double(f.w), dt[j]);
-          ss[j] = fma(double(v.x), double(v.x), ss[j]);
-          ss[j] = fma(double(v.y), double(v.y), ss[j]);
-          ss[j] = fma(double(v.z), double(v.z), ss[j]);
-          ss[j] = fma(double(v.w), double(v.w), ss[j]);
-        } else {
-          dt[j] = fma(double(v), double(f), dt[j]);
-          ss[j] = fma(double(v), double(v), ss[j]);
-        }
-      }
-  }
-#pragma unroll
-  for (int j = 0; j < NS; ++j)
-    if (j < n_src) {
-      double a = dt[j], b = ss[j];
-      for (int o = 16; o > 0; o >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, o);
-        b += __shfl_xor_sync(0xffffffffu, b, o);
-      }
-      if (lane == 0) {
-        red[warp][2 * j] = a;
-        red[warp][2 * j + 1] = b;
-      }
-    }
+  mix_partials<NS, VEC>(src, n_src, t, H, fold, i0 + threadIdx.x, i1, kMixThreads, lane, warp, red);
   __syncthreads();
   if (int(threadIdx.x) < 2 * n_src) {
     double a = 0;
