@@ -34,6 +34,11 @@ std::string unavailable_reason() {
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
     cudaGetLastError();
+    // The runtime reports a machine without any NVIDIA driver as an "insufficient" driver.
+    if (e == cudaErrorInsufficientDriver)
+      return "no NVIDIA driver, or one older than this build's CUDA " + std::to_string(CUDART_VERSION / 1000) +
+             " runtime";
+    if (e == cudaErrorNoDevice) return "no CUDA device found";
     return cudaGetErrorString(e);
   }
   return n == 0 ? "no CUDA device found" : "";
