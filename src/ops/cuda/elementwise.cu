@@ -433,29 +433,9 @@ __device__ __forceinline__ void mix_partials(const SrcList& src, int n_src, int6
     }
 }
 
-// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
-// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
-// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
-// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
-template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
-__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
-                                                          float eps, float* out) {
-  pdl_enter();
-  __shared__ double red[THREADS / 32][2 * NS];
-  __shared__ float p[NS];
-  using VT = typename std::conditional<VEC == 4, float4, float>::type;
-  const int64_t t = blockIdx.x, nv = H / VEC;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  mix_partials<NS, VEC>(src, n_src, t, H, fold, threadIdx.x, nv, THREADS, lane, warp, red);
-  __syncthreads();
-  // Warp 0: lane j sums source j over the warps, then the softmax across the lanes (fp64).
-  if (warp == 0) {
-    double a = 0, b = 0;
-    if (lane < n_src)
-      for (int w = 0; w < THREADS / 32; ++w) {
-        a += red[w][2 * lane];
-        b += red[w][2 * lane + 1];
-      }
+// Warp 0 of both AttnRes kernels: lane j < n_src holds source j's block-wide sums a = <x_j, fold>,
+// b = <x_j, x_j>; writes the fp64 softmax over the scores a / rms into p[0, n_src).
+__device__ __forceinline__ void mix_softmax(int lane, int n_src, double a, double b, int64_t H, float eps, float* p) {
     const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
     double mx = sc;
     for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -463,9 +443,14 @@ __global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src
     double z = e;
     for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
     if (lane < n_src) p[lane] = float(e / z);
-  }
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < nv; i += THREADS) {
+}
+
+// out[t] over vectors i = first, first + stride, ... < last: Σ_j p[j] · x_j (fp32, in source order).
+template <int NS, int VEC>
+__device__ __forceinline__ void mix_weighted_sum(const SrcList& src, int n_src, int64_t t, int64_t H, const float* p,
+                                                 int64_t first, int64_t last, int64_t stride, float* out) {
+  using VT = typename std::conditional<VEC == 4, float4, float>::type;
+  for (int64_t i = first; i < last; i += stride) {
     VT acc = reinterpret_cast<const VT*>(src.p[0] + t * H)[i];
     if constexpr (VEC == 4) {
       acc.x *= p[0];
@@ -492,6 +477,34 @@ __global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src
   }
 }
 
+// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
+// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
+// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
+// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
+template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
+__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
+                                                          float eps, float* out) {
+  pdl_enter();
+  __shared__ double red[THREADS / 32][2 * NS];
+  __shared__ float p[NS];
+  const int64_t t = blockIdx.x, nv = H / VEC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  mix_partials<NS, VEC>(src, n_src, t, H, fold, threadIdx.x, nv, THREADS, lane, warp, red);
+  __syncthreads();
+  // Warp 0: lane j sums source j over the warps, then the softmax across the lanes (fp64).
+  if (warp == 0) {
+    double a = 0, b = 0;
+    if (lane < n_src)
+      for (int w = 0; w < THREADS / 32; ++w) {
+        a += red[w][2 * lane];
+        b += red[w][2 * lane + 1];
+      }
+    mix_softmax(lane, n_src, a, b, H, eps, p);
+  }
+  __syncthreads();
+  mix_weighted_sum<NS, VEC>(src, n_src, t, H, p, threadIdx.x, nv, THREADS, out);
+}
+
 // Small T (decode): one cluster of kMixCluster blocks per token, block r owning the r-th
 // contiguous slice of the hidden dimension, so the sources are streamed by 8 SMs instead of one.
 // Each block reduces its slice's fp64 partial dots and sums of squares (fixed order) into its own
@@ -509,7 +522,6 @@ __global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThread
   __shared__ double red[kMixThreads / 32][2 * NS];
   __shared__ double part[2 * NS];
   __shared__ float p[NS];
-  using VT = typename std::conditional<VEC == 4, float4, float>::type;
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = int(cluster.block_rank());
   const int64_t t = blockIdx.y, nv = H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
@@ -531,40 +543,10 @@ __global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThread
         a += rp[2 * lane];
         b += rp[2 * lane + 1];
       }
-    const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
-    double mx = sc;
-    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const double e = lane < n_src ? exp(sc - mx) : 0.0;
-    double z = e;
-    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-    if (lane < n_src) p[lane] = float(e / z);
+    mix_softmax(lane, n_src, a, b, H, eps, p);
   }
   cluster.sync();
-  for (int64_t i = i0 + threadIdx.x; i < i1; i += kMixThreads) {
-    VT acc = reinterpret_cast<const VT*>(src.p[0] + t * H)[i];
-    if constexpr (VEC == 4) {
-      acc.x *= p[0];
-      acc.y *= p[0];
-      acc.z *= p[0];
-      acc.w *= p[0];
-    } else {
-      acc *= p[0];
-    }
-#pragma unroll
-    for (int j = 1; j < NS; ++j)
-      if (j < n_src) {
-        const VT v = reinterpret_cast<const VT*>(src.p[j] + t * H)[i];
-        if constexpr (VEC == 4) {
-          acc.x = fmaf(p[j], v.x, acc.x);
-          acc.y = fmaf(p[j], v.y, acc.y);
-          acc.z = fmaf(p[j], v.z, acc.z);
-          acc.w = fmaf(p[j], v.w, acc.w);
-        } else {
-          acc = fmaf(p[j], v, acc);
-        }
-      }
-    reinterpret_cast<VT*>(out + t * H)[i] = acc;
-  }
+  mix_weighted_sum<NS, VEC>(src, n_src, t, H, p, i0 + threadIdx.x, i1, kMixThreads, out);
 }
 
 template <int NS>
