@@ -357,10 +357,10 @@ Session::Session(const Model& m) : model_(&m) {
 void Session::reset() {
   const ModelDims& d = model_->dims();
   layers_.assign(size_t(d.layers), LayerState{});
+  pos_ = 0;
+  if (gpu_.p) return gpu_session_reset(gpu_.p);  // the live state is on the device: no host copy
   for (int64_t L = 0; L < d.layers; ++L)
     if (model_->layers[size_t(L)].is_kda) layers_[size_t(L)].kda.reset(d.kda);
-  pos_ = 0;
-  if (gpu_.p) gpu_session_reset(gpu_.p);
 }
 
 uint64_t Model::fingerprint() const {
@@ -462,23 +462,26 @@ void Session::load(std::istream& in) {
   if (get_u64(in) != model_->fingerprint()) fail("session file was saved with a different model");
   const uint64_t pos = get_u64(in);
   if (get_u64(in) != layers_.size()) fail("session file: layer count differs from the model");
-  Session tmp(*model_);  // fill a copy so a bad file leaves this session untouched
+  // Fill a staging copy so a bad file leaves this session untouched.
+  std::vector<LayerState> staged(layers_.size());
   const ModelDims& d = model_->dims();
+  const size_t state = size_t(d.kda.heads * d.kda.head_dim * d.kda.head_dim);
+  const size_t conv = size_t(d.kda.dim() * (d.kda.conv_k - 1));
   for (size_t L = 0; L < layers_.size(); ++L) {
-    LayerState& l = tmp.layers_[L];
-    get_floats(in, l.kda.S, l.kda.S.size(), "KDA state");
-    get_floats(in, l.kda.conv_q, l.kda.conv_q.size(), "KDA conv state");
-    get_floats(in, l.kda.conv_k, l.kda.conv_k.size(), "KDA conv state");
-    get_floats(in, l.kda.conv_v, l.kda.conv_v.size(), "KDA conv state");
+    LayerState& l = staged[L];
+    const bool kda = model_->layers[L].is_kda;
+    get_floats(in, l.kda.S, kda ? state : 0, "KDA state");
+    get_floats(in, l.kda.conv_q, kda ? conv : 0, "KDA conv state");
+    get_floats(in, l.kda.conv_k, kda ? conv : 0, "KDA conv state");
+    get_floats(in, l.kda.conv_v, kda ? conv : 0, "KDA conv state");
     const uint64_t len = get_u64(in);
     if (len > pos) fail("session file: MLA cache longer than the position");
     l.mla.len = int64_t(len);
     get_floats(in, l.mla.c, size_t(len) * size_t(d.mla.kv_lora), "MLA latent cache");
     get_floats(in, l.mla.kr, size_t(len) * size_t(d.mla.rope), "MLA rope-key cache");
   }
-  tmp.pos_ = int64_t(pos);
-  layers_ = std::move(tmp.layers_);
-  pos_ = tmp.pos_;
+  layers_ = std::move(staged);
+  pos_ = int64_t(pos);
   if (gpu_.p) gpu_push(true);
 }
 
