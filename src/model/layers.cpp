@@ -32,13 +32,12 @@ void kda_forward(const KdaDims& d, const KdaWeights& w, KdaState& st, const floa
   // Projections from the same normed x.
   Buf qh = buf(T * C), kh = buf(T * C), vh = buf(T * C), fa = buf(T * D), f = buf(T * C), b = buf(T * H),
       r = buf(T * C);
-  ops::matmul(w.q_proj, x, T, qh.data());
-  ops::matmul(w.k_proj, x, T, kh.data());
-  ops::matmul(w.v_proj, x, T, vh.data());
-  ops::matmul(w.f_a_proj, x, T, fa.data());
+  {
+    const WeightMat* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.b_proj, &w.g_proj};
+    float* ys[] = {qh.data(), kh.data(), vh.data(), fa.data(), b.data(), r.data()};
+    ops::matmul_shared_input(ws, 6, x, T, ys);
+  }
   ops::matmul(w.f_b_proj, fa.data(), T, f.data());
-  ops::matmul(w.b_proj, x, T, b.data());
-  ops::matmul(w.g_proj, x, T, r.data());
   // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2).
   Buf q = buf(T * C), k = buf(T * C), v = buf(T * C);
   ops::short_conv_silu(qh.data(), T, C, w.q_conv.data(), d.conv_k, st.conv_q.data(), q.data());
@@ -66,15 +65,18 @@ void kda_forward(const KdaDims& d, const KdaWeights& w, KdaState& st, const floa
 void mla_forward(const MlaDims& d, const MlaWeights& w, MlaCache& cache, const float* x, int64_t T, MlaAlgo algo,
                  float* out) {
   const int64_t dq = d.nope + d.rope, HV = d.heads * d.v;
+  // The projections of x: W_qa x, W_kva x and (gated) the output gate W_g x.
+  const int64_t kva = d.kv_lora + d.rope;
+  Buf qa = buf(T * d.q_lora), q = buf(T * d.heads * dq), ckv = buf(T * kva), gt = buf(d.output_gate ? T * HV : 0);
+  {
+    const WeightMat* ws[] = {&w.q_a_proj, &w.kv_a_proj, &w.g_proj};
+    float* ys[] = {qa.data(), ckv.data(), gt.data()};
+    ops::matmul_shared_input(ws, d.output_gate ? 3 : 2, x, T, ys);
+  }
   // q = W_qb · RMSNorm_{1e-6}(W_qa x)
-  Buf qa = buf(T * d.q_lora), q = buf(T * d.heads * dq);
-  ops::matmul(w.q_a_proj, x, T, qa.data());
   ops::rmsnorm(qa.data(), T, d.q_lora, w.q_a_norm.data(), d.lora_eps, qa.data());
   ops::matmul(w.q_b_proj, qa.data(), T, q.data());
-  // ckv = W_kva x ; c = RMSNorm_{1e-6}(ckv[:kv_lora]) ; k_r = ckv[kv_lora:] (raw, unrotated, shared)
-  const int64_t kva = d.kv_lora + d.rope;
-  Buf ckv = buf(T * kva);
-  ops::matmul(w.kv_a_proj, x, T, ckv.data());
+  // c = RMSNorm_{1e-6}(ckv[:kv_lora]) ; k_r = ckv[kv_lora:] (raw, unrotated, shared)
   const int64_t pos0 = cache.len;
   cache.c.resize(static_cast<size_t>((pos0 + T) * d.kv_lora));
   cache.kr.resize(static_cast<size_t>((pos0 + T) * d.rope));
@@ -105,8 +107,6 @@ void mla_forward(const MlaDims& d, const MlaWeights& w, MlaCache& cache, const f
   }
   // Output gate before o_proj, no norm.
   if (d.output_gate) {
-    Buf gt = buf(T * HV);
-    ops::matmul(w.g_proj, x, T, gt.data());
     for (int64_t i = 0; i < T * HV; ++i) a[size_t(i)] *= 1.0f / (1.0f + std::exp(-gt[size_t(i)]));
   }
   ops::matmul(w.o_proj, a.data(), T, out);
@@ -116,19 +116,34 @@ void mla_forward(const MlaDims& d, const MlaWeights& w, MlaCache& cache, const f
 void glu_forward(const GluWeights& w, const SituParams& p, const float* x, int64_t T, float* out) {
   const int64_t I = w.gate.rows;
   Buf g = buf(T * I), u = buf(T * I);
-  ops::matmul(w.gate, x, T, g.data());
-  ops::matmul(w.up, x, T, u.data());
+  {
+    const WeightMat* ws[] = {&w.gate, &w.up};
+    float* ys[] = {g.data(), u.data()};
+    ops::matmul_shared_input(ws, 2, x, T, ys);
+  }
   ops::situ_glu(g.data(), u.data(), T * I, p.beta, p.linear_beta, g.data());
   ops::matmul(w.down, g.data(), T, out);
 }
 
 void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t T, float* out, ExpertSource* experts) {
-  // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights.
-  Buf logits = buf(T * d.experts);
+  // The products of x: router logits, the latent down-projection and the shared experts' gate/up.
+  // Router (fp32): sigmoid scores, bias for selection only, renormalised unbiased weights. Never on
+  // rounded activations: a bf16-rounded input can flip a near-tie in the top-k selection, which
+  // changes the output by a whole expert (engines keep the router in fp32 for the same reason).
+  // A decode step's non-MXFP4 router is fp32 in every numerics (fast_applies), so it joins the
+  // others there; otherwise it runs alone with Fast -> F32 (Exact stays Exact).
+  const bool shared = !w.shared.gate.empty();
+  const int64_t Is = shared ? w.shared.gate.rows : 0;
+  Buf logits = buf(T * d.experts), z = buf(T * d.latent), agg(static_cast<size_t>(T * d.latent), 0.0f),
+      sg = buf(T * Is), su = buf(T * Is);
+  const bool router_joins = T == 1 && w.gate.fmt != WFormat::MXFP4;
   {
-    // Never on rounded activations: a bf16-rounded input can flip a near-tie in the top-k
-    // selection, which changes the output by a whole expert (engines keep the router in fp32 for
-    // the same reason). Fast -> F32; Exact stays Exact.
+    const WeightMat* ws[] = {&w.gate, &w.down_lat, &w.shared.gate, &w.shared.up};
+    float* ys[] = {logits.data(), z.data(), sg.data(), su.data()};
+    const int first = router_joins ? 0 : 1;
+    ops::matmul_shared_input(ws + first, (shared ? 4 : 2) - first, x, T, ys + first);
+  }
+  if (!router_joins) {
     const ops::NumericsScope router(ops::current_numerics() == ops::Numerics::Fast ? ops::Numerics::F32
                                                                                   : ops::current_numerics());
     ops::matmul(w.gate, x, T, logits.data());
@@ -139,8 +154,6 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
     ops::router_topk(logits.data() + t * d.experts, w.bias.empty() ? nullptr : w.bias.data(), d.experts, d.top_k,
                      d.renormalize, d.routed_scale, idx.data() + t * d.top_k, wt.data() + t * d.top_k);
   // Routed experts in the latent space; grouped by expert so each expert's weights are read once.
-  Buf z = buf(T * d.latent), agg(static_cast<size_t>(T * d.latent), 0.0f);
-  ops::matmul(w.down_lat, x, T, z.data());
   // Per selected expert (ascending id): the token rows routed to it and their weights.
   std::vector<std::vector<int64_t>> rows(static_cast<size_t>(d.experts));
   std::vector<Buf> ws(static_cast<size_t>(d.experts));
@@ -206,9 +219,10 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
   if (d.latent_norm) ops::rmsnorm(agg.data(), T, d.latent, w.lat_norm.data(), d.norm_eps, agg.data());
   ops::matmul(w.up_lat, agg.data(), T, out);
   // Shared experts on the full-width input, added unweighted.
-  if (!w.shared.gate.empty()) {
+  if (shared) {
     Buf sh = buf(T * d.hidden);
-    glu_forward(w.shared, d.situ, x, T, sh.data());
+    ops::situ_glu(sg.data(), su.data(), T * Is, d.situ.beta, d.situ.linear_beta, sg.data());
+    ops::matmul(w.shared.down, sg.data(), T, sh.data());
     for (int64_t i = 0; i < T * d.hidden; ++i) out[i] += sh[size_t(i)];
   }
 }

@@ -18,6 +18,9 @@ struct MlaAttnDims {
 #define K3_OPS_DECLARE                                                                                              \
   /* Y[T, rows] = X[T, cols] · Wᵀ  (W in any WFormat, fp32 accumulate on CPU, fp64 in ref). */                      \
   void matmul(const WeightMat& W, const float* X, int64_t T, float* Y);                                             \
+  /* Y[i] = matmul(*W[i], X, T) for n weights of equal cols sharing the input, with the same results; the        \
+     CPU does a decode step's (T = 1) products in one parallel region and prepares X once. */                      \
+  void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y);      \
   /* out[cols] = row r of W decoded exactly. */                                                                     \
   void dequant_row(const WeightMat& W, int64_t r, float* out);                                                      \
   /* out[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps) for T rows of n; w == nullptr means ones. */                       \

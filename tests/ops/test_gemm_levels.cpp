@@ -15,6 +15,7 @@
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
+#include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
 #include "ops/ops.h"
 
@@ -258,6 +259,75 @@ TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
         EXPECT_TRUE(std::isnan(y[6]));
       } else {
         EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * (1.0 + std::fabs(y_ref[size_t(r)])));
+      }
+    }
+  }
+}
+
+// The SIMD quantiser of the fast MXFP4 GEMV's activations is bit-identical to its scalar twin
+// (every output array, including the tail blocks beyond the last whole 128-column group).
+TEST(GemmLevels, Q8QuantiserMatchesScalarTwin) {
+#if defined(__x86_64__)  // where src/ops builds the x86 kernels
+  if (k3::ops::cpu_isa_detected() != CpuIsa::Avx512) GTEST_SKIP() << "no avx512 on this CPU";
+  std::mt19937 rng(83);
+  for (int64_t cols : {32, 128, 224, 1024, 3584 + 96}) {
+    SCOPED_TRACE("cols=" + std::to_string(cols));
+    auto x = k3test::rand_vec(rng, size_t(cols), -3.0f, 3.0f);
+    std::fill(x.begin() + 32, x.begin() + std::min<int64_t>(cols, 64), 0.0f);  // an all-zero block (step 0)
+    x[0] = 1e-30f;                                                             // a tiny value beside large ones
+    const int64_t ng = cols / 128;
+    std::vector<int8_t> q1(size_t(ng * 128), 99), q2(size_t(ng * 128), 77);
+    std::vector<int32_t> c1(size_t(ng * 16), 99), c2(size_t(ng * 16), 77);
+    auto s1 = nan_vec(size_t(ng * 16)), s2 = nan_vec(size_t(ng * 16)), r1 = nan_vec(size_t(cols)),
+         r2 = nan_vec(size_t(cols));
+    k3::ops::cpu::quantize_q8_scalar(x.data(), cols, q1.data(), c1.data(), s1.data(), r1.data());
+    k3::ops::cpu::avx512::kGemm.quantize_q8(x.data(), cols, q2.data(), c2.data(), s2.data(), r2.data());
+    EXPECT_EQ(count_nan(r1), 0u);
+    EXPECT_EQ(count_nan(s1), 0u);
+    EXPECT_EQ(q1, q2);
+    EXPECT_EQ(c1, c2);
+    EXPECT_EQ(std::memcmp(s1.data(), s2.data(), s1.size() * 4), 0);
+    EXPECT_EQ(std::memcmp(r1.data(), r2.data(), r1.size() * 4), 0);
+  }
+#else
+  GTEST_SKIP() << "built without the x86 SIMD kernels";
+#endif
+}
+
+// matmul_shared_input gives exactly what one matmul per weight gives, on every level and
+// numerics, for decode (one parallel region) and prefill shapes, mixed formats included.
+TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(84);
+    for (int64_t T : {1, 3, 9}) {
+      const int64_t cols = 416;  // three 128-column groups and a 32-column tail block
+      std::vector<k3test::OwnedW> W;
+      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 37, cols));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 130, cols));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 8, cols));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::F32, 3, cols));
+      const auto X = k3test::rand_vec(rng, size_t(T * cols));
+      for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
+                     k3::ops::numerics_name(num));
+        k3::ops::NumericsScope scope(num);
+        std::vector<const k3::WeightMat*> ws;
+        std::vector<std::vector<float>> sep, fused;
+        std::vector<float*> ys;
+        for (auto& w : W) {
+          ws.push_back(&w.w);
+          sep.push_back(nan_vec(size_t(T * w.w.rows)));
+          fused.push_back(nan_vec(size_t(T * w.w.rows)));
+          k3::ops::matmul(w.w, X.data(), T, sep.back().data());
+        }
+        for (auto& f : fused) ys.push_back(f.data());
+        k3::ops::matmul_shared_input(ws.data(), int64_t(ws.size()), X.data(), T, ys.data());
+        for (size_t i = 0; i < W.size(); ++i) {
+          EXPECT_EQ(count_nan(fused[i]), 0u) << "weight " << i;
+          EXPECT_EQ(std::memcmp(fused[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
+        }
       }
     }
   }

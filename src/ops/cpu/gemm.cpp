@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -95,82 +96,98 @@ std::vector<float> round_to_bf16(const float* X, int64_t n) {
 }
 
 // x in the nibble order of packed MXFP4 rows: per 32-block, the 16 even columns then the 16 odd.
-std::vector<float> permute_x_mxfp4(const float* x, int64_t cols) {
-  std::vector<float> xp(static_cast<size_t>(cols));
+void permute_x_mxfp4(const float* x, int64_t cols, float* xp) {
   for (int64_t b = 0; b < cols / 32; ++b)
     for (int64_t j = 0; j < 16; ++j) {
-      xp[size_t(32 * b + j)] = x[32 * b + 2 * j];
-      xp[size_t(32 * b + 16 + j)] = x[32 * b + 2 * j + 1];
+      xp[32 * b + j] = x[32 * b + 2 * j];
+      xp[32 * b + 16 + j] = x[32 * b + 2 * j + 1];
     }
-  return xp;
 }
 
-// x quantised per 32-column block to int8 (step = max|x| / 127, round to nearest) for the fast
-// MXFP4 GEMV, in the layouts of GemmKernels::gemv_mxfp4_q8; deq receives the dequantised x
-// (natural order): the activations the product is exactly taken with. Like llama.cpp's q8_0.
-struct Q8x {
-  std::vector<int8_t> q;     // per 128-col group: 64 even-column values, then 64 odd
-  std::vector<int32_t> c;    // per group: 16 lanes, -12 * sum of the lane's 8 values
-  std::vector<float> s;      // per group: 16 lanes, block step / 2
-  std::vector<float> deq;    // natural order
+// The 8-bit activations of a fast MXFP4 GEMV, dequantised, in natural column order (scalar level).
+std::vector<float> q8_dequantised(const float* x, int64_t cols) {
+  const int64_t ng = cols / 128;
+  std::vector<int8_t> xq(static_cast<size_t>(ng * 128));
+  std::vector<int32_t> xc(static_cast<size_t>(ng * 16));
+  std::vector<float> xs(static_cast<size_t>(ng * 16)), xr(static_cast<size_t>(cols)), deq(static_cast<size_t>(cols));
+  cpu::quantize_q8_scalar(x, cols, xq.data(), xc.data(), xs.data(), xr.data());
+  for (int64_t b = 0; b < cols / 32; ++b)
+    for (int64_t j = 0; j < 16; ++j) {
+      deq[size_t(32 * b + 2 * j)] = xr[size_t(32 * b + j)];
+      deq[size_t(32 * b + 2 * j + 1)] = xr[size_t(32 * b + 16 + j)];
+    }
+  return deq;
+}
+
+// Per-thread buffers of the T = 1 driver (grown, never shrunk): no allocation per GEMV.
+struct GemvScratch {
+  std::vector<int8_t> xq;
+  std::vector<int32_t> xc;
+  std::vector<float> xs, xr;
+};
+GemvScratch& gemv_scratch() {
+  thread_local GemvScratch s;
+  return s;
+}
+
+// The input of T = 1 products, prepared once for all weights that share x.
+struct GemvInput {
+  const float* x = nullptr;   // natural order: BF16/F16/F32 weights
+  const float* xp = nullptr;  // MXFP4: x, or its 8-bit dequantisation in fast mode, permuted
+  bool q8 = false;            // MXFP4 through gemv_mxfp4_q8 (xq, xc, xs)
+  const int8_t* xq = nullptr;
+  const int32_t* xc = nullptr;
+  const float* xs = nullptr;
 };
 
-Q8x quantize_x_mxfp4_q8(const float* x, int64_t cols) {
-  Q8x r;
-  const int64_t nb = cols / 32, ng = nb / 4;
-  std::vector<int8_t> q(static_cast<size_t>(cols));
-  std::vector<float> step(static_cast<size_t>(nb));
-  r.deq.resize(size_t(cols));
-  for (int64_t b = 0; b < nb; ++b) {
-    float amax = 0;
-    for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
-    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
-    step[size_t(b)] = d;
-    for (int64_t j = 0; j < 32; ++j) {
-      // Round to nearest, ties to even (as lrint), without a libm call: |x * inv| <= 127, so adding
-      // and subtracting 1.5 * 2^23 leaves exactly the rounded integer (no -ffast-math here).
-      const auto v = int8_t((x[32 * b + j] * inv + 12582912.0f) - 12582912.0f);
-      q[size_t(32 * b + j)] = v;
-      r.deq[size_t(32 * b + j)] = float(v) * d;
-    }
+GemvInput prepare_gemv(const cpu::GemmKernels& K, const float* x, int64_t cols, bool mxfp4, bool fast) {
+  GemvInput in;
+  in.x = x;
+  if (!mxfp4) return in;
+  GemvScratch& s = gemv_scratch();
+  const int64_t ng = cols / 128;
+  s.xr.resize(size_t(cols));
+  if (fast) {
+    // Fast applies to a GEMV only for MXFP4 (fast_applies): 8-bit activations, through vpdpbusd
+    // where the level has it, else the same dequantised activations through the fp32 kernel.
+    s.xq.resize(size_t(ng * 128));
+    s.xc.resize(size_t(ng * 16));
+    s.xs.resize(size_t(ng * 16));
+    (K.quantize_q8 ? K.quantize_q8 : cpu::quantize_q8_scalar)(x, cols, s.xq.data(), s.xc.data(), s.xs.data(),
+                                                              s.xr.data());
+    in.q8 = K.gemv_mxfp4_q8 != nullptr;
+    in.xq = s.xq.data();
+    in.xc = s.xc.data();
+    in.xs = s.xs.data();
+  } else {
+    permute_x_mxfp4(x, cols, s.xr.data());
   }
-  r.q.resize(size_t(ng * 128));
-  r.c.resize(size_t(ng * 16));
-  r.s.resize(size_t(ng * 16));
-  for (int64_t g = 0; g < ng; ++g) {
-    for (int64_t i = 0; i < 64; ++i) {
-      r.q[size_t(128 * g + i)] = q[size_t(128 * g + 2 * i)];
-      r.q[size_t(128 * g + 64 + i)] = q[size_t(128 * g + 2 * i + 1)];
-    }
-    for (int64_t j = 0; j < 16; ++j) {
-      int32_t sum = 0;
-      for (int64_t i = 4 * j; i < 4 * j + 4; ++i) sum += q[size_t(128 * g + 2 * i)] + q[size_t(128 * g + 2 * i + 1)];
-      r.c[size_t(16 * g + j)] = -12 * sum;
-      r.s[size_t(16 * g + j)] = step[size_t(4 * g + j / 4)] * 0.5f;
-    }
-  }
-  return r;
+  in.xp = s.xr.data();
+  return in;
 }
 
-void gemv_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* x, bool fast, float* y) {
-  // Fast applies to a GEMV only for MXFP4 (fast_applies): 8-bit activations, through vpdpbusd where
-  // the level has it, else the same dequantised activations through the fp32 kernel.
-  std::vector<float> xp;
-  Q8x q8;
-  const bool q8_kernel = fast && K.gemv_mxfp4_q8;
-  if (fast) {
-    q8 = quantize_x_mxfp4_q8(x, W.cols);
-    x = q8.deq.data();
+// Y[i] = x · W[i]ᵀ for n weights of equal width sharing x, in one parallel region: each weight's
+// rows are split across the threads (multiples of 4), so every output element is computed by the
+// same kernel call as when the weight is alone.
+void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast,
+                   float* const* Y) {
+  bool mxfp4 = false;
+  int64_t work = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    mxfp4 = mxfp4 || W[i]->fmt == WFormat::MXFP4;
+    work += W[i]->rows * W[i]->cols;
   }
-  if (W.fmt == WFormat::MXFP4) xp = permute_x_mxfp4(x, W.cols);
-#pragma omp parallel if (W.rows * W.cols > kParallelMin)
+  const GemvInput in = prepare_gemv(K, x, W[0]->cols, mxfp4, fast);
+#pragma omp parallel if (work > kParallelMin)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t per = ((W.rows + nt - 1) / nt + 3) / 4 * 4;
-    const int64_t r0 = std::min(W.rows, id * per), r1 = std::min(W.rows, r0 + per);
-    if (r0 < r1) {
-      if (q8_kernel) K.gemv_mxfp4_q8(W, q8.q.data(), q8.c.data(), q8.s.data(), xp.data(), r0, r1, y);
-      else K.gemv(W, x, xp.data(), r0, r1, y);
+    for (int64_t i = 0; i < n; ++i) {
+      const WeightMat& w = *W[i];
+      const int64_t per = ((w.rows + nt - 1) / nt + 3) / 4 * 4;
+      const int64_t r0 = std::min(w.rows, id * per), r1 = std::min(w.rows, r0 + per);
+      if (r0 >= r1) continue;
+      if (in.q8 && w.fmt == WFormat::MXFP4) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp, r0, r1, Y[i]);
+      else K.gemv(w, in.x, in.xp, r0, r1, Y[i]);
     }
   }
 }
@@ -217,6 +234,44 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
 }
 }  // namespace
 
+namespace cpu {
+// x quantised per 32-column block to int8 (step = max|x| / 127, round to nearest) for the fast
+// MXFP4 GEMV, in the layouts of GemmKernels::gemv_mxfp4_q8 (like llama.cpp's q8_0):
+//   xq per 128-col group: 64 even-column values, then 64 odd; xc per group: 16 lanes, -12 * sum of
+//   the lane's 8 values; xs per group: 16 lanes, block step / 2; xr: the dequantised x, per 32-block
+//   the 16 even then the 16 odd columns (the activations the product is exactly taken with).
+void quantize_q8_scalar(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr) {
+  const int64_t nb = cols / 32, ng = nb / 4;
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0;
+    for (int64_t j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[32 * b + j]));
+    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int8_t q[32];
+    for (int64_t j = 0; j < 32; ++j) {
+      // Round to nearest, ties to even (as lrint), without a libm call: |x * inv| <= 127, so adding
+      // and subtracting 1.5 * 2^23 leaves exactly the rounded integer (no -ffast-math here).
+      q[j] = int8_t((x[32 * b + j] * inv + 12582912.0f) - 12582912.0f);
+    }
+    for (int64_t j = 0; j < 16; ++j) {
+      xr[32 * b + j] = float(q[2 * j]) * d;
+      xr[32 * b + 16 + j] = float(q[2 * j + 1]) * d;
+    }
+    if (b >= 4 * ng) continue;  // a tail block: only the fp32 path (xr) reads it
+    const int64_t g = b / 4, jb = b % 4;
+    for (int64_t j = 0; j < 16; ++j) {
+      xq[128 * g + 16 * jb + j] = q[2 * j];
+      xq[128 * g + 64 + 16 * jb + j] = q[2 * j + 1];
+    }
+    for (int64_t l = 0; l < 4; ++l) {
+      int32_t sum = 0;
+      for (int64_t j = 8 * l; j < 8 * l + 8; ++j) sum += q[j];
+      xc[16 * g + 4 * jb + l] = -12 * sum;
+      xs[16 * g + 4 * jb + l] = d * 0.5f;
+    }
+  }
+}
+}  // namespace cpu
+
 void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W, r, out); }
 
 bool fast_applies(const WeightMat& W, int64_t T) {
@@ -228,11 +283,21 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
   const cpu::GemmKernels* K = kernels_for(active_kernel_level());
   if (!K) {
     if (!fast) return matmul_scalar(W, X, T, Y);
-    const auto r = T == 1 ? quantize_x_mxfp4_q8(X, W.cols).deq : round_to_bf16(X, T * W.cols);
+    const auto r = T == 1 ? q8_dequantised(X, W.cols) : round_to_bf16(X, T * W.cols);
     return matmul_scalar(W, r.data(), T, Y);
   }
-  if (T == 1) return gemv_threaded(*K, W, X, fast, Y);
+  const WeightMat* w = &W;
+  if (T == 1) return gemv_threaded(*K, &w, 1, X, fast, &Y);
   gemm_threaded(*K, W, X, T, fast, Y);
+}
+
+void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y) {
+  for (int64_t i = 1; i < n; ++i) assert(W[i]->cols == W[0]->cols);
+  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
+  // One parallel region for all of them where that is what one matmul would do (T = 1 on a SIMD
+  // level, one numerics rule for all: fast_applies depends only on the format at T = 1).
+  if (n > 0 && T == 1 && K) return gemv_threaded(*K, W, n, X, fast_applies(*W[0], 1), Y);
+  for (int64_t i = 0; i < n; ++i) matmul(*W[i], X, T, Y[i]);
 }
 
 }  // namespace k3::ops

@@ -165,6 +165,7 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
   if (t < T) tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy);
 }
 
+constexpr int kDenseTile = 4;  // rows per dense GEMV tile (16 ymm registers: 8 accumulators, no more)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes
@@ -196,6 +197,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, nullptr, nullptr, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, gemm_f32, nullptr, nullptr, nullptr, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx2

@@ -94,15 +94,6 @@ inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, co
 }
 
 // ------------------------------------------------------------------ helpers of the fast MXFP4 GEMV
-// Scales of four blocks as 16 float lanes (lanes 4L..4L+3 = 2^(s_L - 127)); valid for 1 <= s <= 254
-// (0 and 255, i.e. 2^-127 and NaN, are routed to the per-block path by scales_are_normal).
-inline __m512i bf16_scale4(const uint8_t* s) {
-  uint32_t s4;
-  __builtin_memcpy(&s4, s, 4);
-  const __m128i rep = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_cvtsi32_si128(int(s4)), rep)), 23);
-}
-
 bool scales_are_normal(const uint8_t* s, int64_t n) {
   // (s + 1) mod 256 <= 1 exactly for s = 255 and s = 0; 64 bytes per compare.
   const __m512i one = _mm512_set1_epi8(1);
@@ -119,17 +110,23 @@ bool scales_are_normal(const uint8_t* s, int64_t n) {
 
 // ------------------------------------------------------------------ GEMV, MXFP4 on 8-bit activations
 // x quantised per 32-block to int8 with a float step (gemm.cpp: quantize_x_mxfp4_q8). Per four
-// blocks (64 packed bytes) and row: low and high nibbles through one pshufb table each to
+// blocks (64 packed bytes) and row: low and high nibbles through one byte table each to
 // u8 = 2*E2M1 + 12 (0..24), then vpdpbusd against the int8 x of the even and odd columns: in each
 // dword lane j the four bytes 4j..4j+3 belong to block j/4 (of the four). The +12 offset adds
 // 12 * (sum of the lane's x), which the accumulator starts out subtracting (xc); the integer dot
 // is exact. Lanes 4L..4L+3 are then scaled by 2^(s_L - 127) * step_L / 2.
-// pf: byte distance to the next tile's rows (as in gemv_rows: prefetch the next tile meanwhile).
+// The four E8M0 scales arrive as one broadcast dword; a per-lane rotate moves byte L/4 of it to the
+// exponent field of lane L and an AND clears the rest, i.e. 2^(s - 127) as float: three uops, none
+// on the shuffle port that the nibble lookups already load.
+// pf: byte distance ahead at which each row is prefetched (the next tiles' rows: the hardware
+// prefetchers stop at 4 KiB pages, and short MXFP4 rows need more than one tile of lead).
 template <int R>
 inline void gemv_mxfp4_q8_rows(const uint8_t* const* p, const uint8_t* const* s, const int8_t* xq, const int32_t* xc,
                                const float* xs, int64_t ng, float* y, int64_t pf) {
   const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m512i m0f = _mm512_set1_epi8(0x0f);
+  const __m512i rot = _mm512_setr_epi32(23, 23, 23, 23, 15, 15, 15, 15, 7, 7, 7, 7, 31, 31, 31, 31);
+  const __m512i expo = _mm512_set1_epi32(0x7f800000);
   __m512 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
@@ -142,12 +139,18 @@ inline void gemv_mxfp4_q8_rows(const uint8_t* const* p, const uint8_t* const* s,
       const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(P, m0f));
       const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f));
       const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(c, wl, xe), wh, xo);
-      const __m512 sc = _mm512_mul_ps(_mm512_castsi512_ps(bf16_scale4(s[i] + 4 * g)), sx);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);
+      uint32_t s4;
+      __builtin_memcpy(&s4, s[i] + 4 * g, 4);
+      const __m512i ws = _mm512_and_si512(_mm512_rolv_epi32(_mm512_set1_epi32(int(s4)), rot), expo);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(_mm512_castsi512_ps(ws), sx), acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
+
+// Tiles of four rows whose prefetch runs this many tiles ahead (measured on 768- and 1024-column
+// expert rows: 1 tile 53%, 2-8 tiles 60-62% of the read bandwidth; 3 chosen).
+constexpr int64_t kMxfp4PrefetchTiles = 3;
 
 void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, const float* xs, const float* xr,
                    int64_t r0, int64_t r1, float* y) {
@@ -166,7 +169,7 @@ void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, cons
     if (r + 4 <= r1 && scales_are_normal(W.scales + r * nb, 4 * nb)) {
       const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
       const uint8_t* sp[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
-      gemv_mxfp4_q8_rows<4>(p, sp, xq, xc, xs, ng, y + r, 4 * nb * 16);
+      gemv_mxfp4_q8_rows<4>(p, sp, xq, xc, xs, ng, y + r, kMxfp4PrefetchTiles * 4 * nb * 16);
       for (int i = 0; i < 4; ++i) tail(r + i, y + r + i);
       r += 4;
     } else {
@@ -179,6 +182,36 @@ void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, cons
         gemv_mxfp4_rows<1>(p, sp, xr, nb, y + r);
       }
       r += 1;
+    }
+  }
+}
+
+// The activations of gemv_mxfp4_q8, bit-identical to gemm.cpp's scalar quantize_x_mxfp4_q8 (same
+// fp32 operations; cvtps rounds to nearest even as its 1.5 * 2^23 trick does). Per 32-block: the
+// even and odd columns are separated first (vpermt2ps), then quantised, so xq and xr come out in
+// the kernel's order directly.
+void quantize_q8(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr) {
+  const __m512i ie = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i io = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const int64_t nb = cols / 32, ng = nb / 4;
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + 32 * b), hi = _mm512_loadu_ps(x + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const __m512 vd = _mm512_set1_ps(d), vinv = _mm512_set1_ps(inv);
+    const __m512i qe = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, ie, hi), vinv));
+    const __m512i qo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_permutex2var_ps(lo, io, hi), vinv));
+    _mm512_storeu_ps(xr + 32 * b, _mm512_mul_ps(_mm512_cvtepi32_ps(qe), vd));
+    _mm512_storeu_ps(xr + 32 * b + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(qo), vd));
+    if (b >= 4 * ng) continue;  // a tail block: only the fp32 path (xr) reads it
+    const int64_t g = b / 4, j = b % 4;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 128 * g + 16 * j), _mm512_cvtepi32_epi8(qe));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 128 * g + 64 + 16 * j), _mm512_cvtepi32_epi8(qo));
+    int32_t t[16];
+    _mm512_storeu_si512(t, _mm512_add_epi32(qe, qo));
+    for (int64_t l = 0; l < 4; ++l) {
+      xc[16 * g + 4 * j + l] = -12 * (t[4 * l] + t[4 * l + 1] + t[4 * l + 2] + t[4 * l + 3]);
+      xs[16 * g + 4 * j + l] = d * 0.5f;
     }
   }
 }
@@ -321,6 +354,7 @@ void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, in
   }
 }
 
+constexpr int kDenseTile = 8;  // rows per dense GEMV tile (32 zmm registers hold 16 accumulators)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes
@@ -354,6 +388,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16, gemv_mxfp4_q8, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, gemm_f32, gemm_bf16, gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx512

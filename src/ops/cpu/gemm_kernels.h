@@ -28,6 +28,10 @@ struct GemmKernels {
   // xp. nullptr when the ISA lacks VNNI.
   void (*gemv_mxfp4_q8)(const WeightMat& W, const int8_t* xq, const int32_t* xc, const float* xs, const float* xr,
                         int64_t r0, int64_t r1, float* y);
+  // The activations of gemv_mxfp4_q8 from x [cols] (cols % 32 == 0): xq, xc, xs for the cols/128
+  // whole groups, xr (the dequantised x, per 32-block even then odd columns) for all cols.
+  // Bit-identical to gemm.cpp's scalar quantize_x_mxfp4_q8. nullptr when gemv_mxfp4_q8 is.
+  void (*quantize_q8)(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr);
   // Roofline probes (ops/cpu/roofline.cpp). Sum of n bytes read with full-width loads (n % 512 == 0;
   // the result only keeps the reads from being optimised away).
   double (*read_probe)(const uint8_t* p, int64_t n);
@@ -35,6 +39,9 @@ struct GemmKernels {
   // on avx512, fp32 FMA on avx2) and returns the FLOPs done (2 per multiply-add).
   double (*flops_probe)(int64_t iters);
 };
+
+// The scalar twin of GemmKernels::quantize_q8 (gemm.cpp), used where the level has no kernel for it.
+void quantize_q8_scalar(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr);
 
 namespace avx2 {
 extern const GemmKernels kGemm;
