@@ -26,6 +26,8 @@ constexpr int64_t kParallelMin = int64_t(1) << 17;
 // Prefill GEMMs walk tokens in blocks so the block's activations stay in L2 while W streams by.
 constexpr int64_t kTokenBlock = 64;
 constexpr int64_t kRowBlock = 16;
+// Decode GEMVs hand out rows in chunks of about this many weight bytes (see gemv_threaded).
+constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
 
 const cpu::GemmKernels* kernels_for(CpuIsa isa) {
 #if defined(K3_HAVE_X86_KERNELS)
@@ -120,7 +122,11 @@ std::vector<float> q8_dequantised(const float* x, int64_t cols) {
 }
 
 // Per-thread buffers of the T = 1 driver (grown, never shrunk): no allocation per GEMV.
+struct GemvChunk {
+  int64_t w, r0, r1;  // rows [r0, r1) of weight w
+};
 struct GemvScratch {
+  std::vector<GemvChunk> chunks;
   std::vector<int8_t> xq;
   std::vector<int32_t> xc;
   std::vector<float> xs, xr;
@@ -166,29 +172,39 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const float* x, int64_t cols, 
   return in;
 }
 
-// Y[i] = x · W[i]ᵀ for n weights of equal width sharing x, in one parallel region: each weight's
-// rows are split across the threads (multiples of 4), so every output element is computed by the
-// same kernel call as when the weight is alone.
+// Y[i] = x · W[i]ᵀ for n weights of equal width sharing x, in one parallel region. The rows of
+// all of them are cut into chunks of about kGemvChunkBytes (whole 8-row tiles) that the threads
+// take in guided order: first long runs of consecutive chunks (long streams for the prefetchers;
+// a chunk's kernel prefetches into the next chunk, usually taken by the same thread), then ever
+// shorter ones, so a thread that reads memory faster takes more. On a shared VM two cores rarely
+// read at the same rate: a static half each left ~10% of decode samples waiting in the barrier,
+// ~5% after. Each output element is still computed by one kernel call with the same per-row
+// arithmetic, so the result does not depend on the thread count or on who took which chunk.
 void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast,
                    float* const* Y) {
   bool mxfp4 = false;
   int64_t work = 0;
+  GemvScratch& s = gemv_scratch();
+  s.chunks.clear();
   for (int64_t i = 0; i < n; ++i) {
-    mxfp4 = mxfp4 || W[i]->fmt == WFormat::MXFP4;
-    work += W[i]->rows * W[i]->cols;
+    const WeightMat& w = *W[i];
+    mxfp4 = mxfp4 || w.fmt == WFormat::MXFP4;
+    work += w.rows * w.cols;
+    const int64_t row_bytes = w.fmt == WFormat::MXFP4 ? w.cols / 2 + w.cols / 32
+                              : w.fmt == WFormat::F32  ? 4 * w.cols
+                                                       : 2 * w.cols;
+    const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, row_bytes) / 8 * 8);
+    for (int64_t r = 0; r < w.rows; r += step) s.chunks.push_back({i, r, std::min(w.rows, r + step)});
   }
   const GemvInput in = prepare_gemv(K, x, W[0]->cols, mxfp4, fast);
-#pragma omp parallel if (work > kParallelMin)
-  {
-    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-    for (int64_t i = 0; i < n; ++i) {
-      const WeightMat& w = *W[i];
-      const int64_t per = ((w.rows + nt - 1) / nt + 3) / 4 * 4;
-      const int64_t r0 = std::min(w.rows, id * per), r1 = std::min(w.rows, r0 + per);
-      if (r0 >= r1) continue;
-      if (in.q8 && w.fmt == WFormat::MXFP4) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp, r0, r1, Y[i]);
-      else K.gemv(w, in.x, in.xp, r0, r1, Y[i]);
-    }
+  const auto nchunks = int64_t(s.chunks.size());
+  const GemvChunk* chunks = s.chunks.data();
+#pragma omp parallel for schedule(guided, 1) if (work > kParallelMin)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const GemvChunk& ch = chunks[c];
+    const WeightMat& w = *W[ch.w];
+    if (in.q8 && w.fmt == WFormat::MXFP4) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp, ch.r0, ch.r1, Y[ch.w]);
+    else K.gemv(w, in.x, in.xp, ch.r0, ch.r1, Y[ch.w]);
   }
 }
 
