@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -29,9 +30,11 @@ using Clock = std::chrono::steady_clock;
 struct Pool {
   std::vector<std::unique_ptr<uint8_t[]>> bufs;
   std::mt19937_64 rng{7};
+  // Buffers start 48 bytes past a 64-byte boundary: safetensors data sits at any 8-byte offset,
+  // and 48 is the most common one in the generated checkpoints.
   uint8_t* alloc(size_t n) {
-    bufs.emplace_back(new uint8_t[n]);
-    return bufs.back().get();
+    bufs.emplace_back(new uint8_t[n + 128]);
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bufs.back().get()) + 63) / 64 * 64 + 48);
   }
   k3::WeightMat bf16(int64_t rows, int64_t cols) {
     const size_t n = size_t(rows * cols);

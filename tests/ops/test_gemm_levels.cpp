@@ -332,3 +332,36 @@ TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
     }
   }
 }
+
+// BF16 GEMVs read rows from their first 64-byte boundary where every row starts equally aligned
+// (cols % 32 == 0, 4-byte aligned data) and fall back to unaligned loads otherwise: every base
+// offset a mmap'd shard can give (0..62 bytes) must give the same product (to fp32 rounding).
+TEST(GemmLevels, Bf16GemvAnyAlignment) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(85);
+    for (int64_t cols : {64, 96, 1024, 200}) {
+      const int64_t rows = 29;
+      k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::BF16, rows, cols);
+      const auto x = k3test::rand_vec(rng, size_t(cols), -1.0f, 1.0f);
+      auto y_ref = nan_vec(size_t(rows));
+      k3::ref::matmul(W.w, x.data(), 1, y_ref.data());
+      std::vector<uint8_t> bytes(size_t(rows * cols * 2) + 128);
+      const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
+      for (int off = 0; off < 64; off += 2) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " cols=" + std::to_string(cols) +
+                     " offset=" + std::to_string(off));
+        auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
+        std::memcpy(p, W.w.data, size_t(rows * cols * 2));
+        k3::WeightMat w = W.w;
+        w.data = p;
+        auto y = nan_vec(size_t(rows));
+        k3::ops::NumericsScope scope(k3::ops::Numerics::Fast);  // BF16 GEMVs stay fp32 in fast mode
+        k3::ops::matmul(w, x.data(), 1, y.data());
+        EXPECT_EQ(count_nan(y), 0u);
+        EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+      }
+    }
+  }
+}

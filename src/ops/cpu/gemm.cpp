@@ -130,6 +130,7 @@ struct GemvScratch {
   std::vector<int8_t> xq;
   std::vector<int32_t> xc;
   std::vector<float> xs, xr;
+  std::vector<float> xp_bf16[16];  // by head column / 2
 };
 GemvScratch& gemv_scratch() {
   thread_local GemvScratch s;
@@ -138,24 +139,42 @@ GemvScratch& gemv_scratch() {
 
 // The input of T = 1 products, prepared once for all weights that share x.
 struct GemvInput {
-  const float* x = nullptr;   // natural order: BF16/F16/F32 weights
-  const float* xp = nullptr;  // MXFP4: x, or its 8-bit dequantisation in fast mode, permuted
-  bool q8 = false;            // MXFP4 through gemv_mxfp4_q8 (xq, xc, xs)
+  const float* x = nullptr;      // natural order: BF16/F16/F32 weights
+  const float* xp_mx = nullptr;  // MXFP4: x, or its 8-bit dequantisation in fast mode, permuted
+  const float* xp_bf16[32] = {};  // BF16 with head h (cpu::bf16_head): x permuted from column h
+  bool q8 = false;               // MXFP4 through gemv_mxfp4_q8 (xq, xc, xs)
   const int8_t* xq = nullptr;
   const int32_t* xc = nullptr;
   const float* xs = nullptr;
 };
 
-GemvInput prepare_gemv(const cpu::GemmKernels& K, const float* x, int64_t cols, bool mxfp4, bool fast) {
+// x's columns [h, h + 32k) permuted per 32-block into the block's 16 even then 16 odd columns.
+void permute_x_from(const float* x, int64_t cols, int64_t h, float* xp) { permute_x_mxfp4(x + h, cols - h, xp); }
+
+GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast) {
   GemvInput in;
   in.x = x;
-  if (!mxfp4) return in;
   GemvScratch& s = gemv_scratch();
-  const int64_t ng = cols / 128;
+  const int64_t cols = W[0]->cols;
+  bool mxfp4 = false;
+  for (int64_t i = 0; i < n; ++i) {
+    mxfp4 = mxfp4 || W[i]->fmt == WFormat::MXFP4;
+    if (W[i]->fmt != WFormat::BF16 || !K.bf16_uses_xp) continue;
+    // BF16 weights always take x unrounded (fast_applies), permuted from their head column.
+    const int64_t h = cpu::bf16_head(W[i]->data, cols);
+    if (h < 0 || in.xp_bf16[h]) continue;
+    std::vector<float>& buf = s.xp_bf16[size_t(h / 2)];
+    buf.resize(size_t(cols));
+    permute_x_from(x, cols, h, buf.data());
+    in.xp_bf16[h] = buf.data();
+  }
+  if (!mxfp4) return in;
   s.xr.resize(size_t(cols));
+  in.xp_mx = s.xr.data();
   if (fast) {
     // Fast applies to a GEMV only for MXFP4 (fast_applies): 8-bit activations, through vpdpbusd
     // where the level has it, else the same dequantised activations through the fp32 kernel.
+    const int64_t ng = cols / 128;
     s.xq.resize(size_t(ng * 128));
     s.xc.resize(size_t(ng * 16));
     s.xs.resize(size_t(ng * 16));
@@ -168,7 +187,6 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const float* x, int64_t cols, 
   } else {
     permute_x_mxfp4(x, cols, s.xr.data());
   }
-  in.xp = s.xr.data();
   return in;
 }
 
@@ -182,13 +200,11 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const float* x, int64_t cols, 
 // arithmetic, so the result does not depend on the thread count or on who took which chunk.
 void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast,
                    float* const* Y) {
-  bool mxfp4 = false;
   int64_t work = 0;
   GemvScratch& s = gemv_scratch();
   s.chunks.clear();
   for (int64_t i = 0; i < n; ++i) {
     const WeightMat& w = *W[i];
-    mxfp4 = mxfp4 || w.fmt == WFormat::MXFP4;
     work += w.rows * w.cols;
     const int64_t row_bytes = w.fmt == WFormat::MXFP4 ? w.cols / 2 + w.cols / 32
                               : w.fmt == WFormat::F32  ? 4 * w.cols
@@ -196,15 +212,19 @@ void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t
     const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, row_bytes) / 8 * 8);
     for (int64_t r = 0; r < w.rows; r += step) s.chunks.push_back({i, r, std::min(w.rows, r + step)});
   }
-  const GemvInput in = prepare_gemv(K, x, W[0]->cols, mxfp4, fast);
+  const GemvInput in = prepare_gemv(K, W, n, x, fast);
   const auto nchunks = int64_t(s.chunks.size());
   const GemvChunk* chunks = s.chunks.data();
 #pragma omp parallel for schedule(guided, 1) if (work > kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
     const GemvChunk& ch = chunks[c];
     const WeightMat& w = *W[ch.w];
-    if (in.q8 && w.fmt == WFormat::MXFP4) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp, ch.r0, ch.r1, Y[ch.w]);
-    else K.gemv(w, in.x, in.xp, ch.r0, ch.r1, Y[ch.w]);
+    if (w.fmt == WFormat::BF16) {
+      const int64_t h = cpu::bf16_head(w.data, w.cols);
+      K.gemv(w, in.x, h >= 0 ? in.xp_bf16[h] : nullptr, ch.r0, ch.r1, Y[ch.w]);
+    } else if (w.fmt != WFormat::MXFP4) K.gemv(w, in.x, nullptr, ch.r0, ch.r1, Y[ch.w]);
+    else if (in.q8) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
+    else K.gemv(w, in.x, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
   }
 }
 

@@ -51,7 +51,7 @@ constexpr int64_t esize(WFormat F) { return F == WFormat::F32 ? 4 : 2; }
 // ------------------------------------------------------------------ GEMV, dense formats
 // pf: distance to the next tile's rows, prefetched meanwhile (see gemm_avx512.cpp).
 template <WFormat F, int R>
-inline void gemv_rows(const uint8_t* const* p, const float* x, int64_t n, float* y, int64_t pf) {
+inline void gemv_rows(const uint8_t* const* p, const float* x, const float*, int64_t n, float* y, int64_t pf) {
   __m256 a[R], b[R];
   for (int i = 0; i < R; ++i) a[i] = b[i] = _mm256_setzero_ps();
   int64_t c = 0;
@@ -197,6 +197,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, gemm_f32, nullptr, nullptr, nullptr, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx2

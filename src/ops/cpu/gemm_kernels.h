@@ -14,7 +14,13 @@ namespace k3::ops::cpu {
 struct GemmKernels {
   // T = 1. x: [cols] fp32. For MXFP4, xp is x permuted per 32-block into (even cols, odd cols)
   // (16 + 16 values), which matches the nibble order of the packed bytes; x is unused then.
+  // For BF16 where bf16_uses_xp and bf16_head(W.data, cols) = h >= 0, xp is the same permutation
+  // of x's columns from h on (blocks [h + 32k, h + 32k + 32)): the kernel reads the rows from
+  // their first 64-byte boundary (column h) in aligned 64-byte loads, whose dword halves are the
+  // even and odd columns; x serves the columns before h and after the last whole block.
+  // Other formats read x only; xp may be null for them.
   void (*gemv)(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y);
+  bool bf16_uses_xp;
   // Exact: X [T, cols] fp32. scratch: >= 4*cols floats (rows of W widened to fp32).
   void (*gemm_f32)(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
                    float* scratch);
@@ -39,6 +45,16 @@ struct GemmKernels {
   // on avx512, fp32 FMA on avx2) and returns the FLOPs done (2 per multiply-add).
   double (*flops_probe)(int64_t iters);
 };
+
+// The BF16 GEMV head (see GemmKernels::gemv): the columns before the rows' first 64-byte boundary,
+// or -1 where the aligned path does not apply (rows not all equally aligned, or not on 4 bytes).
+// static: each translation unit, ISA-flagged or not, gets its own copy.
+static inline int64_t bf16_head(const void* data, int64_t cols) {
+  const auto m = int64_t(reinterpret_cast<uintptr_t>(data) % 64);
+  if (cols % 32 != 0 || m % 4 != 0) return -1;
+  const int64_t h = (64 - m) % 64 / 2;
+  return h < cols ? h : -1;
+}
 
 // The scalar twin of GemmKernels::quantize_q8 (gemm.cpp), used where the level has no kernel for it.
 void quantize_q8_scalar(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr);
