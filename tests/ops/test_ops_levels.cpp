@@ -465,6 +465,7 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
       {3, 10, 6, 7, 64, 11, 5, k3::WFormat::MXFP4},   {17, 16, 8, 24, 96, 70, 70, k3::WFormat::BF16},
       {5, 16, 8, 16, 64, 1500, 1, k3::WFormat::BF16}, {2, 8, 4, 8, 32, 2100, 3, k3::WFormat::F16},
       {96, 128, 64, 128, 512, 33, 1, k3::WFormat::BF16}, {128, 8, 4, 8, 512, 80, 66, k3::WFormat::BF16},
+      {3, 10, 6, 7, 64, 11, 1, k3::WFormat::MXFP4},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(mla_name(c));

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ops/cpu/attn_kernels.h"
+#include "ops/cpu/isa.h"
 #include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
 
@@ -312,7 +313,17 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
     };
     auto dst = [&](int64_t gi) { return Ch.data() + ((gi / nhg) * H + (gi % nhg) * HG) * L; };
     attend_groups(kern, Tb * nhg, HG, S, L, Tb * S * H * (2 * L + d.rope), setup, dst, L);
-    // C: a[t,h] = W_UV_h ĉ[t,h]; W_UV_h decoded once for the block's tokens.
+    // C: a[t,h] = W_UV_h ĉ[t,h]; W_UV_h decoded once for the block's tokens. One token (decode):
+    // a GEMV straight from the stored rows (fp32 products: the numerics are per thread, so each
+    // worker states its own), without widening W_UV to a buffer first.
+    if (Tb == 1) {
+#pragma omp parallel for schedule(static) if (par_heads)
+      for (int64_t h = 0; h < H; ++h) {
+        const NumericsScope f32(Numerics::F32);
+        matmul(rows_of(kv_b, h * per_head + d.nope, d.v), Ch.data() + h * L, 1, out + (tb0 * H + h) * d.v);
+      }
+      continue;
+    }
 #pragma omp parallel if (par_heads)
     {
       std::vector<float> W(static_cast<size_t>(d.v * L));
