@@ -286,7 +286,7 @@ TEST(GemmLevels, Q8QuantiserMatchesScalarTwin) {
     EXPECT_EQ(count_nan(s1), 0u);
     EXPECT_EQ(q1, q2);
     EXPECT_EQ(c1, c2);
-    EXPECT_EQ(std::memcmp(s1.data(), s2.data(), s1.size() * 4), 0);
+    EXPECT_TRUE(s1.empty() || std::memcmp(s1.data(), s2.data(), s1.size() * 4) == 0);
     EXPECT_EQ(std::memcmp(r1.data(), r2.data(), r1.size() * 4), 0);
   }
 #else
