@@ -77,6 +77,11 @@ struct AttnKernels {
   // hist [K-1, C] (the carried inputs, oldest first, transposed); the state is updated by the caller.
   void (*short_conv_silu)(const float* x, int64_t T, int64_t C, const float* wT, int64_t K, const float* hist,
                           int64_t c0, int64_t c1, float* out);
+  // One token (T = 1) of short_conv_silu for channels [c0, c1) in the op's own layouts (w [C, K],
+  // state [C, K-1], updated here): no transposes. The same products and sigmoid as the T-token
+  // kernel, so the same bits.
+  void (*short_conv_step)(const float* x, int64_t C, const float* w, int64_t K, float* state, int64_t c0, int64_t c1,
+                          float* out);
   // Rows [r0, r1) (a row = one token and head, D channels) of kda_gate; a[h] = exp(A_log[h]).
   void (*kda_gate)(const float* f, int64_t r0, int64_t r1, int64_t H, int64_t D, const float* a, const float* dt_bias,
                    float lower_bound, float* g);

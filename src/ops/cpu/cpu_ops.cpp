@@ -79,6 +79,8 @@ void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, flo
 
 void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out) {
   if (const cpu::AttnKernels* kern = cpu::attn_kernels(); kern && K >= 1 && K <= 16) {
+    // One token (decode): straight from the [C, K] weights and [C, K-1] state, no transposes.
+    if (T == 1) return kern->short_conv_step(x, C, w, K, state, 0, C, out);
     // Transposed weights [K, C] and history [K-1, C] so the kernel runs along channels.
     const int64_t P = K - 1;
     std::vector<float> wT(static_cast<size_t>(K * C)), hist(static_cast<size_t>(std::max<int64_t>(P, 1) * C));
