@@ -48,12 +48,16 @@ struct WeightMat {
   }
 };
 
+// Bytes of one row of W's data (MXFP4: the packed nibbles; its E8M0 scales are cols / 32 more).
+inline int64_t row_bytes(const WeightMat& W) {
+  return W.fmt == WFormat::MXFP4 ? W.cols / 2 : W.fmt == WFormat::F32 ? 4 * W.cols : 2 * W.cols;
+}
+
 // Rows [r0, r0 + n) of W as a matrix of its own (a view: no copy).
 inline WeightMat rows_of(const WeightMat& W, int64_t r0, int64_t n) {
   WeightMat v = W;
   v.rows = n;
-  const int64_t row_bytes = W.fmt == WFormat::MXFP4 ? W.cols / 2 : W.fmt == WFormat::F32 ? 4 * W.cols : 2 * W.cols;
-  v.data = static_cast<const uint8_t*>(W.data) + r0 * row_bytes;
+  v.data = static_cast<const uint8_t*>(W.data) + r0 * row_bytes(W);
   if (W.scales) v.scales = W.scales + r0 * (W.cols / 32);
   return v;
 }

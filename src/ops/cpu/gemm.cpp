@@ -148,9 +148,6 @@ struct GemvInput {
   const float* xs = nullptr;
 };
 
-// x's columns [h, h + 32k) permuted per 32-block into the block's 16 even then 16 odd columns.
-void permute_x_from(const float* x, int64_t cols, int64_t h, float* xp) { permute_x_mxfp4(x + h, cols - h, xp); }
-
 GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast) {
   GemvInput in;
   in.x = x;
@@ -165,7 +162,7 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int
     if (h < 0 || in.xp_bf16[h]) continue;
     std::vector<float>& buf = s.xp_bf16[size_t(h / 2)];
     buf.resize(size_t(cols));
-    permute_x_from(x, cols, h, buf.data());
+    permute_x_mxfp4(x + h, cols - h, buf.data());  // blocks from column h
     in.xp_bf16[h] = buf.data();
   }
   if (!mxfp4) return in;
@@ -196,7 +193,7 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int
 // a chunk's kernel prefetches into the next chunk, usually taken by the same thread), then ever
 // shorter ones, so a thread that reads memory faster takes more. On a shared VM two cores rarely
 // read at the same rate: a static half each left ~10% of decode samples waiting in the barrier,
-// ~5% after. Each output element is still computed by one kernel call with the same per-row
+// ~6% after. Each output element is still computed by one kernel call with the same per-row
 // arithmetic, so the result does not depend on the thread count or on who took which chunk.
 void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast,
                    float* const* Y) {
@@ -206,10 +203,8 @@ void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t
   for (int64_t i = 0; i < n; ++i) {
     const WeightMat& w = *W[i];
     work += w.rows * w.cols;
-    const int64_t row_bytes = w.fmt == WFormat::MXFP4 ? w.cols / 2 + w.cols / 32
-                              : w.fmt == WFormat::F32  ? 4 * w.cols
-                                                       : 2 * w.cols;
-    const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, row_bytes) / 8 * 8);
+    const int64_t bytes = row_bytes(w) + (w.fmt == WFormat::MXFP4 ? w.cols / 32 : 0);
+    const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, bytes) / 8 * 8);
     for (int64_t r = 0; r < w.rows; r += step) s.chunks.push_back({i, r, std::min(w.rows, r + step)});
   }
   const GemvInput in = prepare_gemv(K, W, n, x, fast);

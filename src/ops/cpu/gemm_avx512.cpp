@@ -135,7 +135,7 @@ bool scales_are_normal(const uint8_t* s, int64_t n) {
 }
 
 // ------------------------------------------------------------------ GEMV, MXFP4 on 8-bit activations
-// x quantised per 32-block to int8 with a float step (gemm.cpp: quantize_x_mxfp4_q8). Per four
+// x quantised per 32-block to int8 with a float step (quantize_q8 below; its scalar twin is gemm.cpp: quantize_q8_scalar). Per four
 // blocks (64 packed bytes) and row: low and high nibbles through one byte table each to
 // u8 = 2*E2M1 + 12 (0..24), then vpdpbusd against the int8 x of the even and odd columns: in each
 // dword lane j the four bytes 4j..4j+3 belong to block j/4 (of the four). The +12 offset adds
@@ -212,7 +212,7 @@ void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, cons
   }
 }
 
-// The activations of gemv_mxfp4_q8, bit-identical to gemm.cpp's scalar quantize_x_mxfp4_q8 (same
+// The activations of gemv_mxfp4_q8, bit-identical to gemm.cpp's quantize_q8_scalar (same
 // fp32 operations; cvtps rounds to nearest even as its 1.5 * 2^23 trick does). Per 32-block: the
 // even and odd columns are separated first (vpermt2ps), then quantised, so xq and xr come out in
 // the kernel's order directly.

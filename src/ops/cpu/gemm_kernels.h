@@ -36,7 +36,7 @@ struct GemmKernels {
                         int64_t r0, int64_t r1, float* y);
   // The activations of gemv_mxfp4_q8 from x [cols] (cols % 32 == 0): xq, xc, xs for the cols/128
   // whole groups, xr (the dequantised x, per 32-block even then odd columns) for all cols.
-  // Bit-identical to gemm.cpp's scalar quantize_x_mxfp4_q8. nullptr when gemv_mxfp4_q8 is.
+  // Bit-identical to quantize_q8_scalar (below). nullptr when gemv_mxfp4_q8 is.
   void (*quantize_q8)(const float* x, int64_t cols, int8_t* xq, int32_t* xc, float* xs, float* xr);
   // Roofline probes (ops/cpu/roofline.cpp). Sum of n bytes read with full-width loads (n % 512 == 0;
   // the result only keeps the reads from being optimised away).
