@@ -176,11 +176,38 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
     glu_forward(ew, d.situ, zin.data(), n, ye.data());
     return ye;
   };
-  const auto add_expert = [&](int32_t e, const Buf& ye) {
+  const auto add_expert = [&](int32_t e, const float* ye) {
     const std::vector<int64_t>& r = rows[size_t(e)];
     for (size_t i = 0; i < r.size(); ++i)
       for (int64_t c = 0; c < d.latent; ++c)
         agg[size_t(r[i] * d.latent + c)] += ws[size_t(e)][i] * ye[i * size_t(d.latent) + size_t(c)];
+  };
+  // One token: every selected expert reads the same z, so the gate/up products of all of them are
+  // one shared-input GEMV region and their down products one more (each on its own activation).
+  // The rows of all the experts are handed out in chunks, so the threads finish together (whole
+  // experts per thread left one thread waiting up to an expert's read at the end), and z is
+  // quantised once, not once per expert. Same kernels and per-row arithmetic as expert_out.
+  const auto run_token = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    std::vector<int64_t> off(static_cast<size_t>(n + 1), 0);  // of each expert's intermediate
+    for (int64_t i = 0; i < n; ++i) off[size_t(i + 1)] = off[size_t(i)] + ew[i]->gate.rows;
+    Buf h = buf(off.back()), u = buf(off.back()), ye = buf(n * d.latent);
+    std::vector<const WeightMat*> wv;
+    std::vector<const float*> xv;
+    std::vector<float*> yv;
+    for (int64_t i = 0; i < n; ++i) {
+      wv.insert(wv.end(), {&ew[i]->gate, &ew[i]->up});
+      yv.insert(yv.end(), {h.data() + off[size_t(i)], u.data() + off[size_t(i)]});
+    }
+    ops::matmul_shared_input(wv.data(), 2 * n, z.data(), 1, yv.data());
+    ops::situ_glu(h.data(), u.data(), off.back(), d.situ.beta, d.situ.linear_beta, h.data());
+    wv.clear(), yv.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      wv.push_back(&ew[i]->down);
+      xv.push_back(h.data() + off[size_t(i)]);
+      yv.push_back(ye.data() + i * d.latent);
+    }
+    ops::matmul_many(wv.data(), xv.data(), n, 1, yv.data());
+    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye.data() + i * d.latent);
   };
   // A batch of experts runs either one after another (each expert's matmuls split across the
   // threads) or, when there are enough experts to keep every thread busy, whole experts in
@@ -188,8 +215,9 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
   // second case: top-k GEMVs are each too small to split well. Outputs are always added into agg
   // in ascending expert order, so both ways give bit-identical results.
   const auto run_batch = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    if (T == 1) return run_token(ids, n, ew);
     if (n < 2 * int64_t(omp_get_max_threads()) || omp_in_parallel()) {
-      for (int64_t i = 0; i < n; ++i) add_expert(ids[i], expert_out(ids[i], *ew[i]));
+      for (int64_t i = 0; i < n; ++i) add_expert(ids[i], expert_out(ids[i], *ew[i]).data());
       return;
     }
     std::vector<Buf> ye(static_cast<size_t>(n));
@@ -199,7 +227,7 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
       const ops::NumericsScope scope(numerics);
       ye[size_t(i)] = expert_out(ids[i], *ew[i]);
     }
-    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye[size_t(i)]);
+    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye[size_t(i)].data());
   };
   if (!experts) {
     std::vector<const GluWeights*> all;
@@ -215,16 +243,19 @@ void moe_forward(const MoeDims& d, const MoeWeights& w, const float* x, int64_t 
       run_batch(selected.data() + b, n, got.data());
     }
   }
-  // RMSNorm on the aggregate, then up to full width.
+  // RMSNorm on the aggregate, then up to full width; the shared experts' down-projection on the
+  // full-width input alongside (one parallel region at decode), added unweighted.
   if (d.latent_norm) ops::rmsnorm(agg.data(), T, d.latent, w.lat_norm.data(), d.norm_eps, agg.data());
-  ops::matmul(w.up_lat, agg.data(), T, out);
-  // Shared experts on the full-width input, added unweighted.
-  if (shared) {
-    Buf sh = buf(T * d.hidden);
-    ops::situ_glu(sg.data(), su.data(), T * Is, d.situ.beta, d.situ.linear_beta, sg.data());
-    ops::matmul(w.shared.down, sg.data(), T, sh.data());
-    for (int64_t i = 0; i < T * d.hidden; ++i) out[i] += sh[size_t(i)];
+  Buf sh = buf(shared ? T * d.hidden : 0);
+  if (shared) ops::situ_glu(sg.data(), su.data(), T * Is, d.situ.beta, d.situ.linear_beta, sg.data());
+  {
+    const WeightMat* wv[] = {&w.up_lat, &w.shared.down};
+    const float* xv[] = {agg.data(), sg.data()};
+    float* yv[] = {out, sh.data()};
+    ops::matmul_many(wv, xv, shared ? 2 : 1, T, yv);
   }
+  if (shared)
+    for (int64_t i = 0; i < T * d.hidden; ++i) out[i] += sh[size_t(i)];
 }
 
 // ---------------------------------------------------------------- AttnRes

@@ -21,6 +21,9 @@ struct MlaAttnDims {
   /* Y[i] = matmul(*W[i], X, T) for n weights of equal cols sharing the input, with the same results; the        \
      CPU does a decode step's (T = 1) products in one parallel region and prepares X once. */                      \
   void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y);      \
+  /* Y[i] = matmul(*W[i], X[i], T) for n weights, each with its own input, with the same results; the CPU does  \
+     a decode step's products in one parallel region and prepares each distinct X[i] once. */                      \
+  void matmul_many(const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y);      \
   /* out[cols] = row r of W decoded exactly. */                                                                     \
   void dequant_row(const WeightMat& W, int64_t r, float* out);                                                      \
   /* out[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps) for T rows of n; w == nullptr means ones. */                       \

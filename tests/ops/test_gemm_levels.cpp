@@ -333,6 +333,58 @@ TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
   }
 }
 
+// matmul_many gives exactly what one matmul per weight gives: weights of different widths, each
+// with its own input or sharing one (prepared once), mixed formats in either order (a BF16 weight
+// first must not change how the MXFP4 ones after it treat their input), on every level/numerics.
+TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(86);
+    for (int64_t T : {1, 5}) {
+      std::vector<k3test::OwnedW> W;
+      W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 40, 256));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 33, 256));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 24, 416));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 17, 256));
+      W.push_back(k3test::make_weight(rng, k3::WFormat::F16, 9, 160));
+      const auto Xa = k3test::rand_vec(rng, size_t(T * 256));
+      const auto Xb = k3test::rand_vec(rng, size_t(T * 416));
+      const auto Xc = k3test::rand_vec(rng, size_t(T * 256));
+      const auto Xd = k3test::rand_vec(rng, size_t(T * 160));
+      // Weights 0 and 1 share Xa; weight 3 has the same width but its own input.
+      const std::vector<const float*> xs = {Xa.data(), Xa.data(), Xb.data(), Xc.data(), Xd.data()};
+      for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
+                     k3::ops::numerics_name(num));
+        k3::ops::NumericsScope scope(num);
+        std::vector<const k3::WeightMat*> ws;
+        std::vector<std::vector<float>> sep, many;
+        std::vector<float*> ys;
+        for (size_t i = 0; i < W.size(); ++i) {
+          ws.push_back(&W[i].w);
+          sep.push_back(nan_vec(size_t(T * W[i].w.rows)));
+          many.push_back(nan_vec(size_t(T * W[i].w.rows)));
+          k3::ops::matmul(W[i].w, xs[i], T, sep.back().data());
+        }
+        for (auto& m : many) ys.push_back(m.data());
+        k3::ops::matmul_many(ws.data(), xs.data(), int64_t(ws.size()), T, ys.data());
+        for (size_t i = 0; i < W.size(); ++i) {
+          EXPECT_EQ(count_nan(many[i]), 0u) << "weight " << i;
+          EXPECT_EQ(std::memcmp(many[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
+        }
+        // The shared-input form with a BF16 weight first, then MXFP4 ones.
+        std::vector<float> a = nan_vec(size_t(T * W[0].w.rows)), b = nan_vec(size_t(T * W[1].w.rows));
+        const k3::WeightMat* pair[] = {&W[0].w, &W[1].w};
+        float* pys[] = {a.data(), b.data()};
+        k3::ops::matmul_shared_input(pair, 2, Xa.data(), T, pys);
+        EXPECT_EQ(std::memcmp(a.data(), sep[0].data(), a.size() * 4), 0);
+        EXPECT_EQ(std::memcmp(b.data(), sep[1].data(), b.size() * 4), 0);
+      }
+    }
+  }
+}
+
 // BF16 GEMVs read rows from their first 64-byte boundary where every row starts equally aligned
 // (cols % 32 == 0, 4-byte aligned data) and fall back to unaligned loads otherwise: every base
 // offset a mmap'd shard can give (0..62 bytes) must give the same product (to fp32 rounding).

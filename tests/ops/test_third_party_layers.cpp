@@ -12,8 +12,10 @@
 
 #include "common/json_fixture.h"
 #include "common/num_util.h"
+#include "common/op_tolerances.h"
 #include "model/layers.h"
 #include "model/model.h"
+#include "ops/cpu/isa.h"
 
 namespace {
 
@@ -283,6 +285,23 @@ TEST(ThirdPartyLayers, Moe) {
   auto out1 = nan_vec(e.size());
   for (int64_t t = 0; t < T; ++t) k3::moe_forward(moe_dims(), w, x.data() + t * kHidden, 1, out1.data() + t * kHidden);
   EXPECT_TRUE(all_close(out1, e, kAbs, kRel)) << "one token per call";
+  // The SIMD decode path (all experts' products in two parallel regions) on every CPU level,
+  // in fp32 and fast numerics (the fixture has no MXFP4 weights, so fast is fp32 at T = 1): fp32
+  // sums, so the project's fp32 reduction tolerance (relative L2), not the fp64 fixture's.
+  const k3::ops::CpuIsa detected = k3::ops::cpu_isa_detected();
+  for (auto level : {k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512}) {
+    if (int(level) > int(detected)) continue;
+    k3::ops::set_cpu_isa(level);
+    for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+      const k3::ops::NumericsScope scope(num);
+      auto o = nan_vec(e.size());
+      for (int64_t t = 0; t < T; ++t) k3::moe_forward(moe_dims(), w, x.data() + t * kHidden, 1, o.data() + t * kHidden);
+      EXPECT_EQ(count_nan(o), 0u);
+      EXPECT_LE(k3test::rel_l2(o, e), k3test::kTolReduce)
+          << k3::ops::cpu_isa_name(level) << " " << k3::ops::numerics_name(num) << ", one token per call";
+    }
+  }
+  k3::ops::set_cpu_isa(detected);
 }
 
 // ================================================================ decoder layer

@@ -121,21 +121,16 @@ std::vector<float> q8_dequantised(const float* x, int64_t cols) {
   return deq;
 }
 
-// Per-thread buffers of the T = 1 driver (grown, never shrunk): no allocation per GEMV.
-struct GemvChunk {
-  int64_t w, r0, r1;  // rows [r0, r1) of weight w
-};
-struct GemvScratch {
-  std::vector<GemvChunk> chunks;
+// The prepared copies of one GEMV input (grown, never shrunk): no allocation per GEMV.
+struct InputScratch {
   std::vector<int8_t> xq;
   std::vector<int32_t> xc;
   std::vector<float> xs, xr;
   std::vector<float> xp_bf16[16];  // by head column / 2
 };
-GemvScratch& gemv_scratch() {
-  thread_local GemvScratch s;
-  return s;
-}
+struct GemvChunk {
+  int64_t w, r0, r1;  // rows [r0, r1) of weight w
+};
 
 // The input of T = 1 products, prepared once for all weights that share x.
 struct GemvInput {
@@ -148,16 +143,32 @@ struct GemvInput {
   const float* xs = nullptr;
 };
 
-GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast) {
+// Per-thread state of the T = 1 driver: the row chunks, and one prepared input per distinct x.
+struct GemvScratch {
+  std::vector<GemvChunk> chunks;
+  std::vector<InputScratch> inputs;
+  std::vector<GemvInput> prepared;
+  std::vector<int64_t> input_of;  // per weight: its index into prepared
+};
+GemvScratch& gemv_scratch() {
+  thread_local GemvScratch s;
+  return s;
+}
+
+// Prepares x for the weights W[i] with input_of[i] == slot. fast: Numerics::Fast, which at T = 1
+// applies to MXFP4 weights only (fast_applies); BF16 weights always take x unrounded.
+GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const int64_t* input_of,
+                       int64_t slot, const float* x, bool fast, InputScratch& s) {
   GemvInput in;
   in.x = x;
-  GemvScratch& s = gemv_scratch();
-  const int64_t cols = W[0]->cols;
+  int64_t cols = 0;
   bool mxfp4 = false;
   for (int64_t i = 0; i < n; ++i) {
+    if (input_of[i] != slot) continue;
+    cols = W[i]->cols;
     mxfp4 = mxfp4 || W[i]->fmt == WFormat::MXFP4;
     if (W[i]->fmt != WFormat::BF16 || !K.bf16_uses_xp) continue;
-    // BF16 weights always take x unrounded (fast_applies), permuted from their head column.
+    // BF16 weights are dotted with x permuted from their head column.
     const int64_t h = cpu::bf16_head(W[i]->data, cols);
     if (h < 0 || in.xp_bf16[h]) continue;
     std::vector<float>& buf = s.xp_bf16[size_t(h / 2)];
@@ -169,8 +180,8 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int
   s.xr.resize(size_t(cols));
   in.xp_mx = s.xr.data();
   if (fast) {
-    // Fast applies to a GEMV only for MXFP4 (fast_applies): 8-bit activations, through vpdpbusd
-    // where the level has it, else the same dequantised activations through the fp32 kernel.
+    // 8-bit activations, through vpdpbusd where the level has it, else the same dequantised
+    // activations through the fp32 kernel.
     const int64_t ng = cols / 128;
     s.xq.resize(size_t(ng * 128));
     s.xc.resize(size_t(ng * 16));
@@ -187,33 +198,48 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int
   return in;
 }
 
-// Y[i] = x · W[i]ᵀ for n weights of equal width sharing x, in one parallel region. The rows of
-// all of them are cut into chunks of about kGemvChunkBytes (whole 8-row tiles) that the threads
-// take in guided order: first long runs of consecutive chunks (long streams for the prefetchers;
-// a chunk's kernel prefetches into the next chunk, usually taken by the same thread), then ever
+// Y[i] = X[i] · W[i]ᵀ for n weights, in one parallel region; weights whose inputs are the same
+// pointer share one prepared copy of it (quantised or permuted once). The rows of all of them
+// are cut into chunks of about kGemvChunkBytes (whole 8-row tiles) that the threads take in
+// guided order: first long runs of consecutive chunks (long streams for the prefetchers; a
+// chunk's kernel prefetches into the next chunk, usually taken by the same thread), then ever
 // shorter ones, so a thread that reads memory faster takes more. On a shared VM two cores rarely
 // read at the same rate: a static half each left ~10% of decode samples waiting in the barrier,
 // ~6% after. Each output element is still computed by one kernel call with the same per-row
 // arithmetic, so the result does not depend on the thread count or on who took which chunk.
-void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* x, bool fast,
-                   float* const* Y) {
+void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* const* X,
+                   bool fast, float* const* Y) {
   int64_t work = 0;
   GemvScratch& s = gemv_scratch();
   s.chunks.clear();
+  s.input_of.assign(size_t(n), -1);
+  int64_t slots = 0;
   for (int64_t i = 0; i < n; ++i) {
     const WeightMat& w = *W[i];
+    for (int64_t j = 0; j < i && s.input_of[size_t(i)] < 0; ++j)
+      if (X[j] == X[i] && W[j]->cols == w.cols) s.input_of[size_t(i)] = s.input_of[size_t(j)];
+    if (s.input_of[size_t(i)] < 0) s.input_of[size_t(i)] = slots++;
     work += w.rows * w.cols;
     const int64_t bytes = row_bytes(w) + (w.fmt == WFormat::MXFP4 ? w.cols / 32 : 0);
     const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, bytes) / 8 * 8);
     for (int64_t r = 0; r < w.rows; r += step) s.chunks.push_back({i, r, std::min(w.rows, r + step)});
   }
-  const GemvInput in = prepare_gemv(K, W, n, x, fast);
+  if (s.inputs.size() < size_t(slots)) s.inputs.resize(size_t(slots));
+  s.prepared.resize(size_t(slots));
+  for (int64_t i = 0, next = 0; i < n; ++i)
+    if (s.input_of[size_t(i)] == next) {
+      s.prepared[size_t(next)] = prepare_gemv(K, W, n, s.input_of.data(), next, X[i], fast, s.inputs[size_t(next)]);
+      ++next;
+    }
   const auto nchunks = int64_t(s.chunks.size());
   const GemvChunk* chunks = s.chunks.data();
+  const GemvInput* prepared = s.prepared.data();
+  const int64_t* input_of = s.input_of.data();
 #pragma omp parallel for schedule(guided, 1) if (work > kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
     const GemvChunk& ch = chunks[c];
     const WeightMat& w = *W[ch.w];
+    const GemvInput& in = prepared[input_of[ch.w]];
     if (w.fmt == WFormat::BF16) {
       const int64_t h = cpu::bf16_head(w.data, w.cols);
       K.gemv(w, in.x, h >= 0 ? in.xp_bf16[h] : nullptr, ch.r0, ch.r1, Y[ch.w]);
@@ -318,17 +344,27 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
     return matmul_scalar(W, r.data(), T, Y);
   }
   const WeightMat* w = &W;
-  if (T == 1) return gemv_threaded(*K, &w, 1, X, fast, &Y);
+  if (T == 1) return gemv_threaded(*K, &w, 1, &X, fast, &Y);
   gemm_threaded(*K, W, X, T, fast, Y);
+}
+
+void matmul_many(const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y) {
+  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
+  // One parallel region for all of them where that is what one matmul would do (T = 1 on a SIMD
+  // level). At T = 1 Numerics::Fast changes only MXFP4 products (fast_applies), which
+  // prepare_gemv applies per weight.
+  if (n > 0 && T == 1 && K) return gemv_threaded(*K, W, n, X, current_numerics() == Numerics::Fast, Y);
+  for (int64_t i = 0; i < n; ++i) matmul(*W[i], X[i], T, Y[i]);
 }
 
 void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y) {
   for (int64_t i = 1; i < n; ++i) assert(W[i]->cols == W[0]->cols);
-  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
-  // One parallel region for all of them where that is what one matmul would do (T = 1 on a SIMD
-  // level, one numerics rule for all: fast_applies depends only on the format at T = 1).
-  if (n > 0 && T == 1 && K) return gemv_threaded(*K, W, n, X, fast_applies(*W[0], 1), Y);
-  for (int64_t i = 0; i < n; ++i) matmul(*W[i], X, T, Y[i]);
+  constexpr int64_t kStack = 32;
+  const float* stack[kStack];
+  std::vector<const float*> heap(static_cast<size_t>(n > kStack ? n : 0), X);
+  const float** xs = n > kStack ? heap.data() : stack;
+  for (int64_t i = 0; i < n && n <= kStack; ++i) xs[i] = X;
+  matmul_many(W, xs, n, T, Y);
 }
 
 }  // namespace k3::ops

@@ -31,6 +31,10 @@ void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, i
   for (int64_t i = 0; i < n; ++i) matmul(*W[i], X, T, Y[i]);
 }
 
+void matmul_many(const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y) {
+  for (int64_t i = 0; i < n; ++i) matmul(*W[i], X[i], T, Y[i]);
+}
+
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out) {
   for (int64_t t = 0; t < T; ++t) {
     double ss = 0;
