@@ -83,7 +83,11 @@ const char* kHelp =
     "bandwidth and the peak multiply-add rate of the widest product of the CPU level (vdpbf16ps on\n"
     "avx512). tgN: t/s x bytes one decode step reads (weights touched: trunk + top-k experts +\n"
     "lm_head, KDA state read+write, MLA cache at the depth) / bandwidth. ppN: t/s x weight FLOPs\n"
-    "per token (2 x active weight parameters; attention not counted) / peak.\n"
+    "per token (2 x active weight parameters, the lm_head counted once per --ubatch piece, since\n"
+    "only the last token's logits are computed; attention not counted) / peak. On the CPU both\n"
+    "probes run again (best of 3) before the first and after every repetition: a repetition is\n"
+    "divided by the larger probe on its two sides, and the column is the mean of those ratios\n"
+    "(a shared machine's bandwidth moves within seconds; json has both ratios).\n"
     "With --device cuda the probes run on the GPU: device-to-device copy bandwidth (bytes read +\n"
     "written) and the cuBLAS bf16 GEMM rate (8192^3, random data); tgN runs with and without\n"
     "CUDA-graph replay of the decode step (--graphs); -t is ignored.\n";
@@ -320,9 +324,37 @@ struct Result {
   std::vector<int64_t> samples_ns;
   double avg_ts = 0, stddev_ts = 0;
   // Roofline ratio (0 when not measured): tg -> bytes/token x t/s / read bandwidth; pp -> weight
-  // FLOPs/token x t/s / peak.
-  double roofline_ratio = 0, work_per_token = 0, roof = 0;
+  // FLOPs/token x t/s / peak. On the CPU the roof is probed again around every repetition
+  // (`around`: before the first, between two, after the last); repetition i divides by the larger
+  // of the probes on its two sides, and `roofline_ratio` is the mean of those ratios, `roof` the
+  // mean of those roofs. `ratio_start` divides the mean t/s by the probe taken before all tests.
+  double roofline_ratio = 0, work_per_token = 0, roof = 0, start_roof = 0, ratio_start = 0;
+  double lm_head_flops = 0;  // per logit row; a run computes logit_rows of them
+  int64_t logit_rows = 0;
+  std::vector<double> around, rep_ratios;
 };
+
+// Fills the roofline fields of `r` from its samples (summarize() first) and `work` per token.
+void roofline_ratios(Result& r, double work, double start_roof) {
+  r.work_per_token = work;
+  r.start_roof = start_roof;
+  r.ratio_start = r.avg_ts * work / (start_roof * 1e9);
+  if (r.around.size() != r.samples_ns.size() + 1) {  // no probes around the repetitions (GPU)
+    r.roof = start_roof;
+    r.roofline_ratio = r.ratio_start;
+    return;
+  }
+  double sum_ratio = 0, sum_roof = 0;
+  for (size_t i = 0; i < r.samples_ns.size(); ++i) {
+    const double roof = std::max(r.around[i], r.around[i + 1]);
+    const double ts = double(r.test.n) * 1e9 / double(std::max<int64_t>(r.samples_ns[i], 1));
+    r.rep_ratios.push_back(ts * work / (roof * 1e9));
+    sum_ratio += r.rep_ratios.back();
+    sum_roof += roof;
+  }
+  r.roofline_ratio = sum_ratio / double(r.samples_ns.size());
+  r.roof = sum_roof / double(r.samples_ns.size());
+}
 
 void summarize(Result& r) {
   std::vector<double> ts;
@@ -419,10 +451,19 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["device"] = f.device;
   if (r.test.graphs >= 0) j["cuda_graphs"] = r.test.graphs == 1;
   if (r.roof > 0) {
+    const char* unit = r.test.pp ? "peak_gflops" : "read_gbs";
     j["roofline"] = {{"kind", r.test.pp ? "peak_flops" : "read_bandwidth"},
                      {r.test.pp ? "weight_flops_per_token" : "bytes_per_token", r.work_per_token},
-                     {r.test.pp ? "peak_gflops" : "read_gbs", r.roof},
-                     {"ratio", r.roofline_ratio}};
+                     {unit, r.roof},
+                     {"ratio", r.roofline_ratio},
+                     {std::string("start_") + unit, r.start_roof},
+                     {"lm_head_flops_per_logit_row", r.lm_head_flops},
+                     {"logit_rows_per_run", r.logit_rows},
+                     {"ratio_vs_start_probe", r.ratio_start}};
+    if (!r.rep_ratios.empty()) {
+      j["roofline"]["probes_around_reps"] = r.around;
+      j["roofline"]["rep_ratios"] = r.rep_ratios;
+    }
   }
   return j;
 }
@@ -570,15 +611,26 @@ int run(const Flags& f, int argc, char** argv) {
   const MdTable table(mi.name.size(), test_w, f.roofline);
   Progress prog(f.progress);
 
-  // Roofline probes, per thread count, before any test (the machine is otherwise idle then).
+  // Roofline probes, per thread count, before any test (the machine is otherwise idle then). On the
+  // CPU the read probe keeps its buffer, so both probes run again around every timed repetition.
   std::map<int64_t, k3::ops::Roofline> roofs;
+  std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>> read_probes;
   if (f.roofline) {
     Json rj = Json::array();
     for (int64_t t : threads) {
       if (roofs.count(t)) continue;
       prog.say("roofline probes (t=" + std::to_string(t) + ")");
-      const k3::ops::Roofline r = cuda ? gpu_roofline(uint64_t(f.roofline_mib) << 20)
-                                       : k3::ops::measure_roofline(int(t), uint64_t(f.roofline_mib) << 20);
+      k3::ops::Roofline r;
+      if (cuda) {
+        r = gpu_roofline(uint64_t(f.roofline_mib) << 20);
+      } else {
+        auto& probe = read_probes[t] = std::make_unique<k3::ops::ReadProbe>(int(t), uint64_t(f.roofline_mib) << 20);
+        r.threads = probe->threads();
+        r.probe_bytes = probe->bytes();
+        r.read_gbs = probe->measure(5);
+        r.peak_gflops = k3::ops::measure_peak_gflops(int(t), 5);
+        r.peak_kind = k3::ops::peak_kind();
+      }
       roofs[t] = r;
       rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops}, {"peak_kind", r.peak_kind},
                     {"probe_bytes", r.probe_bytes}});
@@ -640,17 +692,31 @@ int run(const Flags& f, int argc, char** argv) {
       const std::string label = t.name() + " (t=" + std::to_string(t.threads) + ")";
       prog.say(label + ": warm-up");
       bench.run_once(work, base, t, prompt, first);
-      Result r{t, {}, 0, 0};
+      Result r;
+      r.test = t;
+      // The roof of this test's kind, probed again (best of 3) before the first repetition and
+      // after each one.
+      const auto probe_it = read_probes.find(t.threads);
+      auto probe_again = [&] {
+        if (probe_it == read_probes.end()) return;
+        prog.say(label + ": roofline probe");
+        r.around.push_back(t.pp ? k3::ops::measure_peak_gflops(int(t.threads), 3) : probe_it->second->measure(3));
+      };
+      probe_again();
       for (int64_t rep = 0; rep < f.reps; ++rep) {
         prog.say(label + ": rep " + std::to_string(rep + 1) + "/" + std::to_string(f.reps));
         r.samples_ns.push_back(bench.run_once(work, base, t, prompt, first));
+        probe_again();
       }
       summarize(r);
       if (auto it = roofs.find(t.threads); it != roofs.end()) {
         const k3::DecodeTraffic tr = k3::decode_traffic(*model, d);
-        r.work_per_token = t.pp ? tr.weight_flops : double(tr.total());
-        r.roof = t.pp ? it->second.peak_gflops : it->second.read_gbs;
-        r.roofline_ratio = r.avg_ts * r.work_per_token / (r.roof * 1e9);
+        // A ppN run computes the logits of the last token of each --ubatch piece only.
+        const int64_t pieces = (t.n + f.ubatch - 1) / f.ubatch;
+        roofline_ratios(r, t.pp ? tr.prefill_flops_per_token(t.n, pieces) : double(tr.total()),
+                        t.pp ? it->second.peak_gflops : it->second.read_gbs);
+        r.lm_head_flops = tr.lm_head_flops;
+        r.logit_rows = t.pp ? pieces : t.n;
       }
       Json rj = result_json(mi, f, r);
       if (f.output == "md") {

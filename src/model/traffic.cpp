@@ -41,6 +41,7 @@ DecodeTraffic decode_traffic(const Model& m, int64_t context) {
   Acc trunk;
   trunk.bytes += weight_bytes(m.embed) / uint64_t(d.vocab);  // one row looked up
   trunk.add(m.lm_head);
+  t.lm_head_flops = 2 * macs(m.lm_head);
   double expert_flops = 0;
   for (const LayerWeights& L : m.layers) {
     if (L.is_kda) {

@@ -18,8 +18,14 @@ struct DecodeTraffic {
   uint64_t kda_state = 0; // KDA recurrent + conv state, read and written (2x its size)
   uint64_t mla_cache = 0; // latent cache read at the given context length (fp32 as held)
   uint64_t total() const { return trunk + experts + kda_state + mla_cache; }
-  // Weight multiply-adds per token x 2 (= FLOPs of the GEMM-dominated part, attention excluded).
-  double weight_flops = 0;
+  // Weight multiply-adds per token x 2 (= FLOPs of the GEMM-dominated part, attention excluded),
+  // for a token whose logits are computed; lm_head_flops is the lm_head's part of it.
+  double weight_flops = 0, lm_head_flops = 0;
+  // Weight FLOPs per token of a prefill of n tokens in `pieces` forward calls that each compute
+  // the logits of their last token only (the lm_head runs `pieces` times, not n).
+  double prefill_flops_per_token(int64_t n, int64_t pieces) const {
+    return weight_flops - lm_head_flops + lm_head_flops * double(pieces) / double(n);
+  }
 };
 
 DecodeTraffic decode_traffic(const Model& m, int64_t context);

@@ -104,7 +104,8 @@ TEST(CliBench, MarkdownRows) {
 }
 
 // Roofline: probes per thread count in the header and the JSON, a ratio column, and each ratio
-// equal to t/s x work per token / roof (bytes for tg, weight FLOPs for pp).
+// equal to t/s x work per token / roof (bytes for tg, weight FLOPs for pp): against the start
+// probe, and per repetition against the larger of the probes taken just before and after it.
 TEST(CliBench, RooflineColumnAndJson) {
   const auto md = run_k3("bench " + m() + " -p 8 -n 4 -r 1 -t 1 --no-progress --roofline-mib 32");
   ASSERT_EQ(md.code, 0) << md.err;
@@ -117,7 +118,7 @@ TEST(CliBench, RooflineColumnAndJson) {
   EXPECT_NE(cells(ls[5]).back().find("% peak"), std::string::npos) << ls[5];
   EXPECT_NE(cells(ls[6]).back().find("% BW"), std::string::npos) << ls[6];
 
-  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 1 -t 1 -o json --no-progress --roofline-mib 32 "
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1 -o json --no-progress --roofline-mib 32 "
                         "--numerics exact --cpu-isa scalar");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto doc = nlohmann::json::parse(r.out);
@@ -127,19 +128,52 @@ TEST(CliBench, RooflineColumnAndJson) {
   const double bw = doc["roofline"][0]["read_gbs"], peak = doc["roofline"][0]["peak_gflops"];
   EXPECT_GT(bw, 0.1);
   EXPECT_GT(peak, 0.01);
-  double tg_bytes_d0 = 0, tg_bytes_d16 = 0;
+  double tg_bytes_d0 = 0, tg_bytes_d16 = 0, pp_flops_1piece = 0;
   for (const auto& res : doc["results"]) {
     const auto& rl = res["roofline"];
     const bool pp = res["n_prompt"].get<int64_t>() > 0;
     const double work = pp ? rl["weight_flops_per_token"].get<double>() : rl["bytes_per_token"].get<double>();
     EXPECT_GT(work, 0) << res.dump();
-    EXPECT_NEAR(rl["ratio"].get<double>(), res["avg_ts"].get<double>() * work / ((pp ? peak : bw) * 1e9),
+    EXPECT_NEAR(rl["ratio_vs_start_probe"].get<double>(), res["avg_ts"].get<double>() * work / ((pp ? peak : bw) * 1e9),
                 1e-9) << res.dump();
+    EXPECT_EQ(rl[pp ? "start_peak_gflops" : "start_read_gbs"].get<double>(), pp ? peak : bw) << res.dump();
+    // Two repetitions: three probes around them, one ratio each, the column their mean.
+    const auto around = rl["probes_around_reps"].get<std::vector<double>>();
+    const auto samples = res["samples_ns"].get<std::vector<int64_t>>();
+    ASSERT_EQ(samples.size(), 2u);
+    ASSERT_EQ(around.size(), 3u) << res.dump();
+    double mean_ratio = 0, mean_roof = 0;
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(around[i], 0);
+      const double roof = std::max(around[i], around[i + 1]);
+      const double ratio = double(res["n_prompt"].get<int64_t>() + res["n_gen"].get<int64_t>()) * 1e9 /
+                           double(samples[i]) * work / (roof * 1e9);
+      EXPECT_NEAR(rl["rep_ratios"][i].get<double>(), ratio, 1e-9 * ratio) << res.dump();
+      mean_ratio += ratio / 2;
+      mean_roof += roof / 2;
+    }
+    EXPECT_NEAR(rl["ratio"].get<double>(), mean_ratio, 1e-9 * mean_ratio) << res.dump();
+    EXPECT_NEAR(rl[pp ? "peak_gflops" : "read_gbs"].get<double>(), mean_roof, 1e-9 * mean_roof) << res.dump();
     if (!pp) (res["n_depth"].get<int64_t>() == 0 ? tg_bytes_d0 : tg_bytes_d16) = work;
+    // pp8 in one --ubatch piece: the lm_head runs for one of the 8 tokens.
+    const double lm = rl["lm_head_flops_per_logit_row"].get<double>();
+    EXPECT_GT(lm, 0) << res.dump();
+    EXPECT_EQ(rl["logit_rows_per_run"].get<int64_t>(), pp ? 1 : 4) << res.dump();
+    if (pp) pp_flops_1piece = work;
   }
   // A deeper context adds the MLA cache read: 16 tokens x (kv_lora + rope) fp32 per MLA layer
   // (tiny: kv_lora 32, rope 8, 4 MLA layers).
   EXPECT_EQ(tg_bytes_d16 - tg_bytes_d0, 16.0 * (32 + 8) * 4 * 4);
+
+  // The same pp8 in --ubatch 2 pieces runs the lm_head 4 times: 3/8 of its FLOPs more per token
+  // (tiny: vocab 512 x hidden 64, untied: 2 x 32768 FLOPs per logit row).
+  const auto r2 = run_k3("bench " + m() + " -p 8 -n 0 -r 1 -t 1 -o json --no-progress --roofline-mib 32 --ubatch 2");
+  ASSERT_EQ(r2.code, 0) << r2.err;
+  const auto doc2 = nlohmann::json::parse(r2.out);
+  const auto& rl2 = doc2["results"][0]["roofline"];
+  EXPECT_EQ(rl2["logit_rows_per_run"].get<int64_t>(), 4);
+  EXPECT_EQ(rl2["lm_head_flops_per_logit_row"].get<double>(), 2.0 * 512 * 64);
+  EXPECT_NEAR(rl2["weight_flops_per_token"].get<double>() - pp_flops_1piece, 2.0 * 512 * 64 * 3 / 8, 1e-6);
 }
 
 TEST(CliBench, JsonDocumentAndJsonOut) {

@@ -1,7 +1,7 @@
 // ops::matmul on every CPU level this machine has (scalar, avx2, avx512) in the F32 and Fast numerics
 // (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of
 // the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T = 1 (GEMV), T < 4
-// (exact even in Fast mode), token tiles and the 64-token block boundary, and unaligned rows.
+// (exact even in Fast mode), token tiles and the 64- and 256-token block boundaries, and unaligned rows.
 // Owns: the GEMM tolerances below.
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -51,6 +51,7 @@ const Case kCases[] = {
     {k3::WFormat::MXFP4, 5, 32, 1},     {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
     {k3::WFormat::MXFP4, 7, 128, 1},    {k3::WFormat::MXFP4, 9, 224, 1},   {k3::WFormat::MXFP4, 33, 3584, 1},
     {k3::WFormat::MXFP4, 21, 96, 3},    {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
+    {k3::WFormat::BF16, 35, 64, 261},   {k3::WFormat::MXFP4, 31, 64, 259},  // past the 256-token pass of the bf16 GEMM
 };
 
 // Fast numerics' activations for an MXFP4 GEMV, computed independently: per 32-block, step =
@@ -202,6 +203,32 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
   omp_set_num_threads(saved);
 }
 
+// The fast GEMM computes each output as one chain over the columns: a token's outputs are the same
+// bits whatever the other tokens of the call (T >= kFastMinRows), so a prefill's result does not
+// depend on how its tokens are grouped once every group takes the GEMM path.
+TEST(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(80);
+    for (const Case& c : {Case{k3::WFormat::BF16, 75, 200, 20}, Case{k3::WFormat::MXFP4, 70, 256, 20}}) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+      const k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
+      auto all = nan_vec(size_t(c.T * c.rows));
+      k3::ops::matmul(W.w, X.data(), c.T, all.data());
+      ASSERT_EQ(count_nan(all), 0u);
+      // Tokens [3, 3 + n) alone, for n = 4 (a short tile), 9 (a full tile and a short one), 17.
+      for (int64_t n : {4, 9, 17}) {
+        auto part = nan_vec(size_t(n * c.rows));
+        k3::ops::matmul(W.w, X.data() + 3 * c.cols, n, part.data());
+        EXPECT_EQ(std::memcmp(part.data(), all.data() + 3 * c.rows, part.size() * 4), 0) << "n = " << n;
+      }
+    }
+  }
+}
+
 // Exact numerics run the scalar kernels on every level: bit-identical results to the scalar level.
 TEST(GemmLevels, ExactIsTheScalarLevelEverywhere) {
   LevelGuard guard;
@@ -261,6 +288,42 @@ TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
         EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * (1.0 + std::fabs(y_ref[size_t(r)])));
       }
     }
+  }
+}
+
+// The same special scales in the fast GEMM (T = 6: bf16 activations): a zero scale (2^-127, whose
+// products are subnormal: zero in the bf16 dot product, negligible in the reference) and a large one
+// stay exact, a NaN scale makes that row's outputs NaN for every token and no other row's.
+TEST(GemmLevels, FastMxfp4GemmSpecialScales) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(81);
+    const int64_t rows = 9, cols = 224, T = 6;
+    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, rows, cols);
+    W.scales[1 * 7 + 2] = 0;
+    W.scales[4 * 7 + 6] = 140;
+    W.scales[6 * 7 + 0] = 255;
+    const auto X = k3test::rand_vec(rng, size_t(T * cols), 0.05f, 1.0f);
+    std::vector<float> Xr(X.size());
+    for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
+    auto y = nan_vec(size_t(T * rows)), y_ref = nan_vec(size_t(T * rows));
+    {
+      k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
+      k3::ops::matmul(W.w, X.data(), T, y.data());
+    }
+    k3::ref::matmul(W.w, Xr.data(), T, y_ref.data());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t r = 0; r < rows; ++r) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " token " + std::to_string(t) + " row " +
+                     std::to_string(r));
+        const float v = y[size_t(t * rows + r)], ref = y_ref[size_t(t * rows + r)];
+        if (r == 6) {
+          EXPECT_TRUE(std::isnan(v));
+        } else {
+          EXPECT_NEAR(v, ref, 1e-5 * (1.0 + std::fabs(ref)));
+        }
+      }
   }
 }
 

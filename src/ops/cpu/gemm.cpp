@@ -26,6 +26,10 @@ constexpr int64_t kParallelMin = int64_t(1) << 17;
 // Prefill GEMMs walk tokens in blocks so the block's activations stay in L2 while W streams by.
 constexpr int64_t kTokenBlock = 64;
 constexpr int64_t kRowBlock = 16;
+// The bf16 GEMM (fast numerics): rows per packed panel (GemmKernels::gemm_bf16) and tokens per pass
+// over a panel.
+constexpr int64_t kBf16Panel = 32;
+constexpr int64_t kBf16TokenBlock = 256;
 // Decode GEMVs hand out rows in chunks of about this many weight bytes (see gemv_threaded).
 constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
 
@@ -255,20 +259,31 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
   // The bf16 dot product is used only where the weights are exactly bf16 values (BF16, and MXFP4
   // whose E2M1 x 2^k values all are); F32/F16 weights keep fp32 products on the rounded activations.
   if (fast && K.gemm_bf16 && (W.fmt == WFormat::BF16 || W.fmt == WFormat::MXFP4)) {
-    const int64_t np = (cols + 31) / 32 * 32;
-    std::vector<uint16_t> Xb(static_cast<size_t>(T * np), 0);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < cols; ++c) Xb[size_t(t * np + c)] = f32_to_bf16(X[t * cols + c]);
+    // The kernel packs a panel of kBf16Panel rows once per block of kBf16TokenBlock tokens and
+    // runs every token of the block over it.
+    const int64_t np = (cols + 31) / 32 * 32, npanels = (rows + kBf16Panel - 1) / kBf16Panel;
+    // Buffers kept per thread across calls (a prefill makes hundreds of these calls; fresh
+    // allocations of this size are fresh pages, faulted in and zeroed every time).
+    thread_local std::vector<uint16_t> xb_buf;
+    if (xb_buf.size() < size_t(T * np)) xb_buf.resize(size_t(T * np));
+    uint16_t* const Xb = xb_buf.data();
 #pragma omp parallel if (par)
     {
-      std::vector<uint16_t> scratch(static_cast<size_t>(4 * np + 2 * cols));
-      for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
-        const int64_t tb = std::min(kTokenBlock, T - t0);
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < nrb; ++b)
-          K.gemm_bf16(W, Xb.data() + t0 * np, np, tb, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock),
-                      Y + t0 * rows, rows, scratch.data());
+      for (int64_t t = 0; t < T; ++t) {
+        uint16_t* xb = Xb + t * np;
+        for (int64_t c = 0; c < cols; ++c) xb[c] = f32_to_bf16(X[t * cols + c]);
+        for (int64_t c = cols; c < np; ++c) xb[c] = 0;
       }
+      thread_local std::vector<uint16_t> scratch;
+      if (scratch.size() < size_t(kBf16Panel * np)) scratch.resize(size_t(kBf16Panel * np));
+      // One call per thread and token block over a contiguous range of panels, so the kernel can
+      // prefetch the next panel of its range.
+      const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t b0 = npanels * tid / nth, b1 = npanels * (tid + 1) / nth;
+      for (int64_t t0 = 0; t0 < T && b0 < b1; t0 += kBf16TokenBlock)
+        K.gemm_bf16(W, Xb + t0 * np, np, std::min(kBf16TokenBlock, T - t0), b0 * kBf16Panel,
+                    std::min(rows, b1 * kBf16Panel), Y + t0 * rows, rows, scratch.data());
     }
     return;
   }

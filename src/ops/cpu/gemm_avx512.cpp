@@ -313,69 +313,145 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
 }
 
 // ------------------------------------------------------------------ GEMM bf16 (fast)
-// vdpbf16ps: each fp32 lane accumulates the products of one adjacent bf16 pair.
-template <int R, int N>
-inline void tile_bf16(const uint16_t* const* w, const uint16_t* X, int64_t ldx, int64_t n, float* Y, int64_t ldy) {
-  __m512 acc[R][N];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < N; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n; c += 32) {
-    __m512i xv[N];
-    for (int j = 0; j < N; ++j) xv[j] = _mm512_loadu_si512(X + j * ldx + c);
-    for (int i = 0; i < R; ++i) {
-      const __m512i wv = _mm512_loadu_si512(w[i] + c);
-      for (int j = 0; j < N; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)wv, (__m512bh)xv[j]);
-    }
+// Outer products on a packed panel of 32 weight rows: the panel holds, per column pair kp
+// (columns 2kp, 2kp+1), the 32 rows' bf16 pairs as 32 dwords, so one vdpbf16ps multiplies 16 rows
+// by one token's pair, broadcast from Xb, and adds both products into the 16 rows' accumulators.
+// A tile is 32 rows x N <= 8 tokens (16 accumulators; 12 tokens read X from 12 rows at once, which
+// measured slower from L2 than 8); each output is one chain over kp in order,
+// the same whatever the token count or the other tokens of the call.
+
+// 16 x 16 dwords transposed in registers: r[i] lane j -> c[j] lane i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < N; ++j) Y[j * ldy + i] = _mm512_reduce_add_ps(acc[i][j]);
+  // u[4g + q]: rows 4g..4g+3 of column 4k + q in each 128-bit lane k.
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0x88), v1 = _mm512_shuffle_i32x4(u[q], u[4 + q], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0x88),
+                  v3 = _mm512_shuffle_i32x4(u[8 + q], u[12 + q], 0xdd);
+    r[q] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[8 + q] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[4 + q] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + q] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
 }
 
-template <int R>
-inline void tiles_bf16(const uint16_t* const* w, const uint16_t* X, int64_t ldx, int64_t T, float* Y, int64_t ldy) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) tile_bf16<R, 4>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy);
-  switch (T - t) {
-    case 3: tile_bf16<R, 3>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
-    case 2: tile_bf16<R, 2>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
-    case 1: tile_bf16<R, 1>(w, X + t * ldx, ldx, ldx, Y + t * ldy, ldy); break;
-    default: break;
-  }
-}
-
-// Row r of W as bf16, zero padded to np columns (exact for BF16 and MXFP4; RNE for F32/F16).
-void row_bf16(const WeightMat& W, int64_t r, int64_t np, uint16_t* out, float* tmp) {
+// The 16 column pairs of block b (columns 32b..32b+31) of row r as bf16 pair dwords (zero beyond
+// the row's columns). Exact: BF16 is copied; MXFP4 values (E2M1 x 2^k) are bf16 values, so the
+// upper half of their fp32 bits is the value (a subnormal or infinite product stays what
+// vdpbf16ps, which reads subnormals as zero, would make of its rounding).
+inline __m512i pairs_of(const WeightMat& W, int64_t r, int64_t b) {
   const int64_t n = W.cols;
   if (W.fmt == WFormat::BF16) {
-    const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
-    for (int64_t c = 0; c < np; c += 32)
-      _mm512_storeu_si512(out + c, _mm512_maskz_loadu_epi16(c < n ? tail32(n - c) : 0, p + 2 * c));
-    return;
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * (r * n + 32 * b);
+    return _mm512_maskz_loadu_epi16(tail32(n - 32 * b), p);
   }
-  widen_row(W, r, tmp);
-  for (int64_t c = 0; c < np; c += 32) {
-    const __m512 a = _mm512_maskz_loadu_ps(c < n ? tail16(n - c) : 0, tmp + c);
-    const __m512 b = _mm512_maskz_loadu_ps(c + 16 < n ? tail16(n - c - 16) : 0, tmp + c + 16);
-    _mm512_storeu_si512(out + c, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+  const uint8_t* p = static_cast<const uint8_t*>(W.data) + r * (n / 2) + 16 * b;
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 sc = _mm512_set1_ps(e8m0(W.scales[r * (n / 32) + b]));
+  const __m512 lut = e2m1_lut();
+  const __m512i we = _mm512_castps_si512(_mm512_mul_ps(_mm512_permutexvar_ps(idx, lut), sc));
+  const __m512i wo = _mm512_castps_si512(_mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut), sc));
+  return _mm512_mask_blend_epi16(__mmask32(0xaaaaaaaau), _mm512_srli_epi32(we, 16), wo);
+}
+
+// Packs rows [r0, r0 + nr) (nr <= 32; rows beyond are zero) into P[kp * 32 + i], kp < np / 2.
+void pack_panel(const WeightMat& W, int64_t r0, int64_t nr, int64_t np, uint32_t* P) {
+  __m512i v[16];
+  for (int64_t b = 0; b < np / 32; ++b)
+    for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = 16 * h + i;
+        v[i] = r < nr ? pairs_of(W, r0 + r, b) : _mm512_setzero_si512();
+      }
+      transpose16(v);
+      for (int64_t k = 0; k < 16; ++k) _mm512_storeu_si512(P + (16 * b + k) * 32 + 16 * h, v[k]);
+    }
+}
+
+template <int N>
+inline void panel_tile(const uint32_t* P, int64_t nkp, const uint16_t* X, int64_t ldx, float* Y, int64_t ldy,
+                       __mmask16 m0, __mmask16 m1) {
+  __m512 a0[N], a1[N];
+  for (int j = 0; j < N; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < nkp; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(P + 32 * kp), w1 = (__m512bh)_mm512_loadu_si512(P + 32 * kp + 16);
+    for (int j = 0; j < N; ++j) {
+      int xv;
+      __builtin_memcpy(&xv, X + j * ldx + 2 * kp, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(xv);
+      a0[j] = _mm512_dpbf16_ps(a0[j], w0, x);
+      a1[j] = _mm512_dpbf16_ps(a1[j], w1, x);
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    _mm512_mask_storeu_ps(Y + j * ldy, m0, a0[j]);
+    _mm512_mask_storeu_ps(Y + j * ldy + 16, m1, a1[j]);
   }
 }
 
+constexpr int kPanelTokens = 8;
+
+template <int N>
+void panel_tiles(const uint32_t* P, int64_t nkp, const uint16_t* X, int64_t ldx, int64_t T, float* Y, int64_t ldy,
+                 __mmask16 m0, __mmask16 m1) {
+  if constexpr (N > 0) {
+    if (T == N) return panel_tile<N>(P, nkp, X, ldx, Y, ldy, m0, m1);
+    panel_tiles<N - 1>(P, nkp, X, ldx, T, Y, ldy, m0, m1);
+  }
+}
+
+// The stored bytes of rows [r, r + nr): one span of W's data, and for MXFP4 one of its scales.
+struct RowSpan {
+  const char* p[2];
+  int64_t n[2];
+};
+inline RowSpan row_span(const WeightMat& W, int64_t r, int64_t nr) {
+  const char* d = static_cast<const char*>(W.data);
+  if (W.fmt == WFormat::BF16) return {{d + 2 * r * W.cols, nullptr}, {2 * nr * W.cols, 0}};
+  return {{d + r * (W.cols / 2), reinterpret_cast<const char*>(W.scales) + r * (W.cols / 32)},
+          {nr * (W.cols / 2), nr * (W.cols / 32)}};
+}
+
+// Prefetches part `i` of `parts` of the span into L2.
+inline void prefetch_part(const RowSpan& s, int64_t i, int64_t parts) {
+  for (int k = 0; k < 2; ++k) {
+    const int64_t lines = (s.n[k] + 63) / 64, l0 = lines * i / parts, l1 = lines * (i + 1) / parts;
+    for (int64_t l = l0; l < l1; ++l) _mm_prefetch(s.p[k] + 64 * l, _MM_HINT_T1);
+  }
+}
+
+// Rows [r0, r1) of Y for all T tokens, in 32-row panels (scratch: 32 * cols_pad uint16, the panel).
+// Packing reads a panel's rows 64 bytes at a time, 32 rows apart: too many streams for the hardware
+// prefetchers, so the next panel's bytes are prefetched in pieces while this panel's tiles run
+// (measured: packing was a quarter of a K3-shaped prefill without it).
 void gemm_bf16(const WeightMat& W, const uint16_t* Xb, int64_t np, int64_t T, int64_t r0, int64_t r1, float* Y,
                int64_t ldy, uint16_t* scratch) {
-  // scratch: 4 bf16 rows of np, then (for non-BF16 formats) one fp32 row of W.cols.
-  float* tmp = reinterpret_cast<float*>(scratch + 4 * np);
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t R = r1 - r < 4 ? r1 - r : 4;
-    const uint16_t* w[4];
-    for (int64_t i = 0; i < R; ++i) {
-      row_bf16(W, r + i, np, scratch + i * np, tmp);
-      w[i] = scratch + i * np;
+  uint32_t* P = reinterpret_cast<uint32_t*>(scratch);
+  const int64_t ntiles = (T + kPanelTokens - 1) / kPanelTokens;
+  for (int64_t r = r0; r < r1; r += 32) {
+    const int64_t nr = r1 - r < 32 ? r1 - r : 32;
+    pack_panel(W, r, nr, np, P);
+    const bool more = r + 32 < r1;
+    const RowSpan next = row_span(W, more ? r + 32 : r, more ? (r1 - r - 32 < 32 ? r1 - r - 32 : 32) : 0);
+    const __mmask16 m0 = tail16(nr), m1 = nr > 16 ? tail16(nr - 16) : __mmask16(0);
+    int64_t t = 0;
+    for (int64_t i = 0; t + kPanelTokens <= T; t += kPanelTokens, ++i) {
+      prefetch_part(next, i, ntiles);
+      panel_tile<kPanelTokens>(P, np / 2, Xb + t * np, np, Y + t * ldy + r, ldy, m0, m1);
     }
-    switch (R) {
-      case 4: tiles_bf16<4>(w, Xb, np, T, Y + r, ldy); break;
-      case 3: tiles_bf16<3>(w, Xb, np, T, Y + r, ldy); break;
-      case 2: tiles_bf16<2>(w, Xb, np, T, Y + r, ldy); break;
-      default: tiles_bf16<1>(w, Xb, np, T, Y + r, ldy); break;
+    if (t < T) {
+      prefetch_part(next, ntiles - 1, ntiles);
+      panel_tiles<kPanelTokens - 1>(P, np / 2, Xb + t * np, np, T - t, Y + t * ldy + r, ldy, m0, m1);
     }
   }
 }

@@ -24,8 +24,10 @@ struct GemmKernels {
   // Exact: X [T, cols] fp32. scratch: >= 4*cols floats (rows of W widened to fp32).
   void (*gemm_f32)(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
                    float* scratch);
-  // Fast: Xb [T, cols_pad] bf16 (cols_pad = cols rounded up to 32, zero padded). scratch: >= 4*cols_pad
-  // uint16 (rows of W as bf16). nullptr when the ISA has no bf16 dot product.
+  // Fast: Xb [T, cols_pad] bf16 (cols_pad = cols rounded up to 32, zero padded). scratch: >= 32*cols_pad
+  // uint16 (a panel of 32 rows of W as bf16 pairs). Each output is one accumulation over the column
+  // pairs in order, so it does not depend on T, on the other tokens or on [r0, r1) (r0 % 32 == 0).
+  // nullptr when the ISA has no bf16 dot product.
   void (*gemm_bf16)(const WeightMat& W, const uint16_t* Xb, int64_t cols_pad, int64_t T, int64_t r0, int64_t r1,
                     float* Y, int64_t ldy, uint16_t* scratch);
   // Fast MXFP4 GEMV on 8-bit activations (vpdpbusd): per 128-column group, xq holds the int8 x of

@@ -46,36 +46,62 @@ double scalar_flops(int64_t iters) {
 }
 }  // namespace
 
-Roofline measure_roofline(int threads, uint64_t probe_bytes, int reps) {
-  Roofline r;
-  r.threads = threads > 0 ? threads : omp_get_max_threads();
+constexpr int64_t kProbeChunk = 1 << 20;  // per-thread pieces of the buffer: a multiple of 256 bytes
+
+ReadProbe::ReadProbe(int threads, uint64_t probe_bytes)
+    : threads_(threads > 0 ? threads : omp_get_max_threads()), buf_(nullptr, std::free) {
+  bytes_ = std::max<uint64_t>(probe_bytes / kProbeChunk * kProbeChunk, kProbeChunk * uint64_t(threads_));
+  buf_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes_)));
+  if (!buf_) fail("roofline probe: cannot allocate " + std::to_string(bytes_ >> 20) + " MiB");
+  const int64_t nchunks = int64_t(bytes_) / kProbeChunk;
+  uint8_t* b = buf_.get();
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (int64_t c = 0; c < nchunks; ++c) std::memset(b + c * kProbeChunk, int(c & 0xff), size_t(kProbeChunk));
+}
+
+double ReadProbe::measure(int reps) const {
   const cpu::GemmKernels* K = probes();
-  r.peak_kind = !K ? "fp32 scalar" : cpu_isa() == CpuIsa::Avx512 ? "bf16 vdpbf16ps" : "fp32 fma";
-  const int64_t chunk = 1 << 20;  // per-thread pieces of the buffer: a multiple of 256 bytes
-  probe_bytes = std::max<uint64_t>(probe_bytes / chunk * chunk, chunk * uint64_t(r.threads));
-  r.probe_bytes = probe_bytes;
-  std::unique_ptr<uint8_t, decltype(&std::free)> buf(static_cast<uint8_t*>(std::aligned_alloc(64, probe_bytes)), &std::free);
-  if (!buf) fail("roofline probe: cannot allocate " + std::to_string(probe_bytes >> 20) + " MiB");
-  const int64_t nchunks = int64_t(probe_bytes) / chunk;
-#pragma omp parallel for num_threads(r.threads) schedule(static)
-  for (int64_t c = 0; c < nchunks; ++c) std::memset(buf.get() + c * chunk, int(c & 0xff), size_t(chunk));
-  double sink = 0;
+  const int64_t nchunks = int64_t(bytes_) / kProbeChunk;
+  const uint8_t* b = buf_.get();
+  double sink = 0, best = 0;
   for (int rep = 0; rep < reps; ++rep) {
     const double t0 = now_s();
-#pragma omp parallel for num_threads(r.threads) schedule(static) reduction(+ : sink)
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : sink)
     for (int64_t c = 0; c < nchunks; ++c)
-      sink += K ? K->read_probe(buf.get() + c * chunk, chunk) : scalar_read(buf.get() + c * chunk, chunk);
-    r.read_gbs = std::max(r.read_gbs, double(probe_bytes) / (now_s() - t0) / 1e9);
+      sink += K ? K->read_probe(b + c * kProbeChunk, kProbeChunk) : scalar_read(b + c * kProbeChunk, kProbeChunk);
+    best = std::max(best, double(bytes_) / (now_s() - t0) / 1e9);
   }
+  return sink == -1 ? best + 0 : best;  // keeps the sum observable
+}
+
+const char* peak_kind() {
+  const cpu::GemmKernels* K = probes();
+  return !K ? "fp32 scalar" : cpu_isa() == CpuIsa::Avx512 ? "bf16 vdpbf16ps" : "fp32 fma";
+}
+
+double measure_peak_gflops(int threads, int reps) {
+  const cpu::GemmKernels* K = probes();
+  const int n = threads > 0 ? threads : omp_get_max_threads();
   const int64_t iters = 20'000'000;
+  double best = 0;
   for (int rep = 0; rep < reps; ++rep) {
     double flops = 0;
     const double t0 = now_s();
-#pragma omp parallel num_threads(r.threads) reduction(+ : flops)
+#pragma omp parallel num_threads(n) reduction(+ : flops)
     flops += K ? K->flops_probe(iters / 4) : scalar_flops(iters / 4);
-    r.peak_gflops = std::max(r.peak_gflops, flops / (now_s() - t0) / 1e9);
+    best = std::max(best, flops / (now_s() - t0) / 1e9);
   }
-  if (sink == -1) r.read_gbs += 0;  // keeps the sum observable
+  return best;
+}
+
+Roofline measure_roofline(int threads, uint64_t probe_bytes, int reps) {
+  Roofline r;
+  const ReadProbe probe(threads, probe_bytes);
+  r.threads = probe.threads();
+  r.probe_bytes = probe.bytes();
+  r.read_gbs = probe.measure(reps);
+  r.peak_gflops = measure_peak_gflops(r.threads, reps);
+  r.peak_kind = peak_kind();
   return r;
 }
 

@@ -5,6 +5,7 @@
 // ~0.1-1 s and allocates the probe buffer).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace k3::ops {
@@ -19,5 +20,22 @@ struct Roofline {
 
 // Both measurements with `threads` OpenMP threads (0 = the current default).
 Roofline measure_roofline(int threads = 0, uint64_t probe_bytes = uint64_t(1) << 30, int reps = 5);
+
+// The two probes on their own, for probing again between timed runs (a shared machine's
+// bandwidth moves within seconds): ReadProbe keeps its buffer, so each measure() only reads it.
+class ReadProbe {
+ public:
+  ReadProbe(int threads, uint64_t probe_bytes);  // allocates and fills the buffer (k3::Error if it cannot)
+  double measure(int reps) const;                // best of reps, GB/s
+  uint64_t bytes() const { return bytes_; }
+  int threads() const { return threads_; }
+
+ private:
+  int threads_ = 0;
+  uint64_t bytes_ = 0;
+  std::unique_ptr<uint8_t, void (*)(void*)> buf_;
+};
+double measure_peak_gflops(int threads, int reps);  // best of reps, GFLOP/s
+const char* peak_kind();                             // what measure_peak_gflops times
 
 }  // namespace k3::ops
