@@ -3,7 +3,7 @@
 // of the generated K3-shaped cpu-bench checkpoint: BF16 trunk matrices over a 128-token chunk, and
 // MXFP4 routed experts over the ~16 tokens a 128-token chunk gives each of 64 experts (top-8).
 // Rate = 2 x rows x cols x T / second; ratio = rate / probed peak.
-// Usage: k3_gemm_bench [seconds per case] [--level avx2|avx512]   (threads: OMP_NUM_THREADS)
+// Usage: k3_gemm_bench [seconds per case] [--level avx2|avx512] [--case I]   (threads: OMP_NUM_THREADS)
 #include <omp.h>
 
 #include <chrono>
@@ -53,8 +53,10 @@ struct Pool {
 int main(int argc, char** argv) {
   double min_s = 1.0;
   std::string level;
+  int only = -1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc) level = argv[++i];
+    else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) only = std::atoi(argv[++i]);
     else min_s = std::atof(argv[i]);
   }
   if (!level.empty()) {
@@ -80,7 +82,9 @@ int main(int argc, char** argv) {
                                    {true, 768, 1024, 7},     {true, 768, 1024, 64}};
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
-  for (const Case& c : cases) {
+  for (size_t ci = 0; ci < cases.size(); ++ci) {
+    if (only >= 0 && size_t(only) != ci) continue;
+    const Case& c = cases[ci];
     // "cached": one matrix, in the caches after the first call; "from RAM": a pool of distinct
     // matrices of >= 512 MiB taken in turn, as a prefill meets its weights.
     const double mbytes = c.mx ? double(c.rows * c.cols) * (0.5 + 1.0 / 32) : double(c.rows * c.cols) * 2;

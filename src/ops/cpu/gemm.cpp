@@ -26,10 +26,24 @@ constexpr int64_t kParallelMin = int64_t(1) << 17;
 // Prefill GEMMs walk tokens in blocks so the block's activations stay in L2 while W streams by.
 constexpr int64_t kTokenBlock = 64;
 constexpr int64_t kRowBlock = 16;
-// The bf16 GEMM (fast numerics): rows per packed panel (GemmKernels::gemm_bf16) and tokens per pass
-// over a panel.
-constexpr int64_t kBf16Panel = 32;
-constexpr int64_t kBf16TokenBlock = 256;
+// The bf16 GEMM (fast numerics) hands out rows in chunks of this many (8 of its 6-row tiles).
+constexpr int64_t kBf16RowChunk = 48;
+
+// Buffers of the bf16 GEMM, kept per thread across calls: a prefill makes hundreds of these
+// calls, and fresh allocations of this size are fresh pages, faulted in and zeroed every time.
+std::vector<uint32_t>& tl_xp_buf() {
+  thread_local std::vector<uint32_t> v;
+  return v;
+}
+std::vector<uint32_t>& tl_rows_buf() {
+  thread_local std::vector<uint32_t> v;
+  return v;
+}
+// The first 64-byte boundary of v, grown to hold n elements from there.
+uint32_t* aligned64(std::vector<uint32_t>& v, size_t n) {
+  if (v.size() < n + 16) v.resize(n + 16);
+  return v.data() + (64 - reinterpret_cast<uintptr_t>(v.data()) % 64) % 64 / 4;
+}
 // Decode GEMVs hand out rows in chunks of about this many weight bytes (see gemv_threaded).
 constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
 
@@ -259,31 +273,24 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
   // The bf16 dot product is used only where the weights are exactly bf16 values (BF16, and MXFP4
   // whose E2M1 x 2^k values all are); F32/F16 weights keep fp32 products on the rounded activations.
   if (fast && K.gemm_bf16 && (W.fmt == WFormat::BF16 || W.fmt == WFormat::MXFP4)) {
-    // The kernel packs a panel of kBf16Panel rows once per block of kBf16TokenBlock tokens and
-    // runs every token of the block over it.
-    const int64_t np = (cols + 31) / 32 * 32, npanels = (rows + kBf16Panel - 1) / kBf16Panel;
-    // Buffers kept per thread across calls (a prefill makes hundreds of these calls; fresh
-    // allocations of this size are fresh pages, faulted in and zeroed every time).
-    thread_local std::vector<uint16_t> xb_buf;
-    if (xb_buf.size() < size_t(T * np)) xb_buf.resize(size_t(T * np));
-    uint16_t* const Xb = xb_buf.data();
+    // The activations packed once (bf16 pairs, 16 tokens a vector), the weights read in place.
+    // Passes of `tb` tokens keep the packed activations within L2; rows go out in chunks in
+    // dynamic order (a shared machine's cores rarely run at one speed).
+    const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16, ngroups = tpad / 16;
+    const int64_t tb = std::clamp<int64_t>((int64_t(512) << 10) / (2 * np) / 64 * 64, 64, 256);
+    const int64_t nchunks = (rows + kBf16RowChunk - 1) / kBf16RowChunk;
+    uint32_t* const Xp = aligned64(tl_xp_buf(), size_t(tpad * np / 2));
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) {
-        uint16_t* xb = Xb + t * np;
-        for (int64_t c = 0; c < cols; ++c) xb[c] = f32_to_bf16(X[t * cols + c]);
-        for (int64_t c = cols; c < np; ++c) xb[c] = 0;
+      for (int64_t g = 0; g < ngroups; ++g) K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp);
+      uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(3 * np));
+      for (int64_t t0 = 0; t0 < T; t0 += tb) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < nchunks; ++c)
+          K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * kBf16RowChunk,
+                      std::min(rows, (c + 1) * kBf16RowChunk), Y + t0 * rows, rows, rows_buf);
       }
-      thread_local std::vector<uint16_t> scratch;
-      if (scratch.size() < size_t(kBf16Panel * np)) scratch.resize(size_t(kBf16Panel * np));
-      // One call per thread and token block over a contiguous range of panels, so the kernel can
-      // prefetch the next panel of its range.
-      const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-      const int64_t b0 = npanels * tid / nth, b1 = npanels * (tid + 1) / nth;
-      for (int64_t t0 = 0; t0 < T && b0 < b1; t0 += kBf16TokenBlock)
-        K.gemm_bf16(W, Xb + t0 * np, np, std::min(kBf16TokenBlock, T - t0), b0 * kBf16Panel,
-                    std::min(rows, b1 * kBf16Panel), Y + t0 * rows, rows, scratch.data());
     }
     return;
   }

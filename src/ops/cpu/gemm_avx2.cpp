@@ -197,6 +197,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, nullptr, read_probe, flops_probe};
 
 }  // namespace k3::ops::cpu::avx2

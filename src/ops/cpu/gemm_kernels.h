@@ -24,12 +24,17 @@ struct GemmKernels {
   // Exact: X [T, cols] fp32. scratch: >= 4*cols floats (rows of W widened to fp32).
   void (*gemm_f32)(const WeightMat& W, const float* X, int64_t T, int64_t r0, int64_t r1, float* Y, int64_t ldy,
                    float* scratch);
-  // Fast: Xb [T, cols_pad] bf16 (cols_pad = cols rounded up to 32, zero padded). scratch: >= 32*cols_pad
-  // uint16 (a panel of 32 rows of W as bf16 pairs). Each output is one accumulation over the column
-  // pairs in order, so it does not depend on T, on the other tokens or on [r0, r1) (r0 % 32 == 0).
+  // Fast (activations rounded to bf16, vdpbf16ps): Xp[kp * tpad + t] holds token t's bf16 pair kp
+  // (columns 2kp, 2kp + 1), tpad >= T a multiple of 16, written by pack_x_bf16 for tokens [t0, t1)
+  // (t0 % 16 == 0; up to ceil16(t1) zero filled; columns in [cols, cols_pad) zero; cols_pad = cols
+  // rounded up to 32). gemm_bf16 computes rows [r0, r1) for tokens [0, T); each output is one
+  // accumulation over the pairs in order, so it does not depend on T, the other tokens or [r0, r1).
+  // scratch: >= 3 * cols_pad uint32 on a 64-byte boundary (MXFP4 rows decoded to bf16 pairs).
   // nullptr when the ISA has no bf16 dot product.
-  void (*gemm_bf16)(const WeightMat& W, const uint16_t* Xb, int64_t cols_pad, int64_t T, int64_t r0, int64_t r1,
-                    float* Y, int64_t ldy, uint16_t* scratch);
+  void (*pack_x_bf16)(const float* X, int64_t cols, int64_t cols_pad, int64_t tpad, int64_t t0, int64_t t1,
+                      uint32_t* Xp);
+  void (*gemm_bf16)(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t cols_pad, int64_t T, int64_t r0,
+                    int64_t r1, float* Y, int64_t ldy, uint32_t* scratch);
   // Fast MXFP4 GEMV on 8-bit activations (vpdpbusd): per 128-column group, xq holds the int8 x of
   // the 64 even then the 64 odd columns, xc the 16 dword-lane corrections (-12 * the lane's x sum),
   // xs the 16 lane steps (block step / 2); xr is the dequantised x in the even/odd order of `gemv`'s
