@@ -26,7 +26,8 @@ constexpr int64_t kParallelMin = int64_t(1) << 17;
 // Prefill GEMMs walk tokens in blocks so the block's activations stay in L2 while W streams by.
 constexpr int64_t kTokenBlock = 64;
 constexpr int64_t kRowBlock = 16;
-// The bf16 GEMM (fast numerics) hands out rows in chunks of this many (8 of its 6-row tiles).
+// The bf16 GEMM (fast numerics) hands out rows in chunks of this many (8 of its 6-row tiles, 4 of
+// its 12-row ones).
 constexpr int64_t kBf16RowChunk = 48;
 
 // Buffers of the bf16 GEMM, kept per thread across calls: a prefill makes hundreds of these
@@ -284,7 +285,7 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     {
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < ngroups; ++g) K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp);
-      uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(3 * np));
+      uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(6 * np));
       for (int64_t t0 = 0; t0 < T; t0 += tb) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nchunks; ++c)

@@ -160,7 +160,7 @@ inline void gemv_mxfp4_q8_rows(const uint8_t* const* p, const uint8_t* const* s,
     const __m512i c = _mm512_loadu_si512(xc + 16 * g);
     const __m512 sx = _mm512_loadu_ps(xs + 16 * g);
     for (int i = 0; i < R; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 64 * g), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 64 * g), _MM_HINT_T1);
       const __m512i P = _mm512_loadu_si512(p[i] + 64 * g);
       const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(P, m0f));
       const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(P, 4), m0f));
@@ -174,9 +174,13 @@ inline void gemv_mxfp4_q8_rows(const uint8_t* const* p, const uint8_t* const* s,
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
-// Tiles of four rows whose prefetch runs this many tiles ahead (measured on 768- and 1024-column
-// expert rows: 1 tile 53%, 2-8 tiles 60-62% of the read bandwidth; 3 chosen).
+// Tiles of kMxRows rows whose prefetch runs this many tiles ahead (measured on 768- and 1024-column
+// expert rows on a Xeon: 1 tile 53%, 2-8 tiles 60-62% of the read bandwidth; 3 chosen). The
+// prefetch goes to L2 (T1): into L1 (T0) the expert GEMVs read 15-18 GB/s from RAM on 2 Zen 4
+// cores, against 21-27 GB/s into L2 (k3_gemv_bench, same machine, same hour); 8-row tiles
+// measured no faster than 4.
 constexpr int64_t kMxfp4PrefetchTiles = 3;
+constexpr int kMxRows = 4;
 
 void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, const float* xs, const float* xr,
                    int64_t r0, int64_t r1, float* y) {
@@ -192,12 +196,13 @@ void gemv_mxfp4_q8(const WeightMat& W, const int8_t* xq, const int32_t* xc, cons
   };
   int64_t r = r0;
   for (; r < r1;) {
-    if (r + 4 <= r1 && scales_are_normal(W.scales + r * nb, 4 * nb)) {
-      const uint8_t* p[4] = {pb + r * nb * 16, pb + (r + 1) * nb * 16, pb + (r + 2) * nb * 16, pb + (r + 3) * nb * 16};
-      const uint8_t* sp[4] = {W.scales + r * nb, W.scales + (r + 1) * nb, W.scales + (r + 2) * nb, W.scales + (r + 3) * nb};
-      gemv_mxfp4_q8_rows<4>(p, sp, xq, xc, xs, ng, y + r, kMxfp4PrefetchTiles * 4 * nb * 16);
-      for (int i = 0; i < 4; ++i) tail(r + i, y + r + i);
-      r += 4;
+    if (r + kMxRows <= r1 && scales_are_normal(W.scales + r * nb, kMxRows * nb)) {
+      const uint8_t* p[kMxRows];
+      const uint8_t* sp[kMxRows];
+      for (int i = 0; i < kMxRows; ++i) p[i] = pb + (r + i) * nb * 16, sp[i] = W.scales + (r + i) * nb;
+      gemv_mxfp4_q8_rows<kMxRows>(p, sp, xq, xc, xs, ng, y + r, kMxfp4PrefetchTiles * kMxRows * nb * 16);
+      for (int i = 0; i < kMxRows; ++i) tail(r + i, y + r + i);
+      r += kMxRows;
     } else {
       const uint8_t* p[1] = {pb + r * nb * 16};
       const uint8_t* sp[1] = {W.scales + r * nb};
@@ -317,7 +322,7 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
 // 16 tokens per vector, kp = column pair 2kp, 2kp + 1), the weights need no packing: each
 // vdpbf16ps multiplies one weight pair, broadcast straight from the row (BF16) or from the row
 // decoded to bf16 pairs (MXFP4), by 16 tokens' pairs, adding both products into 16 accumulators.
-// A tile is R <= 6 rows x V <= 4 token vectors. Each output is one chain over the pairs in column
+// A tile is 6 rows x up to 4 token vectors (12 rows for calls of up to 24 tokens). Each output is one chain over the pairs in column
 // order, so it does not depend on T, the other tokens or the rows around it. Measured on Zen 4
 // (2048 x 2048 BF16, T = 128, one core): 85-91% of the vdpbf16ps peak, against 70% for the
 // weights packed into 32-row panels (rows in the lanes), whose packing alone cost a quarter of the
@@ -391,82 +396,90 @@ void pack_x_bf16(const float* X, int64_t cols, int64_t np, int64_t tpad, int64_t
     }
 }
 
-// R weight rows (bf16 pairs as dwords: w[i][kp]) x V vectors of 16 tokens over nkp pairs; out[i * 64 +
-// 16 v + lane]. pf: the rows to prefetch meanwhile (the next tile's), one cache line per 16 pairs.
-template <int R, int V>
+// R weight rows (bf16 pairs as dwords: w[i][kp]) x V vectors of 16 tokens, plus H = 1 half vector
+// (the next 8 tokens, in a ymm register: half the work of a zmm on Zen 4, and a second port on
+// Intel), over nkp pairs; out[i * 64 + token]. pf: the rows to prefetch meanwhile (the next tile's),
+// one cache line per 16 pairs.
+template <int R, int V, int H>
 inline void tok_tile(const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad,
                      int64_t nkp, float* out) {
-  __m512 a[R][V];
-  for (int i = 0; i < R; ++i)
+  __m512 a[R][V > 0 ? V : 1];
+  __m256 h[R];
+  for (int i = 0; i < R; ++i) {
     for (int v = 0; v < V; ++v) a[i][v] = _mm512_setzero_ps();
+    h[i] = _mm256_setzero_ps();
+  }
   for (int64_t k0 = 0; k0 < nkp; k0 += 16) {
     for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(pf[i] + k0), _MM_HINT_T0);
     const int64_t k1 = k0 + 16 < nkp ? k0 + 16 : nkp;
     for (int64_t kp = k0; kp < k1; ++kp) {
-      __m512bh x[V];
+      __m512bh x[V > 0 ? V : 1];
       for (int v = 0; v < V; ++v) x[v] = (__m512bh)_mm512_loadu_si512(Xp + kp * tpad + 16 * v);
+      __m256bh xh;
+      if constexpr (H) xh = (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(Xp + kp * tpad + 16 * V));
       for (int i = 0; i < R; ++i) {
         uint32_t wv;
         __builtin_memcpy(&wv, w[i] + kp, 4);
-        const __m512bh wb = (__m512bh)_mm512_set1_epi32(int(wv));
-        for (int v = 0; v < V; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], x[v], wb);
+        const __m512i wb = _mm512_set1_epi32(int(wv));
+        for (int v = 0; v < V; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], x[v], (__m512bh)wb);
+        if constexpr (H) h[i] = _mm256_dpbf16_ps(h[i], xh, (__m256bh)_mm512_castsi512_si256(wb));
       }
     }
   }
-  for (int i = 0; i < R; ++i)
+  for (int i = 0; i < R; ++i) {
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(out + i * 64 + 16 * v, a[i][v]);
+    if constexpr (H) _mm256_storeu_ps(out + i * 64 + 16 * V, h[i]);
+  }
 }
 
+// The tile for nt <= 64 tokens: whole vectors, and the last 1..8 tokens as a half vector.
 template <int R, int V>
-void tok_tiles_v(const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad, int64_t nkp,
-                 int64_t nv, float* out) {
-  if constexpr (V > 0) {
-    if (nv == V) return tok_tile<R, V>(w, pf, Xp, tpad, nkp, out);
-    tok_tiles_v<R, V - 1>(w, pf, Xp, tpad, nkp, nv, out);
-  }
-}
-template <int R>
-void tok_tiles(int64_t nr, const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad,
-               int64_t nkp, int64_t nv, float* out) {
-  if constexpr (R > 0) {
-    if (nr == R) return tok_tiles_v<R, 4>(w, pf, Xp, tpad, nkp, nv, out);
-    tok_tiles<R - 1>(nr, w, pf, Xp, tpad, nkp, nv, out);
+void tok_tiles(int64_t nt, const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad,
+               int64_t nkp, float* out) {
+  if constexpr (V >= 0) {
+    if (nt > 16 * V + 8) return tok_tile<R, V + 1, 0>(w, pf, Xp, tpad, nkp, out);
+    if (nt > 16 * V) return tok_tile<R, V, 1>(w, pf, Xp, tpad, nkp, out);
+    if (nt == 16 * V && V > 0) return tok_tile<R, (V > 0 ? V : 1), 0>(w, pf, Xp, tpad, nkp, out);
+    tok_tiles<R, V - 1>(nt, w, pf, Xp, tpad, nkp, out);
   }
 }
 
-constexpr int64_t kTokRows = 6;
+// Rows per tile: 6 when the tokens fill 2 or more vectors (up to 24 accumulators); 12 for calls of
+// at most 24 tokens, so the 12-24 accumulator chains still cover the latency of vdpbf16ps.
+constexpr int64_t kTokRowsMax = 12;
 
 // Rows [r0, r1) of Y, tokens [0, T) (Xp from pack_x_bf16 with tpad >= T). scratch (MXFP4, and
-// BF16 rows of odd length): kTokRows rows of np / 2 dwords, 64-byte aligned.
+// BF16 rows of odd length): kTokRowsMax rows of np / 2 dwords, 64-byte aligned.
 void gemm_bf16(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np, int64_t T, int64_t r0, int64_t r1,
-                   float* Y, int64_t ldy, uint32_t* scratch) {
+               float* Y, int64_t ldy, uint32_t* scratch) {
   const int64_t n = W.cols, nkp = np / 2;
-  const bool bf16 = W.fmt == WFormat::BF16;
   // BF16 rows are read in place: a row of odd length has no whole last pair, so such rows
   // (rare; never in K3) take the decoded path too.
-  const bool direct = bf16 && n % 2 == 0;
-  alignas(64) float out[kTokRows * 64];
-  const uint32_t* w[kTokRows];
-  const uint32_t* pf[kTokRows];
-  auto decode = [&](int64_t r, uint32_t* dst) {  // row r as bf16 pairs, zero beyond its columns
-    for (int64_t b = 0; b < np / 32; ++b) _mm512_store_si512(dst + 16 * b, pairs_of(W, r, b));
+  const bool direct = W.fmt == WFormat::BF16 && n % 2 == 0;
+  const int64_t R = T <= 24 ? 12 : 6;
+  alignas(64) float out[kTokRowsMax * 64];
+  const uint32_t* w[kTokRowsMax];
+  const uint32_t* pf[kTokRowsMax];
+  auto row = [&](int64_t r) {
+    return reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(W.data) + 2 * r * n);
   };
-  for (int64_t r = r0; r < r1; r += kTokRows) {
-    const int64_t nr = r1 - r < kTokRows ? r1 - r : kTokRows;
+  for (int64_t r = r0; r < r1; r += R) {
+    const int64_t nr = r1 - r < R ? r1 - r : R;
     for (int64_t i = 0; i < nr; ++i) {
       if (direct) {
-        w[i] = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(W.data) + 2 * (r + i) * n);
-        const int64_t rn = r + nr + i < r1 ? r + nr + i : r + i;
-        pf[i] = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(W.data) + 2 * rn * n);
-      } else {
+        w[i] = row(r + i);
+        pf[i] = row(r + R + i < r1 ? r + R + i : r + i);
+      } else {  // decoded to bf16 pairs, zero beyond the row's columns
         uint32_t* dst = scratch + i * nkp;
-        decode(r + i, dst);
+        for (int64_t b = 0; b < np / 32; ++b) _mm512_store_si512(dst + 16 * b, pairs_of(W, r + i, b));
         w[i] = pf[i] = dst;
       }
     }
+    for (int64_t i = nr; i < R; ++i) w[i] = pf[i] = w[0];  // a short last tile: rows computed, not stored
     for (int64_t t = 0; t < T; t += 64) {
-      const int64_t nt = T - t < 64 ? T - t : 64, nv = (nt + 15) / 16;
-      tok_tiles<kTokRows>(nr, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, nv, out);
+      const int64_t nt = T - t < 64 ? T - t : 64;
+      if (R == 12) tok_tiles<12, 1>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
+      else tok_tiles<6, 3>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
       for (int64_t j = 0; j < nt; ++j)
         for (int64_t i = 0; i < nr; ++i) Y[(t + j) * ldy + r + i] = out[i * 64 + j];
     }
