@@ -19,34 +19,11 @@
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "ops/ops.h"
+#include "weight_pool.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct Pool {
-  std::vector<std::unique_ptr<uint8_t[]>> bufs;
-  std::mt19937_64 rng{7};
-  // 48 bytes past a 64-byte boundary, as safetensors data often sits.
-  uint8_t* alloc(size_t n) {
-    bufs.emplace_back(new uint8_t[n + 128]);
-    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bufs.back().get()) + 63) / 64 * 64 + 48);
-  }
-  k3::WeightMat bf16(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    auto* p = reinterpret_cast<uint16_t*>(alloc(2 * n));
-    for (size_t i = 0; i < n; ++i) p[i] = uint16_t((rng() & 0x807f) | ((118 + rng() % 4) << 7));
-    return {k3::WFormat::BF16, rows, cols, p, nullptr};
-  }
-  k3::WeightMat mxfp4(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    uint8_t* p = alloc(n / 2);
-    uint8_t* s = alloc(n / 32);
-    for (size_t i = 0; i < n / 2; ++i) p[i] = uint8_t(rng());
-    for (size_t i = 0; i < n / 32; ++i) s[i] = uint8_t(118 + rng() % 4);
-    return {k3::WFormat::MXFP4, rows, cols, p, s};
-  }
-};
 
 }  // namespace
 
@@ -72,7 +49,7 @@ int main(int argc, char** argv) {
   const double peak = k3::ops::measure_peak_gflops(threads, 5);
   std::printf("k3_gemm_bench: %d threads, level %s, fast numerics, peak %.1f GFLOP/s (%s)\n", threads,
               k3::ops::cpu_isa_name(k3::ops::active_kernel_level()), peak, k3::ops::peak_kind());
-  Pool P;
+  k3bench::Pool P;
   struct Case {
     bool mx;
     int64_t rows, cols, T;

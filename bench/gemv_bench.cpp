@@ -1,25 +1,19 @@
-// Decode GEMVs against the read-bandwidth roofline measured in the same run:
-// the two weight streams that dominate a K3 decode step, each over a working
-// set far beyond the last-level cache.
-//   trunk: BF16 matrices [rows, cols], one after another, each split across the
-//   threads
-//          (ops::matmul with T = 1, as the attention and shared-expert
-//          projections run);
-//   experts: MXFP4 GLU experts (gate, up [inter, latent], down [latent,
-//   inter]), top-k of a pool
-//          per step, fast numerics (8-bit activations through vpdpbusd where
-//          the level has it): the rows of all the selected experts in chunks
-//          over the threads, in two regions (as moe_forward decodes), and whole
-//          experts per thread (the scheme it used before).
-// Rate = weight bytes (incl. E8M0 scales) read per second; ratio = rate /
-// probed read bandwidth. Usage: k3_gemv_bench [seconds per case] [--level
-// scalar|avx2|avx512]   (threads: OMP_NUM_THREADS)
+// Decode GEMVs against the read-bandwidth roofline measured in the same run: the two weight
+// streams that dominate a K3 decode step, each over a working set far beyond the last-level cache.
+//   trunk: BF16 matrices [rows, cols], one after another, each split across the threads
+//          (ops::matmul with T = 1, as the attention and shared-expert projections run);
+//   experts: MXFP4 GLU experts (gate, up [inter, latent], down [latent, inter]), top-k of a pool
+//          per step, fast numerics (8-bit activations through vpdpbusd where the level has it):
+//          the rows of all the selected experts in chunks over the threads, in two regions (as
+//          moe_forward decodes), and whole experts per thread (the scheme it used before).
+// Rate = weight bytes (incl. E8M0 scales) read per second; ratio = rate / probed read bandwidth.
+// Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512]   (threads: OMP_NUM_THREADS)
 #include <omp.h>
 
 #include <chrono>
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -29,50 +23,20 @@
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "ops/ops.h"
+#include "weight_pool.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Pool {
-  std::vector<std::unique_ptr<uint8_t[]>> bufs;
-  std::mt19937_64 rng{7};
-  // Buffers start 48 bytes past a 64-byte boundary: safetensors data sits at
-  // any 8-byte offset, and 48 is the most common one in the generated
-  // checkpoints.
-  uint8_t *alloc(size_t n) {
-    bufs.emplace_back(new uint8_t[n + 128]);
-    return reinterpret_cast<uint8_t *>(
-        (reinterpret_cast<uintptr_t>(bufs.back().get()) + 63) / 64 * 64 + 48);
-  }
-  k3::WeightMat bf16(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    auto *p = reinterpret_cast<uint16_t *>(alloc(2 * n));
-    for (size_t i = 0; i < n; ++i)
-      p[i] = uint16_t((rng() & 0x807f) | ((118 + rng() % 4) << 7));
-    return {k3::WFormat::BF16, rows, cols, p, nullptr};
-  }
-  k3::WeightMat mxfp4(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    uint8_t *p = alloc(n / 2);
-    uint8_t *s = alloc(n / 32);
-    for (size_t i = 0; i < n / 2; ++i)
-      p[i] = uint8_t(rng());
-    for (size_t i = 0; i < n / 32; ++i)
-      s[i] = uint8_t(118 + rng() % 4);
-    return {k3::WFormat::MXFP4, rows, cols, p, s};
-  }
-};
-
-double bytes_of(const k3::WeightMat &W) {
-  return W.fmt == k3::WFormat::MXFP4
-             ? double(W.rows * W.cols) / 2 + double(W.rows * W.cols) / 32
-             : double(W.rows * W.cols) * 2;
+double bytes_of(const k3::WeightMat& W) {
+  return W.fmt == k3::WFormat::MXFP4 ? double(W.rows * W.cols) / 2 + double(W.rows * W.cols) / 32
+                                     : double(W.rows * W.cols) * 2;
 }
 
-// Runs step() until min_s has passed (after one warm-up step); returns bytes
-// per second.
-template <class Fn> double rate(double min_s, Fn &&step) {
+// Runs step() until min_s has passed (after one warm-up step); returns bytes per second.
+template <class Fn>
+double rate(double min_s, Fn&& step) {
   double b = step();
   (void)b;
   double bytes = 0;
@@ -85,25 +49,21 @@ template <class Fn> double rate(double min_s, Fn &&step) {
   return bytes / el;
 }
 
-} // namespace
+}  // namespace
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   double min_s = 2.0;
   std::string level;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc)
-      level = argv[++i];
-    else
-      min_s = std::atof(argv[i]);
+    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc) level = argv[++i];
+    else min_s = std::atof(argv[i]);
   }
   if (!level.empty()) {
     const k3::ops::CpuIsa want = level == "scalar" ? k3::ops::CpuIsa::Scalar
                                  : level == "avx2" ? k3::ops::CpuIsa::Avx2
                                                    : k3::ops::CpuIsa::Avx512;
     if (int(want) > int(k3::ops::cpu_isa_detected())) {
-      std::fprintf(stderr,
-                   "k3_gemv_bench: level %s is not available on this CPU\n",
-                   level.c_str());
+      std::fprintf(stderr, "k3_gemv_bench: level %s is not available on this CPU\n", level.c_str());
       return 2;
     }
     k3::ops::set_cpu_isa(want);
@@ -111,78 +71,67 @@ int main(int argc, char **argv) {
   const int threads = omp_get_max_threads();
   const k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
   const k3::ops::Roofline roof = k3::ops::measure_roofline(threads);
-  std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read "
-              "bandwidth %.1f GB/s\n",
-              threads, k3::ops::cpu_isa_name(k3::ops::active_kernel_level()),
-              roof.read_gbs);
-  Pool P;
+  std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read bandwidth %.1f GB/s\n", threads,
+              k3::ops::cpu_isa_name(k3::ops::active_kernel_level()), roof.read_gbs);
+  k3bench::Pool P;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
   std::vector<float> x(8192), y(8192);
-  for (auto &v : x)
-    v = u(rng);
+  for (auto& v : x) v = u(rng);
 
-  { // trunk: 24 x [2048, 4096] BF16 = 384 MiB
+  {  // trunk: 24 x [2048, 4096] BF16 = 384 MiB
     std::vector<k3::WeightMat> W;
-    for (int i = 0; i < 24; ++i)
-      W.push_back(P.bf16(2048, 4096));
+    for (int i = 0; i < 24; ++i) W.push_back(P.bf16(2048, 4096));
     size_t next = 0;
     const double r = rate(min_s, [&] {
-      const k3::WeightMat &w = W[next++ % W.size()];
+      const k3::WeightMat& w = W[next++ % W.size()];
       k3::ops::matmul(w, x.data(), 1, y.data());
       return bytes_of(w);
     });
-    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n",
-                "bf16 gemv [2048,4096], rows split", r / 1e9,
+    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n", "bf16 gemv [2048,4096], rows split", r / 1e9,
                 100 * r / 1e9 / roof.read_gbs);
   }
-  { // experts: pool of 256 experts (latent 1024, inter 768), top-8 per step
+  {  // experts: pool of 256 experts (latent 1024, inter 768), top-8 per step
     struct Glu {
       k3::WeightMat gate, up, down;
     };
     std::vector<Glu> E;
-    for (int i = 0; i < 256; ++i)
-      E.push_back({P.mxfp4(768, 1024), P.mxfp4(768, 1024), P.mxfp4(1024, 768)});
+    for (int i = 0; i < 256; ++i) E.push_back({P.mxfp4(768, 1024), P.mxfp4(768, 1024), P.mxfp4(1024, 768)});
     std::vector<std::vector<float>> out(8, std::vector<float>(2048));
     std::uniform_int_distribution<int> pick(0, int(E.size()) - 1);
-    const double whole =
-        rate(min_s, [&] { // the previous decode scheme, for comparison
-          int ids[8];
-          for (int &i : ids)
-            i = pick(rng);
-          double bytes = 0;
+    const double whole = rate(min_s, [&] {  // the previous decode scheme, for comparison
+      int ids[8];
+      for (int& i : ids) i = pick(rng);
+      double bytes = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bytes)
-          for (int i = 0; i < 8; ++i) {
-            const k3::ops::NumericsScope s(k3::ops::Numerics::Fast);
-            const Glu &g = E[size_t(ids[i])];
-            float *o = out[size_t(i)].data();
-            k3::ops::matmul(g.gate, x.data(), 1, o);
-            k3::ops::matmul(g.up, x.data(), 1, o + 768);
-            k3::ops::matmul(g.down, o, 1, o + 1024);
-            bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
-          }
-          return bytes;
-        });
-    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n",
-                "mxfp4 experts top-8 of 256, whole per thread", whole / 1e9,
+      for (int i = 0; i < 8; ++i) {
+        const k3::ops::NumericsScope s(k3::ops::Numerics::Fast);
+        const Glu& g = E[size_t(ids[i])];
+        float* o = out[size_t(i)].data();
+        k3::ops::matmul(g.gate, x.data(), 1, o);
+        k3::ops::matmul(g.up, x.data(), 1, o + 768);
+        k3::ops::matmul(g.down, o, 1, o + 1024);
+        bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
+      }
+      return bytes;
+    });
+    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n", "mxfp4 experts top-8 of 256, whole per thread", whole / 1e9,
                 100 * whole / 1e9 / roof.read_gbs);
-    // as moe_forward decodes: two regions, rows in chunks; `pool` experts to
-    // pick from (256: from RAM; 2: the same two experts again, from the caches:
-    // the kernels' compute ceiling)
+    // As moe_forward decodes: two regions, rows in chunks, the experts drawn from `pool` (256: from
+    // RAM; 2: the same two again, from the caches: the kernels' compute ceiling).
     const auto chunked = [&](int pool) {
       std::uniform_int_distribution<int> from(0, pool - 1);
       return rate(min_s, [&] {
-        const k3::WeightMat *gu[16];
-        const k3::WeightMat *dn[8];
-        const float *dx[8];
-        float *gy[16];
-        float *dy[8];
+        const k3::WeightMat* gu[16];
+        const k3::WeightMat* dn[8];
+        const float* dx[8];
+        float* gy[16];
+        float* dy[8];
         double bytes = 0;
         for (int i = 0; i < 8; ++i) {
-          const Glu &g = E[size_t(from(rng))];
-          float *o = out[size_t(i)].data();
-          gu[2 * i] = &g.gate, gu[2 * i + 1] = &g.up, gy[2 * i] = o,
-                 gy[2 * i + 1] = o + 768;
+          const Glu& g = E[size_t(from(rng))];
+          float* o = out[size_t(i)].data();
+          gu[2 * i] = &g.gate, gu[2 * i + 1] = &g.up, gy[2 * i] = o, gy[2 * i + 1] = o + 768;
           dn[i] = &g.down, dx[i] = o, dy[i] = o + 1024;
           bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
         }
@@ -192,11 +141,9 @@ int main(int argc, char **argv) {
       });
     };
     const double chunks = chunked(256), cached = chunked(2);
-    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n",
-                "mxfp4 experts top-8 of 256, rows in chunks", chunks / 1e9,
+    std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n", "mxfp4 experts top-8 of 256, rows in chunks", chunks / 1e9,
                 100 * chunks / 1e9 / roof.read_gbs);
-    std::printf("%-46s %8.2f GB/s (compute ceiling)\n",
-                "mxfp4 experts top-8 of 2, in cache", cached / 1e9);
+    std::printf("%-46s %8.2f GB/s (compute ceiling)\n", "mxfp4 experts top-8 of 2, in cache", cached / 1e9);
   }
   return 0;
 }

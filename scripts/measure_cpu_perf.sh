@@ -9,7 +9,9 @@
 #   docs/data/k3-layer-bench.json      one true-width K3 layer of each kind (bin/k3_layer_bench),
 #                                      extrapolated to 93 layers next to kimi-k3-in-c.
 #   docs/data/cpu-gemv-bench.txt       the two decode weight streams alone (bin/k3_gemv_bench): BF16
-#                                      GEMV rows split, MXFP4 experts whole per thread, vs the probe.
+#                                      GEMV rows split, MXFP4 experts, vs the probe.
+#   docs/data/cpu-gemm-bench.txt       the prefill GEMMs alone (bin/k3_gemm_bench) at cpu-bench's
+#                                      shapes, 1 and 2 threads, vs the peak probe.
 # The checkpoint is (re)generated when absent (tools venv: tools/setup_venv.sh); never commit it.
 # Environment: MODEL (default build/cpu-bench), BUILD_DIR (default build), PYTHON (default
 # build/venv/bin/python), THREADS (default 2, the setting).
@@ -27,7 +29,7 @@ if [[ ! -f $model/model.safetensors.index.json ]]; then
   "$py" tools/gen/gen_tiny_checkpoint.py --preset cpu-bench --seed 1 --out "$model" --no-reference
 fi
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$build" -j"$(nproc)" --target k3cli k3_layer_bench k3_gemv_bench >/dev/null
+cmake --build "$build" -j"$(nproc)" --target k3cli k3_layer_bench k3_gemv_bench k3_gemm_bench >/dev/null
 
 mkdir -p docs/data
 machine="$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
@@ -68,6 +70,12 @@ cat "$md"
   for run in 1 2 3; do OMP_NUM_THREADS=$threads "$build/bin/k3_gemv_bench" 2; done
 } > docs/data/cpu-gemv-bench.txt
 cat docs/data/cpu-gemv-bench.txt
+{
+  echo "# written by bash scripts/measure_cpu_perf.sh; $machine; $(date -u +%F)"
+  OMP_NUM_THREADS=1 "$build/bin/k3_gemm_bench" 1
+  OMP_NUM_THREADS=$threads "$build/bin/k3_gemm_bench" 1
+} > docs/data/cpu-gemm-bench.txt
+cat docs/data/cpu-gemm-bench.txt
 OMP_NUM_THREADS=$threads "$build/bin/k3_layer_bench" -r 3 > docs/data/k3-layer-bench.json
 cat docs/data/k3-layer-bench.json
 echo "measure_cpu_perf.sh: wall $(( $(date +%s) - start )) s" >&2
