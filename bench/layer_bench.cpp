@@ -190,7 +190,11 @@ int main(int argc, char** argv) {
     k3::ForwardOptions opt;
     opt.numerics = k3::ops::parse_numerics(numerics);
     const k3::ops::NumericsScope scope(opt.numerics);
-    const k3::ops::Roofline roof = k3::ops::measure_roofline();
+    // The read probe before and after the timings (a shared machine's bandwidth moves within
+    // seconds): the ratio divides by the larger.
+    const k3::ops::ReadProbe probe(omp_get_max_threads(), uint64_t(1) << 30);
+    const double read_before = probe.measure(5);
+    const double peak_gflops = k3::ops::measure_peak_gflops(omp_get_max_threads(), 5);
 
     // Decode: one token at `depth` context (MLA cache filled with random latents, KDA state random).
     auto time_layer = [&](const k3::LayerWeights& w, int64_t L, int64_t T) {
@@ -226,6 +230,7 @@ int main(int argc, char** argv) {
       if (r > 0) lt.push_back(now_s() - t0);
     }
     const double head = median(lt);
+    const double read_after = probe.measure(5), read_gbs = std::max(read_before, read_after);
     const int64_t n_kda = int64_t(k3::kda_layers_zero_based(cfg).size()), n_mla = d.layers - n_kda;
     const double decode_s = double(n_kda) * kda_dec + double(n_mla) * mla_dec + head;
     const double prefill_s = double(n_kda) * kda_pre + double(n_mla) * mla_pre;
@@ -261,7 +266,11 @@ int main(int argc, char** argv) {
     j["expert_pool"] = pool_n;
     j["decode_depth"] = depth;
     j["prefill_tokens"] = prefill;
-    j["roofline"] = {{"read_gbs", roof.read_gbs}, {"peak_gflops", roof.peak_gflops}, {"peak_kind", roof.peak_kind}};
+    j["roofline"] = {{"read_gbs", read_gbs},
+                     {"read_gbs_before", read_before},
+                     {"read_gbs_after", read_after},
+                     {"peak_gflops", peak_gflops},
+                     {"peak_kind", k3::ops::peak_kind()}};
     j["kda_layer"] = {{"decode_ms", kda_dec * 1e3}, {"decode_bytes", kda_b},
                       {"decode_gbs", double(kda_b) / kda_dec / 1e9}, {"prefill_ms_per_token", kda_pre * 1e3}};
     j["mla_layer"] = {{"decode_ms", mla_dec * 1e3}, {"decode_bytes", mla_b},
@@ -270,7 +279,7 @@ int main(int argc, char** argv) {
     j["layers"] = {{"kda", n_kda}, {"mla", n_mla}};
     j["extrapolated"] = {{"decode_s_per_token", decode_s},
                          {"decode_bytes_per_token", total_b},
-                         {"decode_fraction_of_read_bw", double(total_b) / decode_s / (roof.read_gbs * 1e9)},
+                         {"decode_fraction_of_read_bw", double(total_b) / decode_s / (read_gbs * 1e9)},
                          {"prefill_s_per_token", prefill_s},
                          {"note", "all weights resident in RAM (the 1.45 TB of experts would have to come from "
                                   "disk on a real machine of this size: add expert bytes / disk bandwidth)"}};

@@ -8,7 +8,10 @@ For one checkpoint directory (released K3 layout):
      context (logits of the last token only), tgN = N single-token decode steps from an empty
      context, each fed the argmax of the previous step (the same definitions as `k3 bench`); one
      warm-up run per test, then -r timed runs; t/s = mean +- sample stddev of the per-run t/s;
-  3. optionally run `k3 bench` with the same N, repetitions and threads (--with-k3);
+  3. optionally run `k3 bench` with the same N, repetitions and threads (--with-k3), and with
+     --rounds K alternate the two engines K times (ABAB..., the first engine of a round
+     alternating) and report the median of the per-round k3 / llama.cpp ratios, so that the
+     machine's drift between the two engines' runs cancels;
   4. correctness cross-check: teacher-forced logits of llama.cpp for the same ids (one prefill, and
      token-by-token decode) against `k3 logits` (and against the checkpoint's fp64 reference
      logits when it has reference.json + logits.f32): relative L2, max |diff|, argmax agreement.
@@ -339,6 +342,10 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2, help="threads (default 2)")
     ap.add_argument("--seed", type=int, default=1, help="seed of the random ids (default 1)")
     ap.add_argument("--with-k3", action="store_true", help="also run `k3 bench` with the same settings")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --with-k3: alternate the two engines this many rounds (llama.cpp first in odd "
+                         "rounds, k3 first in even ones) and report the median of the per-round ratios; a "
+                         "shared machine's memory bandwidth moves between the two engines' runs (default 1)")
     ap.add_argument("--no-bench", action="store_true", help="skip the throughput tests")
     ap.add_argument("--no-check", action="store_true", help="skip the logits cross-check")
     ap.add_argument("--check-ids", help="ids for the cross-check: 1,2,3 or @file (default: the "
@@ -386,7 +393,7 @@ def main() -> int:
         "checkpoint": str(ckpt),
         "gguf": {"path": str(gguf_path), "bytes": gguf_path.stat().st_size, "converted_now": converted,
                  "convert_s": conv_s, **gguf_summary(gguf_path, Path(a.llama_src))},
-        "settings": {"threads": a.threads, "n_prompt": a.pp, "n_gen": a.tg, "repetitions": a.reps,
+        "settings": {"threads": a.threads, "n_prompt": a.pp, "n_gen": a.tg, "repetitions": a.reps, "rounds": a.rounds,
                      "warmup_runs": a.warmup, "seed": a.seed, "n_depth": 0, "outtype": a.outtype},
     }
 
@@ -397,36 +404,73 @@ def main() -> int:
     doc["peer"].update(peer.info())
     doc["settings"].update({"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_batch})
 
-    results = []
-    if not a.no_bench:
+    pp_ids = [int(x) for x in rng.integers(0, peer.n_vocab, a.pp)] if a.pp > 0 else []
+    tg_first = int(rng.integers(0, peer.n_vocab)) if a.tg > 0 else 0
+
+    def peer_round() -> list[dict]:
+        out = []
         if a.pp > 0:
-            ids = [int(x) for x in rng.integers(0, peer.n_vocab, a.pp)]
             for _ in range(a.warmup):
-                peer.run_pp(ids)
-            s = [peer.run_pp(ids) for _ in range(a.reps)]
-            results.append({"test": f"pp{a.pp}", "n_prompt": a.pp, "n_gen": 0, **stats(s, a.pp)})
+                peer.run_pp(pp_ids)
+            s = [peer.run_pp(pp_ids) for _ in range(a.reps)]
+            out.append({"test": f"pp{a.pp}", "n_prompt": a.pp, "n_gen": 0, **stats(s, a.pp)})
         if a.tg > 0:
-            first = int(rng.integers(0, peer.n_vocab))
             for _ in range(a.warmup):
-                peer.run_tg(first, a.tg)
-            s = [peer.run_tg(first, a.tg) for _ in range(a.reps)]
-            results.append({"test": f"tg{a.tg}", "n_prompt": 0, "n_gen": a.tg, **stats(s, a.tg)})
-    doc["results"] = results
+                peer.run_tg(tg_first, a.tg)
+            s = [peer.run_tg(tg_first, a.tg) for _ in range(a.reps)]
+            out.append({"test": f"tg{a.tg}", "n_prompt": 0, "n_gen": a.tg, **stats(s, a.tg)})
+        return out
 
     k3 = find_k3(a.k3)
-    if a.with_k3 and not a.no_bench:
-        if k3 is None:
+
+    def k3_round() -> dict:
+        kb = k3_bench(k3, ckpt, a.pp, a.tg, a.reps, a.threads, a.seed, shlex.split(a.k3_bench_args))
+        return {"command": kb["command"], "build": kb.get("build"), "settings": kb.get("settings"),
+                "results": [{k: r[k] for k in ("test", "n_prompt", "n_gen", "samples_ns", "avg_ts", "stddev_ts")
+                             if k in r} for r in kb.get("results", [])]}
+
+    results = []
+    if not a.no_bench:
+        with_k3 = a.with_k3 and k3 is not None
+        if a.with_k3 and k3 is None:
             doc["k3"] = {"error": "k3 binary not found (build/bin/k3, build-peer/bin/k3)"}
-        else:
-            try:
-                kb = k3_bench(k3, ckpt, a.pp, a.tg, a.reps, a.threads, a.seed, shlex.split(a.k3_bench_args))
-                doc["k3"] = {"command": kb["command"], "build": kb.get("build"),
-                             "settings": kb.get("settings"),
-                             "results": [{k: r[k] for k in ("test", "n_prompt", "n_gen", "samples_ns",
-                                                            "avg_ts", "stddev_ts") if k in r}
-                                         for r in kb.get("results", [])]}
-            except Exception as e:
-                doc["k3"] = {"error": str(e)}
+        rounds = []
+        for i in range(max(1, a.rounds) if with_k3 else 1):
+            r: dict = {"round": i + 1, "order": "llama.cpp, k3" if i % 2 == 0 else "k3, llama.cpp"}
+            if i % 2 == 0:
+                r["llama_cpp"] = peer_round()
+            if with_k3:
+                try:
+                    r["k3"] = k3_round()
+                except Exception as e:  # reported; the rounds stop with llama.cpp's numbers alone
+                    doc["k3"] = {"error": str(e)}
+                    with_k3 = False
+            if i % 2 == 1:
+                r["llama_cpp"] = peer_round()
+            if "k3" in r:
+                theirs = {x["test"]: x["avg_ts"] for x in r["llama_cpp"]}
+                r["k3_over_llama_cpp"] = {x["test"]: x["avg_ts"] / theirs[x["test"]] for x in r["k3"]["results"]
+                                          if x["test"] in theirs}
+            rounds.append(r)
+            if not with_k3 and a.with_k3:
+                break
+        # All rounds' samples pooled per engine and test (the round-1 layout when --rounds 1).
+        def pooled(per_round: list[list[dict]]) -> list[dict]:
+            out = []
+            for first in per_round[0]:
+                s = [x for rr in per_round for t in rr if t["test"] == first["test"] for x in t["samples_ns"]]
+                n = first["n_prompt"] + first["n_gen"]
+                out.append({k: first[k] for k in ("test", "n_prompt", "n_gen")} | stats(s, n))
+            return out
+        results = pooled([r["llama_cpp"] for r in rounds])
+        if all("k3" in r for r in rounds) and with_k3:
+            doc["k3"] = {k: rounds[0]["k3"][k] for k in ("command", "build", "settings")}
+            doc["k3"]["results"] = pooled([r["k3"]["results"] for r in rounds])
+            doc["k3_over_llama_cpp_median"] = {
+                t: statistics.median(r["k3_over_llama_cpp"][t] for r in rounds) for t in rounds[0]["k3_over_llama_cpp"]}
+        if len(rounds) > 1:
+            doc["rounds"] = rounds
+    doc["results"] = results
 
     if not a.no_check:
         chk: dict = {"ids": check_ids}
@@ -468,6 +512,9 @@ def main() -> int:
         eprint(f"| k3        | {r['test']:6} | {r['avg_ts']:8.2f} ± {r['stddev_ts']:6.2f} |")
     if "k3" in doc and "error" in doc["k3"]:
         eprint(f"k3 bench: {doc['k3']['error']}")
+    for t, v in doc.get("k3_over_llama_cpp_median", {}).items():
+        per = ", ".join(f"{r['k3_over_llama_cpp'][t]:.2f}" for r in doc.get("rounds", []))
+        eprint(f"k3 / llama.cpp {t}: {v:.2f}x" + (f" (median of {len(doc['rounds'])} rounds: {per})" if per else ""))
     for k, v in doc.get("check", {}).items():
         if isinstance(v, dict) and "rel_l2" in v:
             eprint(f"{k}: rel-L2 {v['rel_l2']:.3e} (per position: median {v['rel_l2_median_pos']:.2e}, "
