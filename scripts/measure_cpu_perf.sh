@@ -66,7 +66,7 @@ md=docs/data/cpu-roofline.md
 } > "$md"
 cat "$md"
 {
-  echo "# written by bash scripts/measure_cpu_perf.sh; $machine; $(date -u +%F); three runs"
+  echo "# written by bash scripts/measure_cpu_perf.sh; $machine; $(date -u +%F); three runs, 2 threads"
   for run in 1 2 3; do OMP_NUM_THREADS=$threads "$build/bin/k3_gemv_bench" 2; done
 } > docs/data/cpu-gemv-bench.txt
 cat docs/data/cpu-gemv-bench.txt

@@ -5,24 +5,31 @@
 # streamed through an LRU cache smaller than half of them; buffered pread and O_DIRECT), asserting
 # the three print the same text. Records tokens/s, peak RSS, expert bytes read per token, hit rate.
 # The checkpoint is (re)generated when absent (needs the tools venv); never commit it.
-# Environment: MODEL (default build/experts-heavy), BUILD_DIR (default build), PYTHON (tools venv python,
-# default /tmp/k3venv/bin/python), CACHE (expert cache size in bytes, default 128 MiB), TOKENS (32),
+# The default build is CPU-only (build-cpu, K3_CUDA=OFF): a build with the CUDA backend maps the
+# CUDA libraries (cuBLAS) at start, which adds their pages to every run's RSS; baseline_rss_bytes
+# (`k3 --version`) shows what the binary alone costs. BUILD_DIR=build OUT=... measures a CUDA build.
+# Environment: MODEL (default build/experts-heavy), BUILD_DIR (default build-cpu), PYTHON (tools venv python,
+# default build/venv/bin/python, created by tools/setup_venv.sh when absent), CACHE (expert cache size in bytes, default 128 MiB), TOKENS (32),
 # REPS (runs of each configuration, interleaved; default 3), PRESET (generator preset used when
 # MODEL is absent; default experts-heavy), OUT (default docs/data/ram-budget.json).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 model=${MODEL:-build/experts-heavy}
-build=${BUILD_DIR:-build}
-py=${PYTHON:-/tmp/k3venv/bin/python}
+build=${BUILD_DIR:-build-cpu}
+cmake_args=()
+[[ -n ${BUILD_DIR:-} ]] || cmake_args=(-DCMAKE_BUILD_TYPE=Release -DK3_CUDA=OFF)
+py=${PYTHON:-build/venv/bin/python}
 cache=${CACHE:-$((128 << 20))}
 tokens=${TOKENS:-32}
 reps=${REPS:-3}
 
 if [[ ! -f $model/model.safetensors.index.json ]]; then
+  [[ -x $py ]] || bash tools/setup_venv.sh
+  [[ -x $py ]] || py=build/venv/bin/python
   "$py" tools/gen/gen_tiny_checkpoint.py --preset "${PRESET:-experts-heavy}" --seed 1 --out "$model" --no-reference
 fi
-cmake -S . -B "$build" >/dev/null && nice -n 19 cmake --build "$build" -j"$(nproc)" --target k3cli >/dev/null
+cmake -S . -B "$build" "${cmake_args[@]}" >/dev/null && nice -n 19 cmake --build "$build" -j"$(nproc)" --target k3cli >/dev/null
 
 machine="$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
 mkdir -p docs/data
@@ -83,6 +90,11 @@ def run(extra):
                   "hit_rate": round(hits / (hits + misses), 4)})
     return text, r
 
+# What the binary alone holds (its libraries, no model): `k3 --version`.
+p = subprocess.Popen([k3, "--version"], stdout=subprocess.DEVNULL)
+_, _, ru = os.wait4(p.pid, 0)
+baseline_rss = ru.ru_maxrss * 1024
+
 # The three configurations interleaved, `reps` times each (2 shared cores: single runs are noisy);
 # throughput is the median over the repetitions, every repetition's figures are kept.
 configs = [("unlimited", []), ("budget", ["--ram-budget", str(budget)]),
@@ -117,6 +129,7 @@ for key, rs in samples.items():
     runs[key] = r
 
 doc = {"command": "bash scripts/measure_ram_budget.sh", "machine": machine, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+       "binary": k3, "baseline_rss_bytes": baseline_rss,
        "checkpoint": model, "prompt": prompt, "generated_tokens": tokens,
        "ram_budget_bytes": budget, "trunk_bytes": trunk, "expert_bytes": experts,
        "expert_cache_bytes": cache, "expert_cache_fraction_of_experts": round(cache / experts, 4),
