@@ -426,8 +426,8 @@ def main() -> int:
     def k3_round() -> dict:
         kb = k3_bench(k3, ckpt, a.pp, a.tg, a.reps, a.threads, a.seed, shlex.split(a.k3_bench_args))
         return {"command": kb["command"], "build": kb.get("build"), "settings": kb.get("settings"),
-                "results": [{k: r[k] for k in ("test", "n_prompt", "n_gen", "samples_ns", "avg_ts", "stddev_ts")
-                             if k in r} for r in kb.get("results", [])]}
+                "results": [{k: r[k] for k in ("test", "n_prompt", "n_gen", "samples_ns", "avg_ts", "stddev_ts",
+                                                "roofline") if k in r} for r in kb.get("results", [])]}
 
     results = []
     if not a.no_bench:
@@ -451,6 +451,11 @@ def main() -> int:
                 theirs = {x["test"]: x["avg_ts"] for x in r["llama_cpp"]}
                 r["k3_over_llama_cpp"] = {x["test"]: x["avg_ts"] / theirs[x["test"]] for x in r["k3"]["results"]
                                           if x["test"] in theirs}
+                # llama.cpp against the roof k3 bench probed in the same round (same work per token:
+                # both engines read the same weights in the same formats), for scale.
+                r["llama_cpp_roofline_ratio_vs_k3_probes"] = {
+                    x["test"]: theirs[x["test"]] * x["roofline"]["ratio"] / x["avg_ts"]
+                    for x in r["k3"]["results"] if x["test"] in theirs and "roofline" in x}
             rounds.append(r)
             if not with_k3 and a.with_k3:
                 break
@@ -512,6 +517,12 @@ def main() -> int:
         eprint(f"| k3        | {r['test']:6} | {r['avg_ts']:8.2f} ± {r['stddev_ts']:6.2f} |")
     if "k3" in doc and "error" in doc["k3"]:
         eprint(f"k3 bench: {doc['k3']['error']}")
+    for t in (doc.get("rounds") or [{}])[0].get("llama_cpp_roofline_ratio_vs_k3_probes", {}):
+        ours = statistics.median(x["roofline"]["ratio"] for r in doc["rounds"] for x in r["k3"]["results"]
+                                 if x["test"] == t)
+        theirs = statistics.median(r["llama_cpp_roofline_ratio_vs_k3_probes"][t] for r in doc["rounds"])
+        eprint(f"{t} vs the roof k3 bench probed in each round (median): k3 {100 * ours:.1f}%, "
+               f"llama.cpp {100 * theirs:.1f}%")
     for t, v in doc.get("k3_over_llama_cpp_median", {}).items():
         per = ", ".join(f"{r['k3_over_llama_cpp'][t]:.2f}" for r in doc.get("rounds", []))
         eprint(f"k3 / llama.cpp {t}: {v:.2f}x" + (f" (median of {len(doc['rounds'])} rounds: {per})" if per else ""))
