@@ -1,6 +1,7 @@
 // AVX-512 (F/BW/VL/DQ + BF16) weight-matmul kernels: GEMV straight from BF16/F16/F32 rows and from
 // packed MXFP4 nibbles + E8M0 scales; register-tiled 4x4 GEMMs in fp32 (exact), and with vdpbf16ps
-// (fast) on packed activations. Compiled with -mavx512*; called only through gemm.cpp after cpu_isa() said avx512.
+// (fast) on packed activations. Compiled with -mavx512*; called only through gemm.cpp after
+// cpu_isa() said avx512.
 // Must not: use std templates or anything with external linkage besides kGemm (see gemm_kernels.h).
 #include <immintrin.h>
 
@@ -322,8 +323,9 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
 // 16 tokens per vector, kp = column pair 2kp, 2kp + 1), the weights need no packing: each
 // vdpbf16ps multiplies one weight pair, broadcast straight from the row (BF16) or from the row
 // decoded to bf16 pairs (MXFP4), by 16 tokens' pairs, adding both products into 16 accumulators.
-// A tile is 6 rows x up to 4 token vectors (12 rows for calls of up to 24 tokens). Each output is one chain over the pairs in column
-// order, so it does not depend on T, the other tokens or the rows around it. Measured on Zen 4
+// A tile is 6 rows x up to 4 token vectors (12 rows for calls of up to 24 tokens). Each output is
+// one chain over the pairs in column order, so it does not depend on T, the other tokens or the
+// rows around it. Measured on Zen 4
 // (2048 x 2048 BF16, T = 128, one core): 85-91% of the vdpbf16ps peak, against 70% for the
 // weights packed into 32-row panels (rows in the lanes), whose packing alone cost a quarter of the
 // time; a packed panel is reused only across the tokens of one call.
