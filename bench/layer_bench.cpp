@@ -193,8 +193,8 @@ int main(int argc, char** argv) {
     // The read probe before and after the timings (a shared machine's bandwidth moves within
     // seconds): the ratio divides by the larger.
     const k3::ops::ReadProbe probe(omp_get_max_threads(), uint64_t(1) << 30);
-    const double read_before = probe.measure(5);
-    const double peak_gflops = k3::ops::measure_peak_gflops(omp_get_max_threads(), 5);
+    const k3::ops::Roofline roof = k3::ops::measure_roofline(probe, 5);
+    const double read_before = roof.read_gbs;
 
     // Decode: one token at `depth` context (MLA cache filled with random latents, KDA state random).
     auto time_layer = [&](const k3::LayerWeights& w, int64_t L, int64_t T) {
@@ -269,8 +269,8 @@ int main(int argc, char** argv) {
     j["roofline"] = {{"read_gbs", read_gbs},
                      {"read_gbs_before", read_before},
                      {"read_gbs_after", read_after},
-                     {"peak_gflops", peak_gflops},
-                     {"peak_kind", k3::ops::peak_kind()}};
+                     {"peak_gflops", roof.peak_gflops},
+                     {"peak_kind", roof.peak_kind}};
     j["kda_layer"] = {{"decode_ms", kda_dec * 1e3}, {"decode_bytes", kda_b},
                       {"decode_gbs", double(kda_b) / kda_dec / 1e9}, {"prefill_ms_per_token", kda_pre * 1e3}};
     j["mla_layer"] = {{"decode_ms", mla_dec * 1e3}, {"decode_bytes", mla_b},

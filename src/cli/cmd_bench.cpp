@@ -625,11 +625,7 @@ int run(const Flags& f, int argc, char** argv) {
         r = gpu_roofline(uint64_t(f.roofline_mib) << 20);
       } else {
         auto& probe = read_probes[t] = std::make_unique<k3::ops::ReadProbe>(int(t), uint64_t(f.roofline_mib) << 20);
-        r.threads = probe->threads();
-        r.probe_bytes = probe->bytes();
-        r.read_gbs = probe->measure(5);
-        r.peak_gflops = k3::ops::measure_peak_gflops(int(t), 5);
-        r.peak_kind = k3::ops::peak_kind();
+        r = k3::ops::measure_roofline(*probe, 5);
       }
       roofs[t] = r;
       rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops}, {"peak_kind", r.peak_kind},

@@ -95,8 +95,11 @@ double measure_peak_gflops(int threads, int reps) {
 }
 
 Roofline measure_roofline(int threads, uint64_t probe_bytes, int reps) {
+  return measure_roofline(ReadProbe(threads, probe_bytes), reps);
+}
+
+Roofline measure_roofline(const ReadProbe& probe, int reps) {
   Roofline r;
-  const ReadProbe probe(threads, probe_bytes);
   r.threads = probe.threads();
   r.probe_bytes = probe.bytes();
   r.read_gbs = probe.measure(reps);

@@ -35,6 +35,8 @@ class ReadProbe {
   uint64_t bytes_ = 0;
   std::unique_ptr<uint8_t, void (*)(void*)> buf_;
 };
+// Both probes with an existing read probe (its threads, its buffer).
+Roofline measure_roofline(const ReadProbe& probe, int reps = 5);
 double measure_peak_gflops(int threads, int reps);  // best of reps, GFLOP/s
 const char* peak_kind();                             // what measure_peak_gflops times
 
