@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include "config/arch_stats.h"
 #include "config/model_config.h"
 #include "core/error.h"
+#include "model/layer_runner.h"
 #include "model/model.h"
 #include "model/traffic.h"
 #include "ops/cpu/isa.h"
@@ -64,12 +66,17 @@ struct Arena {
     for (size_t i = 0; i < n / 32; ++i) s[i] = uint8_t(118 + rng() % 4);
     return k3::WeightMat{k3::WFormat::MXFP4, rows, cols, p, s};
   }
-  std::vector<float> vec(int64_t n, float base, float spread) {
+  std::vector<float> floats(int64_t n, float base, float spread) {
     std::uniform_real_distribution<float> u(-spread, spread);
     std::vector<float> v(static_cast<size_t>(n));
     for (auto& x : v) x = base + u(rng);
     return v;
   }
+  k3::FVec vec(int64_t n, float base, float spread) {
+    kept.push_back(floats(n, base, spread));
+    return k3::FVec{kept.back().data(), n};
+  }
+  std::deque<std::vector<float>> kept;  // the vectors the FVec views point at
 };
 
 void bind_moe(Arena& A, const k3::ModelDims& d, const k3::ModelConfig& c, const std::vector<k3::GluWeights>& pool,
@@ -91,13 +98,6 @@ double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock:
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-k3::DepthState make_depth(Arena& A, int64_t blocks, int64_t T, int64_t H) {
-  k3::DepthState ds;
-  for (int64_t b = 0; b < blocks; ++b) ds.blocks.push_back(A.vec(T * H, 0.0f, 1.0f));
-  ds.partial = A.vec(T * H, 0.0f, 1.0f);
-  return ds;
 }
 
 }  // namespace
@@ -198,22 +198,40 @@ int main(int argc, char** argv) {
 
     // Decode: one token at `depth` context (MLA cache filled with random latents, KDA state random).
     auto time_layer = [&](const k3::LayerWeights& w, int64_t L, int64_t T) {
-      k3::LayerState st;
+      std::vector<bool> kinds(size_t(L + 1), true);
+      kinds[size_t(L)] = w.is_kda;
+      k3::LayerRunner run(d, kinds);
       if (w.is_kda) {
-        st.kda.reset(d.kda);
-        for (auto& x : st.kda.S) x = float(A.rng() % 2001) * 1e-4f - 0.1f;
+        std::vector<float> S(size_t(d.kda.state_floats())), conv[3];
+        for (auto& x : S) x = float(A.rng() % 2001) * 1e-4f - 0.1f;
+        for (auto& c : conv) c.assign(size_t(d.kda.conv_floats()), 0.0f);
+        run.pool.write_kda(run.slot, L, S, conv);
       } else {
-        st.mla.c = A.vec(depth * d.mla.kv_lora, 0.0f, 1.0f);
-        st.mla.kr = A.vec(depth * d.mla.rope, 0.0f, 1.0f);
-        st.mla.len = depth;
+        run.pool.set_position(run.slot, depth);
+        run.pool.write_mla(run.slot, L, A.floats(depth * d.mla.kv_lora, 0.0f, 1.0f), A.floats(depth * d.mla.rope, 0.0f, 1.0f));
       }
+      const auto num = opt.numerics == k3::ops::Numerics::Exact ? k3::StepNumerics::Exact
+                       : opt.numerics == k3::ops::Numerics::F32 ? k3::StepNumerics::F32
+                                                                 : k3::StepNumerics::Fast;
+      // Depth state: `blocks` snapshots and the partial sum, plus a spare for a snapshot.
+      std::vector<std::vector<float>> bufs;
+      for (int64_t b = 0; b <= blocks + 1; ++b) bufs.push_back(A.floats(T * H, 0.0f, 1.0f));
+      std::vector<float*> spare;
+      for (auto& b : bufs) spare.push_back(b.data());
+      std::vector<float> a(size_t(T * H)), xn(a.size()), y(a.size());
       std::vector<double> times;
       for (int64_t r = 0; r <= reps; ++r) {
-        k3::LayerState s = st;
-        k3::DepthState ds = make_depth(A, blocks, T, H);
+        const int32_t s = run.pool.fork(run.slot);
+        k3::DepthState ds;
+        for (int64_t b = 0; b < blocks; ++b) ds.blocks.push_back(spare[size_t(b)]);
+        ds.partial = spare[size_t(blocks)];
+        ds.partial_empty = false;
         const double t0 = now_s();
-        k3::decoder_layer(d, L, w, s, ds, T, opt);
+        run.step(s, T, [&](const k3::StepCtx& c) {
+          k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a.data(), xn.data(), y.data(), opt);
+        }, num);
         if (r > 0) times.push_back(now_s() - t0);  // the first run warms caches/pages up
+        run.pool.free(s);
       }
       return median(times);
     };

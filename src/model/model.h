@@ -1,18 +1,25 @@
-// Model: a bound K3 checkpoint (config + typed weight views) and the whole forward pass.
-// Session: per-sequence decode state (KDA recurrent + conv state, MLA latent cache, position).
-// Owns: layer order, Block AttnRes snapshot/partial-sum rules (§3.3), final norm + lm_head.
-// Must not: copy big weights (they stay views into the mmap'd shards) or read files after load
-// (routed experts may instead arrive through ForwardOptions::experts, which runtime/ owns).
+// Model: a bound K3-family checkpoint (config, dims, typed weight views), the backend it runs on and
+// the one forward pass over a step of many sequences (model/forward.cpp). Session: one sequence as a
+// slot of the model's own state pool, for callers that run one sequence at a time.
+// Owns: the backend choice (CPU unless use_gpu), the placed weights, the planned workspace.
+// Must not: copy big weights on the CPU (they stay views into the mmap'd shards) or read files
+// after load (routed experts may instead arrive through ForwardOptions::experts, which runtime/ owns).
+// Threads: one thread at a time drives forward/step of a model (they share its workspace).
 #pragma once
 #include <cstdint>
 #include <iosfwd>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "config/model_config.h"
+#include "model/backend.h"
+#include "model/dims.h"
 #include "model/layers.h"
+#include "model/state_pool.h"
+#include "model/weights.h"
 #include "ops/cpu/isa.h"
 
 namespace k3 {
@@ -20,86 +27,44 @@ namespace io {
 class Checkpoint;
 }
 
-// ---------------------------------------------------------------- GPU execution (model/gpu_forward.cpp)
-// The CUDA backend keeps a device copy of the weights (MXFP4 experts stay 4-bit, stacked per layer)
-// in a GpuModel, and each Session's KDA/conv state and MLA latent cache in a GpuSessionState.
-// Both are opaque here (no CUDA headers in model/); builds without K3_CUDA fail use_gpu() clearly.
-struct GpuModel;
-struct GpuSessionState;
-struct GpuModelDeleter {
-  void operator()(GpuModel* p) const;
-};
-// Owns a GpuSessionState; copying a Session copies its device state on the device.
-class GpuStateHandle {
- public:
-  GpuStateHandle() = default;
-  GpuStateHandle(const GpuStateHandle& o);
-  GpuStateHandle& operator=(const GpuStateHandle& o);
-  GpuStateHandle(GpuStateHandle&& o) noexcept : p(o.p) { o.p = nullptr; }
-  GpuStateHandle& operator=(GpuStateHandle&& o) noexcept;
-  ~GpuStateHandle();
-  GpuSessionState* p = nullptr;
-};
-
 struct GpuOptions {
-  bool graphs = true;            // capture single-token decode steps in CUDA graphs
-  int64_t tokens_per_call = 256; // activation workspace size; longer forwards run in pieces
-  int64_t initial_context = 4096;  // MLA cache capacity reserved per session (grows when needed)
+  bool graphs = true;              // capture single-token decode steps in CUDA graphs
+  int64_t tokens_per_call = 256;   // rows of one step; longer steps run in pieces
+  int64_t initial_context = 4096;  // cache pages reserved up front per sequence (grows when needed)
 };
 
 // GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).
 struct GpuMemoryPlan {
   size_t weights = 0;          // every weight the forward reads, in its stored format
-  size_t state_fixed = 0;      // per session: KDA recurrent + conv state
-  size_t state_per_token = 0;  // per session and cached token: MLA latent + rope key
-  size_t workspace = 0;        // activations for tokens_per_call tokens
+  size_t state_fixed = 0;      // per sequence: KDA recurrent + conv state
+  size_t state_per_token = 0;  // per sequence and cached token: MLA latent + rope key
+  size_t workspace = 0;        // activations for tokens_per_call rows
   int64_t context = 0;         // the context the totals below are for
   size_t total() const { return weights + workspace + state_fixed + state_per_token * size_t(context); }
 };
 
-struct LayerWeights {
-  std::vector<float> input_norm;  // [hidden] input_layernorm
-  std::vector<float> post_norm;   // [hidden] post_attention_layernorm
-  AttnResSite attn_res, mlp_res;  // self_attention_res_*, mlp_res_*
-  bool is_kda = true;
-  KdaWeights kda;
-  MlaWeights mla;
-  bool dense_ffn = false;
-  GluWeights dense;  // layer < first_k_dense_replace
-  MoeWeights moe;
-};
-
-struct LayerState {
-  KdaState kda;
-  MlaCache mla;
-};
-
-struct ModelDims {
-  int64_t hidden = 0, vocab = 0, layers = 0, block_size = 0;
-  float eps = 1e-5f;
-  KdaDims kda;
-  MlaDims mla;
-  MoeDims moe;
-  SituParams situ;
-  static ModelDims from_config(const ModelConfig& c);
-};
-
 struct ForwardOptions {
-  KdaAlgo kda_algo = KdaAlgo::Chunked;   // used when T > 1 (T == 1 always uses the recurrence)
+  KdaAlgo kda_algo = KdaAlgo::Chunked;   // used for chunks of more than one token
   int64_t kda_chunk = 64;
   MlaAlgo mla_algo = MlaAlgo::Absorbed;
   // Routed experts come from here when set (e.g. runtime/expert_cache.h under --ram-budget);
-  // nullptr = the resident mmap views. Not owned; must outlive the forward calls using it.
+  // nullptr = the placed weights. Not owned; must outlive the forward calls using it.
   ExpertSource* experts = nullptr;
   // Exact: the scalar fp64-accumulating kernels (reference grade; the library default and what the
-  // gates use). F32: SIMD kernels in fp32. Fast: F32 + bf16-rounded activations in prefill GEMMs
-  // and MXFP4 GEMVs (the CLI default). See ops/cpu/isa.h.
+  // gates use; CPU only). F32: SIMD kernels in fp32 (the GPU's parity mode). Fast: F32 + rounded
+  // activations in prefill GEMMs and MXFP4 GEMVs (CPU), bf16 tensor-core GEMMs (GPU). See ops/cpu/isa.h.
   ops::Numerics numerics = ops::Numerics::Exact;
-  // GPU only, with all_logits false: the argmax of the last token's logits (ties -> lowest id) is
-  // picked on the device and written here; the logits are then not copied back (logits may be
-  // null). Greedy decoding without penalties uses it. Ignored on the CPU (logits are filled and
-  // *argmax_out is set from them).
+  // With all_logits false: the argmax of the last token's logits (ties -> lowest id) is written here;
+  // logits may then be null (the GPU then copies back 4 bytes instead of the vocabulary's logits).
   int32_t* argmax_out = nullptr;
+};
+
+// One sequence's part of a step: `n` tokens appended to state slot `slot`.
+struct SeqStep {
+  int32_t slot = -1;
+  const int32_t* ids = nullptr;
+  int64_t n = 0;
+  bool all_logits = false;  // logits of every token, else of the last one only
 };
 
 class Model;
@@ -111,9 +76,14 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
 // MXFP4), the part of a checkpoint that --ram-budget streams instead of keeping resident.
 bool is_routed_expert_tensor(std::string_view name);
 
-// One decoder layer L on T tokens of the depth state (§3.3 steps 1-7).
-void decoder_layer(const ModelDims& d, int64_t L, const LayerWeights& w, LayerState& st, DepthState& depth, int64_t T,
-                   const ForwardOptions& opt);
+// One decoder layer L on the step's rows (§3.3 steps 1-7): the attention-site mix, a snapshot at block
+// starts (the new partial sum is spare[blocks after the snapshot]), the attention sublayer into the
+// partial sum, the FFN-site mix, the FFN into the partial sum. a, xn, y: [R, hidden] scratch.
+void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
+                   DepthState& depth, float* const* spare, float* a, float* xn, float* y, const ForwardOptions& opt);
+
+// Workspace floats of one step of up to R rows (the plan the workspace is allocated from).
+int64_t forward_work_floats(const ModelDims& d, int64_t R);
 
 class Session;
 
@@ -131,48 +101,78 @@ class Model {
   // with one model refuse to load into a model with a different fingerprint.
   uint64_t fingerprint() const;
 
-  // Runs T tokens through the model, appending to the session's state. logits: [T, vocab] when
-  // all_logits, else [1, vocab] for the last token only.
+  // One step of many sequences: seqs (distinct live slots of `pool`) each append their tokens.
+  // logits (host) receives, sequence by sequence, n rows if all_logits else 1 row of [vocab]; it
+  // may be null when argmax (host, [n_seqs]: the argmax of each sequence's last row) is given.
+  // Steps of more rows than the workspace holds run in pieces. Each sequence's results equal the
+  // same tokens run alone (bitwise on the CPU in exact numerics).
+  void step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
+            int32_t* argmax = nullptr) const;
+
+  // Runs T tokens of one session (a step of one sequence). logits: [T, vocab] when all_logits,
+  // else [1, vocab] for the last token only.
   void forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, float* logits,
                const ForwardOptions& opt = {}) const;
 
-  // Uploads the weights to the GPU (after checking they fit, with one-line errors); from then on
-  // forward() runs there for sessions created afterwards. Numerics on the GPU: Fast = bf16
-  // tensor-core GEMMs, F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
-  void use_gpu(const GpuOptions& o = {});
-  bool on_gpu() const { return gpu_ != nullptr; }
-  void set_gpu_graphs(bool on) const;  // CUDA-graph replay of decode steps (default on); for benchmarks
-  GpuModel* gpu() const { return gpu_.get(); }
+  // The state pool Sessions of this model live in (created on first use, on the current backend).
+  StatePool& session_pool() const;
+  // A fresh pool on this model's backend (a server's own; sessions are not in it).
+  std::unique_ptr<StatePool> new_pool(const StatePoolOptions& o = {}) const;
 
-  // Output-side pieces, public for tests.
-  WeightMat embed, lm_head;            // [vocab, hidden]
-  std::vector<float> final_norm;       // [hidden]
-  AttnResSite output_res;              // output_attn_res_*
-  std::vector<LayerWeights> layers;
+  // Moves the model to the GPU (uploads the weights after checking they fit, with one-line errors);
+  // sessions created before refuse to run. Numerics on the GPU: Fast = bf16 tensor-core GEMMs,
+  // F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
+  void use_gpu(const GpuOptions& o = {});
+  bool on_gpu() const;
+  void set_gpu_graphs(bool on) const;  // CUDA-graph replay of decode steps (default on); for benchmarks
+  Backend& backend() const { return *backend_; }
+  const ModelWeights& placed() const { return placed_; }  // the weights as the backend reads them
+
+  // The bound weights (host views into the mapping).
+  const ModelWeights& weights() const { return host_; }
+  const WeightMat& embed = host_.embed;
+  const WeightMat& lm_head = host_.lm_head;
+  const FVec& final_norm = host_.final_norm;
+  const AttnResSite& output_res = host_.output_res;
+  const std::vector<LayerWeights>& layers = host_.layers;
 
  private:
-  Model() = default;
+  friend std::unique_ptr<Model> bind_kimi_k3(const std::string& dir);
+  friend class Session;
+  Model();
+  // One piece of a step (at most max_rows_ rows): sel are the rows whose logits go to logits rows dst
+  // (am: the argmax index of the row's sequence when it is the sequence's last row, else -1).
+  void run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std::vector<int32_t>& sel,
+                 const std::vector<int64_t>& dst, const std::vector<int64_t>& am, const ForwardOptions& opt,
+                 float* logits, int32_t* argmax) const;
   ModelConfig cfg_;
   ModelDims dims_;
   std::unique_ptr<io::Checkpoint> ckpt_;
-  std::unique_ptr<GpuModel, GpuModelDeleter> gpu_;
+  std::vector<std::unique_ptr<float[]>> vec_store_;  // the decoded small vectors the host views point at
+  ModelWeights host_;
+  ModelWeights placed_;
+  std::unique_ptr<Backend> backend_;
+  int64_t max_rows_ = 512;                  // rows of one step (workspace plan)
+  mutable std::unique_ptr<Workspace> work_;
+  mutable std::unique_ptr<StatePool> sessions_;
+  uint64_t backend_generation_ = 0;         // bumped by use_gpu: older sessions refuse to run
 };
 
 class Session {
  public:
   explicit Session(const Model& m);
+  ~Session();
+  Session(const Session& o);             // a fork: same state, cache pages shared until written
+  Session& operator=(const Session& o);  // becomes a copy of o (keeps its own slot)
   void reset();
-  int64_t position() const { return pos_; }
+  int64_t position() const;
+  int32_t slot() const { return slot_; }
   // KDA fp32 recurrent + conv state bytes, and MLA latent cache bytes (fp32 as held here).
   size_t state_bytes() const;
 
   // A rollback point. KDA state cannot be un-applied, so a mark copies it (fixed size); the MLA
-  // cache is only truncated back to the marked length, never copied.
-  struct Mark {
-    int64_t pos = 0;
-    std::vector<KdaState> kda;      // per layer (empty for MLA layers)
-    std::vector<int64_t> mla_len;   // per layer
-  };
+  // cache is only shortened back to the marked length, never copied.
+  using Mark = StatePool::Snapshot;
   Mark mark() const;
   void rollback(const Mark& m);  // k3::Error if the session no longer extends the mark
 
@@ -182,16 +182,10 @@ class Session {
 
  private:
   friend class Model;
-  friend struct GpuSessionState;
+  StatePool& pool() const;
   const Model* model_;
-  // Host state. While the model runs on the GPU the live state is on the device and this is only
-  // a staging image (filled by gpu_pull for mark/save), hence mutable.
-  mutable std::vector<LayerState> layers_;
-  int64_t pos_ = 0;
-  GpuStateHandle gpu_;              // device state when the model runs on the GPU
-  // Device <-> host copies of the state (mark/rollback/save/load go through the host image).
-  void gpu_pull(bool with_mla) const;  // KDA state + MLA lengths (+ cache contents if with_mla)
-  void gpu_push(bool with_mla);
+  int32_t slot_ = -1;
+  uint64_t generation_ = 0;
 };
 
 }  // namespace k3

@@ -7,9 +7,9 @@
 namespace k3 {
 
 class Model;
-struct WeightMat;
 
-uint64_t weight_bytes(const WeightMat& w);  // stored bytes (MXFP4: packed nibbles + E8M0 scales)
+
+
 
 struct DecodeTraffic {
   uint64_t trunk = 0;     // every weight matrix a token reads except routed experts (lm_head included,

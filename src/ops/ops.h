@@ -64,6 +64,17 @@ struct MlaAttnDims {
 
 namespace ops {
 K3_OPS_DECLARE
+
+// A latent cache in pages (the state pool's MLA layout): token s at pages[s / page_tokens] +
+// (s % page_tokens) * stride, its post-norm latent c (kv_lora floats) first, then k_r (rope floats).
+struct LatentPages {
+  const float* const* pages = nullptr;
+  int64_t page_tokens = 0, stride = 0;
+};
+// mla_attend_absorbed over a paged cache (same results as over the same tokens stored contiguously,
+// up to the order of fp32 sums at page ends).
+void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+                               const WeightMat& kv_b, const MlaAttnDims& d, float* out);
 }
 namespace ref {
 K3_OPS_DECLARE

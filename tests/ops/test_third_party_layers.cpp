@@ -1,5 +1,5 @@
 // Third-party sublayer and decoder-layer fixtures (shared/fixtures/third-party/kimi-k3-in-c-ops):
-// mla (mla_forward), kda_layer1/8 (kda_forward), moe (moe_forward), layer_kda / layer_mla
+// mla (mla_sublayer), kda_layer1/8 (kda_sublayer), moe (moe_sublayer), layer_kda / layer_mla
 // (decoder_layer with Block AttnRes depth state). Weights are bound as F32 WeightMat views into the
 // fixture. Pass rule (MANIFEST.json): |a - e| <= 1e-5 + 1e-4·|e| elementwise. Layouts are stated per test.
 #include <gtest/gtest.h>
@@ -13,6 +13,7 @@
 #include "common/json_fixture.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
+#include "model/layer_runner.h"
 #include "model/layers.h"
 #include "model/model.h"
 #include "ops/cpu/isa.h"
@@ -38,9 +39,10 @@ Fixture open_fx(const char* name) { return Fixture(k3test::third_party_ops_dir()
 k3::WeightMat wm(Fixture& f, const std::string& key, int64_t rows, int64_t cols) {
   return k3::wmat_f32(f.arr(key, {rows, cols}).data(), rows, cols);
 }
-// Squeezed 1-D view of a fixture vector with the given shape.
-std::vector<float> vec(Fixture& f, const std::string& key, const std::vector<int64_t>& shape) {
-  return f.arr(key, shape);
+// Squeezed 1-D view of a fixture vector with the given shape (the fixture keeps the data alive).
+k3::FVec vec(Fixture& f, const std::string& key, const std::vector<int64_t>& shape) {
+  const auto& v = f.arr(key, shape);
+  return k3::FVec{v.data(), int64_t(v.size())};
 }
 
 // ---------------------------------------------------------------- binders
@@ -186,24 +188,30 @@ TEST(ThirdPartyLayers, Mla) {
     // Whole prompt in one call, then the same tokens fed as 4 + 2 and one at a time (cache reuse).
     for (const auto& split : {std::vector<int64_t>{6}, std::vector<int64_t>{4, 2}, std::vector<int64_t>{1, 1, 1, 1, 1, 1}}) {
       SCOPED_TRACE(std::string(an) + " calls=" + std::to_string(split.size()));
-      k3::MlaCache cache;
+      k3::ModelDims md;
+      md.mla = d;
+      k3::LayerRunner seq(md, {false});
       auto out = nan_vec(e.size());
       int64_t t0 = 0;
       for (int64_t n : split) {
-        k3::mla_forward(d, w, cache, x.data() + t0 * kHidden, n, algo, out.data() + t0 * kHidden);
+        seq.step(n, [&](const k3::StepCtx& c) {
+          k3::mla_sublayer(c, d, w, seq.pool.mla(0), x.data() + t0 * kHidden, algo, out.data() + t0 * kHidden);
+        });
         t0 += n;
       }
       EXPECT_EQ(count_nan(out), 0u);
       EXPECT_TRUE(all_close(out, e, kAbs, kRel)) << "out";
-      EXPECT_EQ(cache.len, T);
-      EXPECT_TRUE(all_close(cache.c, e_c, kAbs, kRel)) << "cache.c vs kv_latent";
-      EXPECT_TRUE(all_close(cache.kr, e_kr, kAbs, kRel)) << "cache.kr vs k_rope";
+      EXPECT_EQ(seq.pool.position(seq.slot), T);
+      std::vector<float> c, kr;
+      seq.pool.read_mla(seq.slot, 0, c, kr);
+      EXPECT_TRUE(all_close(c, e_c, kAbs, kRel)) << "cache c vs kv_latent";
+      EXPECT_TRUE(all_close(kr, e_kr, kAbs, kRel)) << "cache k_r vs k_rope";
     }
   }
 }
 
 // ================================================================ KDA layer
-// kda_layer1/8.json — in [1,T,128] = [T, hidden] fed straight to kda_forward (already normed: the
+// kda_layer1/8.json — in [1,T,128] = [T, hidden] fed straight to kda_sublayer (already normed: the
 // fixture has no norm weight); zero initial recurrent and conv state; out [1,T,128];
 // state_out [1,4,16,16] = [H, Dk, Dv] (key rows; the layout kda_recur*.json confirmed) = KdaState::S.
 void check_kda_layer(const char* file) {
@@ -234,16 +242,23 @@ void check_kda_layer(const char* file) {
   }
   for (const auto& r : runs) {
     SCOPED_TRACE(std::string(file) + " " + r.name);
-    k3::KdaState st;
+    k3::ModelDims md;
+    md.kda = d;
+    k3::LayerRunner seq(md, {true});
     auto out = nan_vec(e.size());
     int64_t t0 = 0;
     for (int64_t n : r.split) {
-      k3::kda_forward(d, w, st, x.data() + t0 * kHidden, n, r.algo, r.chunk, out.data() + t0 * kHidden);
+      seq.step(n, [&](const k3::StepCtx& c) {
+        k3::kda_sublayer(c, d, w, seq.pool.kda(0), x.data() + t0 * kHidden, r.algo, std::max<int64_t>(r.chunk, 1),
+                         out.data() + t0 * kHidden);
+      });
       t0 += n;
     }
     EXPECT_EQ(count_nan(out), 0u);
     EXPECT_TRUE(all_close(out, e, kAbs, kRel)) << "out";
-    EXPECT_TRUE(all_close(st.S, e_S, kAbs, kRel)) << "state_out";
+    std::vector<float> S, conv[3];
+    seq.pool.read_kda(seq.slot, 0, S, conv);
+    EXPECT_TRUE(all_close(S, e_S, kAbs, kRel)) << "state_out";
   }
 }
 TEST(ThirdPartyLayers, KdaLayer1) {
@@ -256,7 +271,13 @@ TEST(ThirdPartyLayers, KdaLayer8) {
 }
 
 // ================================================================ MoE
-// moe.json — in [1,3,128] = [T, hidden] fed straight to moe_forward (already post-norm); out [1,3,128]
+// moe_sublayer on rows [t0, t0 + n) of x (a sequence of its own: the MoE keeps no state).
+void run_moe(const k3::MoeWeights& w, const float* x, int64_t n, float* out,
+             k3::StepNumerics num = k3::StepNumerics::Exact) {
+  k3::LayerRunner seq(k3::ModelDims{}, {});
+  seq.step(n, [&](const k3::StepCtx& c) { k3::moe_sublayer(c, moe_dims(), w, x, out, nullptr); }, num);
+}
+// moe.json — in [1,3,128] = [T, hidden] fed straight to moe_sublayer (already post-norm); out [1,3,128]
 // = routed (latent, normed aggregate, up) + shared MLP. Weight layout as in bind_moe.
 TEST(ThirdPartyLayers, Moe) {
   K3_REQUIRE_THIRD_PARTY_OPS();
@@ -278,12 +299,12 @@ TEST(ThirdPartyLayers, Moe) {
   const auto& e = f.arr("out", {1, T, kHidden});
   const k3::MoeWeights w = bind_moe(f, "");
   auto out = nan_vec(e.size());
-  k3::moe_forward(moe_dims(), w, x.data(), T, out.data());
+  run_moe(w, x.data(), T, out.data());
   EXPECT_EQ(count_nan(out), 0u);
   EXPECT_TRUE(all_close(out, e, kAbs, kRel));
   // Token by token gives the same result (no cross-token state in the MoE).
   auto out1 = nan_vec(e.size());
-  for (int64_t t = 0; t < T; ++t) k3::moe_forward(moe_dims(), w, x.data() + t * kHidden, 1, out1.data() + t * kHidden);
+  for (int64_t t = 0; t < T; ++t) run_moe(w, x.data() + t * kHidden, 1, out1.data() + t * kHidden);
   EXPECT_TRUE(all_close(out1, e, kAbs, kRel)) << "one token per call";
   // The SIMD decode path (all experts' products in two parallel regions) on every CPU level,
   // in fp32 and fast numerics (the fixture has no MXFP4 weights, so fast is fp32 at T = 1): fp32
@@ -293,9 +314,9 @@ TEST(ThirdPartyLayers, Moe) {
     if (int(level) > int(detected)) continue;
     k3::ops::set_cpu_isa(level);
     for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-      const k3::ops::NumericsScope scope(num);
+      const auto sn = num == k3::ops::Numerics::F32 ? k3::StepNumerics::F32 : k3::StepNumerics::Fast;
       auto o = nan_vec(e.size());
-      for (int64_t t = 0; t < T; ++t) k3::moe_forward(moe_dims(), w, x.data() + t * kHidden, 1, o.data() + t * kHidden);
+      for (int64_t t = 0; t < T; ++t) run_moe(w, x.data() + t * kHidden, 1, o.data() + t * kHidden, sn);
       EXPECT_EQ(count_nan(o), 0u);
       EXPECT_LE(k3test::rel_l2(o, e), k3test::kTolReduce)
           << k3::ops::cpu_isa_name(level) << " " << k3::ops::numerics_name(num) << ", one token per call";
@@ -325,13 +346,12 @@ k3::ModelDims model_dims(Fixture& f) {
   return d;
 }
 
-k3::AttnResSite fold(Fixture& f, const std::string& p) {
+k3::AttnResSite fold(Fixture& f, const std::string& p, std::vector<float>& keep) {
   const auto& nw = f.arr(p + "_norm_weight", {kHidden});
   const auto& pw = f.arr(p + "_proj_weight", {1, kHidden});
-  k3::AttnResSite s;
-  s.fold.resize(size_t(kHidden));
-  for (int64_t i = 0; i < kHidden; ++i) s.fold[size_t(i)] = nw[size_t(i)] * pw[size_t(i)];
-  return s;
+  keep.resize(size_t(kHidden));
+  for (int64_t i = 0; i < kHidden; ++i) keep[size_t(i)] = nw[size_t(i)] * pw[size_t(i)];
+  return k3::AttnResSite{k3::FVec{keep.data(), kHidden}};
 }
 
 void check_decoder_layer(const char* file, bool expect_mla) {
@@ -343,8 +363,9 @@ void check_decoder_layer(const char* file, bool expect_mla) {
   k3::LayerWeights w;
   w.input_norm = vec(f, "input_layernorm_weight", {kHidden});
   w.post_norm = vec(f, "post_attention_layernorm_weight", {kHidden});
-  w.attn_res = fold(f, "self_attention_res");
-  w.mlp_res = fold(f, "mlp_res");
+  std::vector<float> attn_fold, mlp_fold;
+  w.attn_res = fold(f, "self_attention_res", attn_fold);
+  w.mlp_res = fold(f, "mlp_res", mlp_fold);
   w.is_kda = !expect_mla;
   if (expect_mla)
     w.mla = bind_mla(f, "self_attn_");
@@ -375,27 +396,35 @@ void check_decoder_layer(const char* file, bool expect_mla) {
   opts[2].mla_algo = k3::MlaAlgo::Expanded;
   for (size_t oi = 0; oi < opts.size(); ++oi) {
     SCOPED_TRACE(std::string(file) + " options #" + std::to_string(oi));
+    // The incoming blocks and partial sum, and spare buffers for a snapshot's new partial sum.
+    std::vector<std::vector<float>> bufs(size_t(nb_out + 2), std::vector<float>(size_t(T * kHidden)));
     k3::DepthState depth;
     for (int64_t j = 0; j < nb_in; ++j) {
-      std::vector<float> b(static_cast<size_t>(T * kHidden));
+      std::vector<float>& b = bufs[size_t(j)];
       for (int64_t t = 0; t < T; ++t)
         std::copy_n(bri.begin() + (t * nb_in + j) * kHidden, kHidden, b.begin() + t * kHidden);
-      depth.blocks.push_back(std::move(b));
+      depth.blocks.push_back(b.data());
     }
-    depth.partial = in;
-    k3::LayerState st;
-    k3::decoder_layer(d, L, w, st, depth, T, opts[oi]);
-    ASSERT_EQ(int64_t(depth.partial.size()), T * kHidden);
-    EXPECT_EQ(count_nan(depth.partial), 0u);
-    EXPECT_TRUE(all_close(depth.partial, e, kAbs, kRel)) << "out (new partial sum)";
+    std::vector<float*> spare;
+    for (auto& b : bufs) spare.push_back(b.data());
+    std::copy(in.begin(), in.end(), bufs[size_t(nb_in)].begin());
+    depth.partial = bufs[size_t(nb_in)].data();
+    depth.partial_empty = false;
+    std::vector<bool> kinds(size_t(L + 1), true);
+    kinds[size_t(L)] = !expect_mla;
+    k3::LayerRunner seq(d, kinds);
+    std::vector<float> a(size_t(T * kHidden)), xn(a.size()), y(a.size());
+    seq.step(T, [&](const k3::StepCtx& c) {
+      k3::decoder_layer(c, d, L, w, seq.pool, depth, spare.data(), a.data(), xn.data(), y.data(), opts[oi]);
+    });
+    const std::vector<float> partial(depth.partial, depth.partial + T * kHidden);
+    EXPECT_EQ(count_nan(partial), 0u);
+    EXPECT_TRUE(all_close(partial, e, kAbs, kRel)) << "out (new partial sum)";
     ASSERT_EQ(int64_t(depth.blocks.size()), nb_out);
     std::vector<float> blocks_flat(bro.size(), k3test::qnan());
-    for (int64_t j = 0; j < nb_out; ++j) {
-      ASSERT_EQ(int64_t(depth.blocks[size_t(j)].size()), T * kHidden) << "block " << j;
+    for (int64_t j = 0; j < nb_out; ++j)
       for (int64_t t = 0; t < T; ++t)
-        std::copy_n(depth.blocks[size_t(j)].begin() + t * kHidden, kHidden,
-                    blocks_flat.begin() + (t * nb_out + j) * kHidden);
-    }
+        std::copy_n(depth.blocks[size_t(j)] + t * kHidden, kHidden, blocks_flat.begin() + (t * nb_out + j) * kHidden);
     EXPECT_TRUE(all_close(blocks_flat, bro, kAbs, kRel)) << "block_residual_out";
   }
 }

@@ -47,6 +47,11 @@ struct AttendPart {
   float* acc = nullptr;  // [rows] x vdim, row stride ldacc
   int64_t ldacc = 0;
   float* scratch = nullptr;  // >= rows * K3_ATT_BLOCK + 4 * rows floats
+  // Paged keys (the MLA latent cache): when pages is set, key row s lives at
+  // pages[s / page_tokens] + (s % page_tokens) * ldk1, and k1/k2/val are k1_off/k2_off/val_off floats
+  // into it (ldk1 == ldk2 == ldv: one interleaved row per token). Key blocks stop at page ends.
+  const float* const* pages = nullptr;
+  int64_t page_tokens = 0, k1_off = 0, k2_off = 0, val_off = 0;
 };
 
 struct AttnKernels {

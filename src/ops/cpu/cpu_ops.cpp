@@ -15,6 +15,7 @@
 #include "ops/cpu/isa.h"
 #include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
+#include "core/error.h"
 
 namespace k3::ops {
 
@@ -270,8 +271,19 @@ void decode_rows(const cpu::AttnKernels& kern, const WeightMat& W, int64_t r0, i
   for (int64_t i = 0; i < n; ++i) dequant_row(W, r0 + i, out + i * W.cols);
 }
 
-void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, const float* c, const float* k_r,
-                       int64_t S, int64_t pos0, const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+// The latent cache as the absorbed kernels read it: contiguous c [S, kv_lora] and k_r [S, rope], or
+// pages of interleaved rows (c then k_r per token).
+struct Latent {
+  const float* c = nullptr;
+  const float* kr = nullptr;
+  const float* const* pages = nullptr;
+  int64_t P = 0, stride = 0, L = 0, rope = 0;
+  const float* c_at(int64_t s) const { return pages ? pages[s / P] + (s % P) * stride : c + s * L; }
+  const float* kr_at(int64_t s) const { return pages ? pages[s / P] + (s % P) * stride + L : kr + s * rope; }
+};
+
+void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, const Latent& lat, int64_t S,
+                       int64_t pos0, const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
   const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora, H = d.heads;
   const int64_t HG = kAbsorbedHeadGroup, nhg = (H + HG - 1) / HG;
   // Tokens in blocks whose latent queries / contexts ([Tb, H, L] each) stay within ~16 MB.
@@ -303,12 +315,19 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
       a.q2 = q + ((tb0 + t) * H + h0) * dq + d.nope;
       a.ldq2 = dq;
       a.k2dim = d.rope;
-      a.k1 = c;
-      a.ldk1 = L;
-      a.k2 = k_r;
-      a.ldk2 = d.rope;
-      a.val = c;
-      a.ldv = L;
+      if (lat.pages) {
+        a.pages = lat.pages;
+        a.page_tokens = lat.P;
+        a.ldk1 = a.ldk2 = a.ldv = lat.stride;
+        a.k2_off = L;
+      } else {
+        a.k1 = lat.c;
+        a.ldk1 = L;
+        a.k2 = lat.kr;
+        a.ldk2 = d.rope;
+        a.val = lat.c;
+        a.ldv = L;
+      }
       a.vdim = L;
       a.lim = lim.data() + t * HG;
       a.scale = d.scale;
@@ -362,10 +381,11 @@ void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const f
     }
 }
 
-void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,
-                         const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+namespace {
+void mla_absorbed(const float* q, int64_t T, const Latent& lat, int64_t S, int64_t pos0, const WeightMat& kv_b,
+                  const MlaAttnDims& d, float* out) {
   if (const cpu::AttnKernels* kern = cpu::attn_kernels())
-    return mla_absorbed_simd(*kern, q, T, c, k_r, S, pos0, kv_b, d, out);
+    return mla_absorbed_simd(*kern, q, T, lat, S, pos0, kv_b, d, out);
   const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora;
 #pragma omp parallel for schedule(static) if ((T + per_head) * S * d.heads * L > kParallelMin)
   for (int64_t h = 0; h < d.heads; ++h) {
@@ -381,15 +401,41 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
         for (int64_t l = 0; l < L; ++l) qt[size_t(l)] += wuk[size_t(i * L + l)] * qh[i];
       const int64_t n = std::min(S, pos0 + t + 1);
       for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot_f64acc(qt.data(), c + s * L, L) + dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
+        sc[size_t(s)] = (dot_f64acc(qt.data(), lat.c_at(s), L) + dot_f64acc(qh + d.nope, lat.kr_at(s), d.rope)) * d.scale;
       softmax(sc.data(), n);
       std::fill(ch.begin(), ch.end(), 0.0f);
-      for (int64_t s = 0; s < n; ++s)
-        for (int64_t l = 0; l < L; ++l) ch[size_t(l)] += sc[size_t(s)] * c[s * L + l];
+      for (int64_t s = 0; s < n; ++s) {
+        const float* cs = lat.c_at(s);
+        for (int64_t l = 0; l < L; ++l) ch[size_t(l)] += sc[size_t(s)] * cs[l];
+      }
       float* oh = out + (t * d.heads + h) * d.v;
       for (int64_t j = 0; j < d.v; ++j) oh[j] = dot_f64acc(wuv.data() + j * L, ch.data(), L);
     }
   }
+}
+
+}  // namespace
+
+void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,
+                         const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+  Latent lat;
+  lat.c = c;
+  lat.kr = k_r;
+  lat.L = d.kv_lora;
+  lat.rope = d.rope;
+  mla_absorbed(q, T, lat, S, pos0, kv_b, d, out);
+}
+
+void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+                               const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+  if (cache.page_tokens < 1 || cache.stride < d.kv_lora + d.rope) fail("MLA: bad latent cache page layout");
+  Latent lat;
+  lat.pages = cache.pages;
+  lat.P = cache.page_tokens;
+  lat.stride = cache.stride;
+  lat.L = d.kv_lora;
+  lat.rope = d.rope;
+  mla_absorbed(q, T, lat, S, pos0, kv_b, d, out);
 }
 
 void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,

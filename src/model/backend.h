@@ -1,0 +1,141 @@
+// The op interface the one K3 forward (model/forward.cpp, model/layers.cpp) is written against, and
+// the step description its per-sequence ops read. A backend (model/backend_cpu.cpp, backend_cuda.cpp)
+// implements every op on its own memory (host RAM or device memory), including its own strategy for
+// the routed experts (moe_routed), and says what it supports (BackendCaps); the forward refuses in one
+// line what the chosen backend does not offer. Ops only enqueue work where the backend is asynchronous.
+// Must not: carry layer order or sublayer math (that is the forward's), or know tensor names.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "model/dims.h"
+#include "model/weights.h"
+#include "ops/ops.h"
+
+namespace k3 {
+
+class ExpertSource;
+enum class KdaAlgo { Recurrent, Chunked };
+enum class MlaAlgo { Expanded, Absorbed };
+
+// Numerics of a step (the CPU's levels; the GPU maps Fast to bf16 tensor-core GEMMs and F32 to its fp32
+// parity mode, and has no Exact).
+enum class StepNumerics : uint8_t { Exact = 0, F32 = 1, Fast = 2 };
+
+struct BackendCaps {
+  bool exact = false;          // StepNumerics::Exact (fp64 sums)
+  bool expanded_mla = false;   // MlaAlgo::Expanded
+  bool expert_source = false;  // routed experts from an ExpertSource (streamed) instead of placed weights
+};
+
+// The sequences of one step, as the per-sequence ops see them (host arrays; a backend that needs them
+// on a device copies them in begin_step). Rows [cu_rows[i], cu_rows[i+1]) of every activation belong
+// to sequence i, whose state is slot slots[i] of the state pool; its first row sits at absolute
+// position pos0[i]. The MLA latent cache is paged: position p of sequence i is in page
+// block_table[i * max_pages + p / page_tokens] (the table covers every position up to this step's end).
+struct StepView {
+  int64_t n_seqs = 0, rows = 0;
+  const int32_t* cu_rows = nullptr;      // [n_seqs + 1]
+  const int32_t* slots = nullptr;        // [n_seqs]
+  const int64_t* pos0 = nullptr;         // [n_seqs]
+  const int32_t* block_table = nullptr;  // [n_seqs, max_pages]
+  int64_t max_pages = 0, page_tokens = 0;
+  int64_t max_rows_per_seq = 0;          // the longest sequence of the step
+};
+
+// Per-layer views of the state pool (backend memory): KDA recurrent state and conv history of every
+// slot, and the pages of an MLA layer's latent cache (per token: normed latent c, then raw k_r).
+struct KdaPool {
+  float* S = nullptr;                    // [slots, H, Dk, Dv]
+  float* conv[3] = {nullptr, nullptr, nullptr};  // q, k, v: [slots, C, K-1]
+};
+struct MlaPages {
+  float* pages = nullptr;  // [pages, page_tokens, kv_lora + rope]
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;  // "cpu" | "cuda"
+  virtual BackendCaps caps() const = 0;
+
+  // ---- memory of this backend (host RAM on the CPU, device memory on CUDA)
+  virtual void* alloc(size_t bytes, const char* what) = 0;  // k3::Error naming `what` on failure
+  virtual void release(void* p) noexcept = 0;
+  virtual void upload(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void download(void* host_dst, const void* src, size_t bytes) = 0;  // waits for the data
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
+  virtual void sync() = 0;
+
+  // Puts the bound (host) weights where this backend reads them, rewriting the views of `w` in place
+  // (the CPU reads the mapping as it is).
+  virtual void place(ModelWeights& w) = 0;
+
+  // CUDA-graph replay of decode steps (benchmarks); false where the backend has no such thing.
+  virtual bool set_graphs(bool on) { return false; }
+
+  // ---- a step
+  // Before and after the ops of one step. `ids` [rows] are its token ids (host). When begin_step
+  // returns false the backend has already run the whole step's ops again as they were recorded for
+  // a step of the same shape (a CUDA graph), with this step's ids and sequences: the forward then
+  // enqueues nothing until end_step. `replayable` says the forward's op sequence depends only on the
+  // step's shape (one row per sequence), which is what recording needs.
+  virtual bool begin_step(const StepView& s, const int32_t* ids, StepNumerics n, bool replayable) = 0;
+  virtual void end_step() = 0;
+
+  // ---- row ops (R rows of every sequence together; weights read once for all of them)
+  virtual void embed(const WeightMat& E, const int32_t* host_ids, int64_t R, float* out) = 0;
+  virtual void matmul(const WeightMat& W, const float* x, int64_t R, float* y) = 0;
+  // y[i] = W[i]·x for n weights sharing x. fp32[i] (may be null) asks for unrounded activations for
+  // weight i whatever the numerics (the MoE router: a rounded input can flip a near-tie in the top-k).
+  virtual void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
+                                   const bool* fp32) = 0;
+  // y[i] = W[i]·x[i] for n weights, each with its own input.
+  virtual void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) = 0;
+  virtual void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) = 0;
+  virtual void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) = 0;
+  virtual void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) = 0;
+  virtual void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
+                        float lower_bound, float* g) = 0;
+  virtual void sigmoid(float* x, int64_t n) = 0;                        // x ← σ(x)
+  virtual void sigmoid_mul(float* x, const float* gate, int64_t n) = 0;  // x ← x · σ(gate)
+  virtual void add(float* y, const float* x, int64_t n) = 0;            // y ← y + x
+  // dst[i] = src[rows[i]] for n rows of `width` floats; rows is host memory.
+  virtual void gather_rows(const float* src, const int32_t* host_rows, int64_t n, int64_t width, float* dst) = 0;
+  // Block AttnRes over n_src arrays [R, H] (ops.h attnres_mix); the pointer list is host memory.
+  virtual void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
+                           float* out) = 0;
+
+  // ---- per-sequence ops (each sequence of the step from its own slot)
+  virtual void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K,
+                               float* state_pool, float* out) = 0;
+  // Gated delta rule: q, k, g [R,H,Dk], v, o [R,H,Dv], beta [R,H]; S_pool [slots,H,Dk,Dv]. A sequence
+  // with more than one row uses `algo` (chunk size `chunk`); one row always the recurrence.
+  virtual void kda(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                   const StepView& s, int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool,
+                   float* o) = 0;
+  // Appends the step's rows to the pages: c = RMSNorm(ckv[:, :kv_lora]) ⊙ norm_w, k_r = ckv[:, kv_lora:].
+  virtual void mla_append(const float* ckv, const StepView& s, int64_t kv_lora, int64_t rope, const float* norm_w,
+                          float eps, const MlaPages& pages) = 0;
+  // Causal MLA of every row over its sequence's cache (after mla_append). q [R,heads,nope+rope] → out [R,heads,v].
+  virtual void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b,
+                          const MlaAttnDims& d, MlaAlgo algo, float* out) = 0;
+
+  // ---- MoE
+  // Per row: σ(logits), top-k of σ + bias, weights from the unbiased σ (ops.h router_topk). idx/w [R, k].
+  virtual void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm,
+                           float scale, int32_t* idx, float* w) = 0;
+  // agg[R, latent] = Σ_j w[r, j] · GLU_{idx[r, j]}(z[r]) over the routed experts (j ascending), from the
+  // placed weights or, when `source` is set, from it.
+  virtual void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                          const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
+                          ExpertSource* source) = 0;
+
+  // ---- output
+  // host_out[r] = argmax of row r of logits [R, V] (lowest id on ties).
+  virtual void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* host_out) = 0;
+};
+
+}  // namespace k3

@@ -1,0 +1,314 @@
+// The CPU backend: every op on host memory through ops:: (SIMD kernels chosen at run time, or the
+// scalar fp64-accumulating ones under exact numerics). Per-sequence ops run each sequence from its
+// slot; the routed experts are grouped by expert over the step's rows, with row-parallel GEMVs for a
+// one-row step and experts streamed from an ExpertSource on request.
+// Must not: hold model state between steps beyond the numerics scope of the step in flight.
+#include "model/backends.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "core/error.h"
+#include "model/layers.h"
+#include "ops/cpu/isa.h"
+
+namespace k3 {
+
+namespace {
+
+ops::Numerics to_ops(StepNumerics n) {
+  switch (n) {
+    case StepNumerics::Exact: return ops::Numerics::Exact;
+    case StepNumerics::F32: return ops::Numerics::F32;
+    case StepNumerics::Fast: return ops::Numerics::Fast;
+  }
+  return ops::Numerics::Exact;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  const char* name() const override { return "cpu"; }
+  BackendCaps caps() const override { return {true, true, true}; }
+
+  void* alloc(size_t bytes, const char* what) override {
+    void* p = std::aligned_alloc(64, (std::max<size_t>(bytes, 1) + 63) & ~size_t(63));
+    if (!p) fail(std::string("out of memory allocating ") + std::to_string(bytes) + " bytes for " + what);
+    return p;
+  }
+  void release(void* p) noexcept override { std::free(p); }
+  void upload(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void download(void* dst, const void* src, size_t n) override { std::memcpy(dst, src, n); }
+  void copy(void* dst, const void* src, size_t n) override { std::memmove(dst, src, n); }
+  void zero(void* dst, size_t n) override { std::memset(dst, 0, n); }
+  void sync() override {}
+  void place(ModelWeights&) override {}  // the mapping is read as it is
+
+  bool begin_step(const StepView&, const int32_t*, StepNumerics n, bool) override {
+    scope_ = std::make_unique<ops::NumericsScope>(to_ops(n));
+    return true;
+  }
+  void end_step() override { scope_.reset(); }
+
+  void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
+    for (int64_t t = 0; t < R; ++t) ops::dequant_row(E, ids[t], out + t * E.cols);
+  }
+  void matmul(const WeightMat& W, const float* x, int64_t R, float* y) override { ops::matmul(W, x, R, y); }
+  void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
+                           const bool* fp32) override {
+    // Weights that want unrounded activations join the shared region only where the numerics would
+    // not round them anyway (a decode GEMV of a non-MXFP4 weight is fp32 in every mode); else they
+    // run alone with Fast -> F32 (Exact stays Exact).
+    const WeightMat* joined[8];
+    float* ys[8];
+    bool alone[8];
+    int64_t nj = 0;
+    if (n > 8) fail("matmul_shared_input: at most 8 weights");
+    for (int64_t i = 0; i < n; ++i) {
+      alone[i] = fp32 && fp32[i] && ops::fast_applies(*W[i], R);
+      if (!alone[i]) {
+        joined[nj] = W[i];
+        ys[nj++] = y[i];
+      }
+    }
+    if (nj) ops::matmul_shared_input(joined, nj, x, R, ys);
+    if (nj == n) return;
+    const ops::NumericsScope f32(ops::Numerics::F32);  // alone[i] implies Fast numerics
+    for (int64_t i = 0; i < n; ++i)
+      if (alone[i]) ops::matmul(*W[i], x, R, y[i]);
+  }
+  void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
+    ops::matmul_many(W, x, n, R, y);
+  }
+  void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
+    ops::rmsnorm(x, R, n, w, eps, out);
+  }
+  void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
+    ops::l2norm_scale(x, rows, n, eps, scale);
+  }
+  void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
+    ops::situ_glu(g, u, n, b1, b2, out);
+  }
+  void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias, float lb,
+                float* g) override {
+    ops::kda_gate(f, R, H, D, A_log, dt_bias, lb, g);
+  }
+  void sigmoid(float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] = 1.0f / (1.0f + std::exp(-x[i]));
+  }
+  void sigmoid_mul(float* x, const float* gate, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+  }
+  void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
+                   float* out) override {
+    ops::attnres_mix(src, n_src, R, H, fold, eps, out);
+  }
+  void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst) override {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * width, src + int64_t(rows[i]) * width, size_t(width) * 4);
+  }
+
+  void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K, float* state,
+                       float* out) override {
+    const int64_t per = C * (K - 1);
+    for (int64_t i = 0; i < s.n_seqs; ++i) {
+      const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0;
+      ops::short_conv_silu(x + r0 * C, T, C, w, K, state + s.slots[i] * per, out + r0 * C);
+    }
+  }
+  void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
+           int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
+    const int64_t per = H * Dk * Dv;
+    for (int64_t i = 0; i < s.n_seqs; ++i) {
+      const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0;
+      float* S = S_pool + s.slots[i] * per;
+      if (algo == KdaAlgo::Chunked && T > 1)
+        ops::kda_chunked(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H, Dk,
+                         Dv, chunk, S, o + r0 * H * Dv);
+      else
+        ops::kda_recurrent(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H,
+                           Dk, Dv, S, o + r0 * H * Dv);
+    }
+  }
+  void mla_append(const float* ckv, const StepView& s, int64_t L, int64_t rope, const float* norm_w, float eps,
+                  const MlaPages& pages) override {
+    const int64_t W = L + rope, P = s.page_tokens;
+    for (int64_t i = 0; i < s.n_seqs; ++i)
+      for (int64_t r = s.cu_rows[i]; r < s.cu_rows[i + 1]; ++r) {
+        const int64_t pos = s.pos0[i] + (r - s.cu_rows[i]);
+        float* dst = pages.pages + (int64_t(s.block_table[i * s.max_pages + pos / P]) * P + pos % P) * W;
+        ops::rmsnorm(ckv + r * W, 1, L, norm_w, eps, dst);
+        std::memcpy(dst + L, ckv + r * W + L, size_t(rope) * 4);
+      }
+  }
+  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b,
+                  const MlaAttnDims& d, MlaAlgo algo, float* out) override {
+    const int64_t W = d.kv_lora + d.rope, P = s.page_tokens, dq = d.nope + d.rope, HV = d.heads * d.v;
+    for (int64_t i = 0; i < s.n_seqs; ++i) {
+      const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0, S = s.pos0[i] + T;
+      const int64_t np = (S + P - 1) / P;
+      page_ptrs_.resize(size_t(np));
+      for (int64_t p = 0; p < np; ++p) page_ptrs_[size_t(p)] = pages.pages + int64_t(s.block_table[i * s.max_pages + p]) * P * W;
+      const ops::LatentPages lp{page_ptrs_.data(), P, W};
+      if (algo == MlaAlgo::Absorbed) {
+        ops::mla_attend_absorbed_paged(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
+      } else {
+        mla_expanded(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
+      }
+    }
+  }
+
+  void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
+                   int32_t* idx, float* w) override {
+    for (int64_t t = 0; t < R; ++t) ops::router_topk(logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
+  }
+  void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override;
+
+  void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
+    for (int64_t r = 0; r < R; ++r) out[r] = int32_t(std::max_element(logits + r * V, logits + (r + 1) * V) - (logits + r * V));
+  }
+
+ private:
+  // Every cached latent expanded into per-head k_nope and v (what a non-absorbed engine caches);
+  // the reference-style path, so its buffers are allocated per call.
+  void mla_expanded(const float* q, int64_t T, const ops::LatentPages& lp, int64_t S, int64_t pos0,
+                    const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
+    const int64_t L = d.kv_lora, per_head = d.nope + d.v;
+    std::vector<float> c(size_t(S * L)), kr(size_t(S * d.rope)), kv(size_t(S * d.heads * per_head)),
+        kn(size_t(S * d.heads * d.nope)), vv(size_t(S * d.heads * d.v));
+    for (int64_t t = 0; t < S; ++t) {
+      const float* src = lp.pages[t / lp.page_tokens] + (t % lp.page_tokens) * lp.stride;
+      std::memcpy(c.data() + t * L, src, size_t(L) * 4);
+      std::memcpy(kr.data() + t * d.rope, src + L, size_t(d.rope) * 4);
+    }
+    ops::matmul(kv_b, c.data(), S, kv.data());
+    for (int64_t t = 0; t < S; ++t)
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const float* src = kv.data() + (t * d.heads + h) * per_head;
+        std::memcpy(kn.data() + (t * d.heads + h) * d.nope, src, size_t(d.nope) * 4);
+        std::memcpy(vv.data() + (t * d.heads + h) * d.v, src + d.nope, size_t(d.v) * 4);
+      }
+    ops::mla_attend_expanded(q, T, kn.data(), kr.data(), vv.data(), S, pos0, d, out);
+  }
+
+  std::unique_ptr<ops::NumericsScope> scope_;
+  std::vector<const float*> page_ptrs_;
+};
+
+void CpuBackend::moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                            const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
+                            ExpertSource* source) {
+  using Buf = std::vector<float>;
+  const auto buf = [](int64_t n) { return Buf(static_cast<size_t>(n)); };
+  const int64_t E = int64_t(w.experts.size());
+  std::fill(agg, agg + R * latent, 0.0f);
+  // Per selected expert (ascending id): the rows routed to it and their weights.
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
+  std::vector<Buf> ws(static_cast<size_t>(E));
+  for (int64_t t = 0; t < R; ++t)
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t e = idx[t * top_k + j];
+      if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      rows[size_t(e)].push_back(t);
+      ws[size_t(e)].push_back(wt[t * top_k + j]);
+    }
+  std::vector<int32_t> selected;  // the union, ascending: the accumulation order into agg
+  for (int64_t e = 0; e < E; ++e)
+    if (!rows[size_t(e)].empty()) selected.push_back(int32_t(e));
+  const auto glu = [&](const GluWeights& ew, const float* x, int64_t n, float* out) {
+    const int64_t I = ew.gate.rows;
+    Buf g = buf(n * I), u = buf(n * I);
+    const WeightMat* wv[] = {&ew.gate, &ew.up};
+    float* yv[] = {g.data(), u.data()};
+    ops::matmul_shared_input(wv, 2, x, n, yv);
+    ops::situ_glu(g.data(), u.data(), n * I, situ.beta, situ.linear_beta, g.data());
+    ops::matmul(ew.down, g.data(), n, out);
+  };
+  // One expert on the rows routed to it (gathered), and its weighted add into agg.
+  const auto expert_out = [&](int32_t e, const GluWeights& ew) {
+    const std::vector<int64_t>& r = rows[size_t(e)];
+    const auto n = int64_t(r.size());
+    Buf zin = buf(n * latent), ye = buf(n * latent);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(zin.data() + i * latent, z + r[size_t(i)] * latent, size_t(latent) * 4);
+    glu(ew, zin.data(), n, ye.data());
+    return ye;
+  };
+  const auto add_expert = [&](int32_t e, const float* ye) {
+    const std::vector<int64_t>& r = rows[size_t(e)];
+    for (size_t i = 0; i < r.size(); ++i)
+      for (int64_t c = 0; c < latent; ++c) agg[r[i] * latent + c] += ws[size_t(e)][i] * ye[i * size_t(latent) + size_t(c)];
+  };
+  // One row: every selected expert reads the same z, so the gate/up products of all of them are
+  // one shared-input GEMV region and their down products one more (each on its own activation).
+  // The rows of all the experts are handed out in chunks, so the threads finish together, and z is
+  // quantised once, not once per expert. Same kernels and per-row arithmetic as expert_out.
+  const auto run_token = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    std::vector<int64_t> off(static_cast<size_t>(n + 1), 0);  // of each expert's intermediate
+    for (int64_t i = 0; i < n; ++i) off[size_t(i + 1)] = off[size_t(i)] + ew[i]->gate.rows;
+    Buf h = buf(off.back()), u = buf(off.back()), ye = buf(n * latent);
+    std::vector<const WeightMat*> wv;
+    std::vector<const float*> xv;
+    std::vector<float*> yv;
+    for (int64_t i = 0; i < n; ++i) {
+      wv.insert(wv.end(), {&ew[i]->gate, &ew[i]->up});
+      yv.insert(yv.end(), {h.data() + off[size_t(i)], u.data() + off[size_t(i)]});
+    }
+    ops::matmul_shared_input(wv.data(), 2 * n, z, 1, yv.data());
+    ops::situ_glu(h.data(), u.data(), off.back(), situ.beta, situ.linear_beta, h.data());
+    wv.clear(), yv.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      wv.push_back(&ew[i]->down);
+      xv.push_back(h.data() + off[size_t(i)]);
+      yv.push_back(ye.data() + i * latent);
+    }
+    ops::matmul_many(wv.data(), xv.data(), n, 1, yv.data());
+    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye.data() + i * latent);
+  };
+  // A batch of experts runs either one after another (each expert's matmuls split across the
+  // threads) or, when there are enough experts to keep every thread busy, whole experts in
+  // parallel (their matmuls then run single-threaded inside: OpenMP nesting is off). Outputs are
+  // always added into agg in ascending expert order, so both ways give bit-identical results.
+  const auto run_batch = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    if (R == 1) return run_token(ids, n, ew);
+    if (n < 2 * int64_t(omp_get_max_threads()) || omp_in_parallel()) {
+      for (int64_t i = 0; i < n; ++i) add_expert(ids[i], expert_out(ids[i], *ew[i]).data());
+      return;
+    }
+    std::vector<Buf> ye(static_cast<size_t>(n));
+    const ops::Numerics numerics = ops::current_numerics();  // thread-local: hand it to the workers
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const ops::NumericsScope scope(numerics);
+      ye[size_t(i)] = expert_out(ids[i], *ew[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye[size_t(i)].data());
+  };
+  if (!source) {
+    std::vector<const GluWeights*> all;
+    for (int32_t e : selected) all.push_back(&w.experts[size_t(e)]);
+    run_batch(selected.data(), int64_t(selected.size()), all.data());
+  } else {
+    const auto nsel = int64_t(selected.size());
+    const int64_t batch = std::max<int64_t>(1, source->max_batch());
+    std::vector<const GluWeights*> got(static_cast<size_t>(std::min(batch, nsel)));
+    for (int64_t b = 0; b < nsel; b += batch) {
+      const int64_t n = std::min(batch, nsel - b);
+      source->fetch(w.layer, selected.data() + b, n, got.data());
+      run_batch(selected.data() + b, n, got.data());
+    }
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace k3

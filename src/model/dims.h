@@ -1,0 +1,59 @@
+// The dimensions and scalar hyper-parameters of a K3-family model, per sublayer kind, derived once
+// from the ModelConfig; and the state sizes they imply (the one place that computes them).
+// Must not: hold weights or state.
+#pragma once
+#include <cstdint>
+
+namespace k3 {
+
+struct ModelConfig;
+
+// ---------------------------------------------------------------- KDA (§3.5)
+struct KdaDims {
+  int64_t hidden = 0, heads = 0, head_dim = 0, conv_k = 0;
+  float lower_bound = -5.0f;
+  float norm_eps = 1e-5f;  // o_norm (per head RMSNorm)
+  int64_t dim() const { return heads * head_dim; }
+  int64_t state_floats() const { return heads * head_dim * head_dim; }  // S [H, Dk, Dv], per sequence
+  int64_t conv_floats() const { return dim() * (conv_k - 1); }          // one of q/k/v conv history
+};
+
+// ---------------------------------------------------------------- gated MLA, NoPE (§3.6)
+struct MlaDims {
+  int64_t hidden = 0, heads = 0, q_lora = 0, kv_lora = 0, nope = 0, rope = 0, v = 0;
+  float lora_eps = 1e-6f;  // q_a_layernorm / kv_a_layernorm
+  bool output_gate = true;
+  int64_t cache_floats_per_token() const { return kv_lora + rope; }  // normed latent c + raw k_r
+};
+
+// ---------------------------------------------------------------- FFNs (§3.7, §3.8)
+struct SituParams {
+  float beta = 4.0f, linear_beta = 25.0f;
+};
+
+struct MoeDims {
+  int64_t hidden = 0, latent = 0, inter = 0, experts = 0, top_k = 0;
+  bool renormalize = true, latent_norm = true;
+  float routed_scale = 1.0f, norm_eps = 1e-5f;
+  SituParams situ;
+};
+
+struct ModelDims {
+  int64_t hidden = 0, vocab = 0, layers = 0, block_size = 0;
+  int64_t kda_layers = 0, mla_layers = 0;  // how many of each attention kind
+  int64_t dense_inter = 0, shared_inter = 0;  // dense FFN / fused shared experts intermediate (0 = none)
+  float eps = 1e-5f;
+  KdaDims kda;
+  MlaDims mla;
+  MoeDims moe;
+  SituParams situ;
+  static ModelDims from_config(const ModelConfig& c);
+  // Fixed state of one sequence: KDA recurrent state + conv histories of every KDA layer (fp32 bytes).
+  uint64_t kda_state_bytes() const {
+    return uint64_t(kda_layers) * 4 * uint64_t(kda.state_floats() + 3 * kda.conv_floats());
+  }
+  // MLA latent cache of one sequence per cached token, all MLA layers (fp32 bytes).
+  uint64_t mla_bytes_per_token() const { return uint64_t(mla_layers) * 4 * uint64_t(mla.cache_floats_per_token()); }
+};
+
+}  // namespace k3

@@ -1,0 +1,232 @@
+// The K3 forward pass, written once for every backend: a step of many sequences (their rows packed,
+// each sequence's state in its own slot), layer order and Block AttnRes (§3.3), final norm and
+// lm_head (§3.9). The sublayers are model/layers.cpp; the ops behind them are the backend's.
+// Must not: branch on the backend (capabilities are checked up front, strategies live in ops).
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+#include "core/error.h"
+#include "model/model.h"
+
+namespace k3 {
+
+namespace {
+
+StepNumerics step_numerics(ops::Numerics n) {
+  switch (n) {
+    case ops::Numerics::Exact: return StepNumerics::Exact;
+    case ops::Numerics::F32: return StepNumerics::F32;
+    case ops::Numerics::Fast: return StepNumerics::Fast;
+  }
+  return StepNumerics::Exact;
+}
+
+int64_t depth_slots(const ModelDims& d) { return d.layers / std::max<int64_t>(1, d.block_size) + 2; }
+
+}  // namespace
+
+void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
+                   DepthState& depth, float* const* spare, float* a, float* xn, float* y, const ForwardOptions& opt) {
+  const int64_t H = d.hidden, n = c.R * H;
+  // 1. attention-site mix (pass-through while no block has been snapshotted: layer 0)
+  if (depth.blocks.empty())
+    c.be.copy(a, depth.partial, size_t(n) * 4);
+  else
+    attnres_site(c, w.attn_res, depth, H, d.eps, a);
+  // 2. snapshot the partial sum at block starts, then start a new block
+  if (L % d.block_size == 0) {
+    depth.blocks.push_back(depth.partial);
+    depth.partial = spare[depth.blocks.size()];
+    depth.partial_empty = true;
+  }
+  // 3-4. attention sublayer, added into the partial sum
+  c.be.rmsnorm(a, c.R, H, w.input_norm.data(), d.eps, xn);
+  if (w.is_kda)
+    kda_sublayer(c, d.kda, w.kda, pool.kda(L), xn, opt.kda_algo, opt.kda_chunk, y);
+  else
+    mla_sublayer(c, d.mla, w.mla, pool.mla(L), xn, opt.mla_algo, y);
+  if (depth.partial_empty)
+    c.be.copy(depth.partial, y, size_t(n) * 4);
+  else
+    c.be.add(depth.partial, y, n);
+  depth.partial_empty = false;
+  // 5-7. FFN-site mix (always), FFN, added into the partial sum
+  attnres_site(c, w.mlp_res, depth, H, d.eps, a);
+  c.be.rmsnorm(a, c.R, H, w.post_norm.data(), d.eps, xn);
+  if (w.dense_ffn)
+    glu_sublayer(c, w.dense, d.situ, xn, y);
+  else
+    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+  c.be.add(depth.partial, y, n);
+}
+
+
+int64_t forward_work_floats(const ModelDims& d, int64_t R) {
+  const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
+  const int64_t H = d.hidden;
+  // depth slots + a, xn, y, h + the selected rows' hidden and logits
+  int64_t fixed = (depth_slots(d) + 4) * g(R * H) + g(R * H) + g(R * d.vocab);
+  const int64_t attn = std::max(d.kda_layers ? kda_work_floats(d.kda, R) : 0, d.mla_layers ? mla_work_floats(d.mla, R) : 0);
+  const int64_t ffn = std::max(d.dense_inter ? glu_work_floats(d.dense_inter, R) : 0,
+                               d.moe.experts ? moe_work_floats(d.moe, d.shared_inter, R) + glu_work_floats(d.shared_inter, R) : 0);
+  return fixed + std::max(attn, ffn);
+}
+
+void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
+                 int32_t* argmax) const {
+  const int64_t V = dims_.vocab, N = int64_t(seqs.size());
+  if (N == 0) fail("step: no sequences");
+  if (!logits && !argmax) fail("forward: logits output is null");
+  const BackendCaps caps = backend_->caps();
+  if (opt.numerics == ops::Numerics::Exact && !caps.exact)
+    fail(std::string("--numerics exact (fp64 sums) is CPU-only; on ") + backend_->name() +
+         " use --numerics fp32 (parity mode) or fast");
+  if (opt.mla_algo == MlaAlgo::Expanded && !caps.expanded_mla)
+    fail(std::string("--mla expanded is CPU-only; ") + backend_->name() + " runs MLA in the absorbed form");
+  if (opt.experts && !caps.expert_source)
+    fail(std::string("routed experts from an expert source (--ram-budget) are not supported on ") + backend_->name());
+  if (opt.kda_chunk < 1) fail("KDA chunk size must be >= 1");
+  for (int64_t i = 0; i < N; ++i) {
+    const SeqStep& s = seqs[size_t(i)];
+    pool.check_live(s.slot);
+    if (s.n <= 0) fail("forward needs at least one token");
+    for (int64_t j = 0; j < i; ++j)
+      if (seqs[size_t(j)].slot == s.slot) fail("step: slot " + std::to_string(s.slot) + " appears twice in one step");
+    for (int64_t t = 0; t < s.n; ++t)
+      if (s.ids[t] < 0 || s.ids[t] >= V)
+        fail("token id " + std::to_string(s.ids[t]) + " at position " + std::to_string(t) +
+             " is outside the vocabulary [0, " + std::to_string(V) + ")");
+  }
+  // The output rows of each sequence (all its tokens, or its last), in order.
+  std::vector<int64_t> out0(size_t(N) + 1, 0);
+  for (int64_t i = 0; i < N; ++i) out0[size_t(i) + 1] = out0[size_t(i)] + (seqs[size_t(i)].all_logits ? seqs[size_t(i)].n : 1);
+  // Pieces of at most max_rows_ rows: every sequence contributes what is left of it, in order.
+  std::vector<int64_t> done(size_t(N), 0);
+  std::vector<SeqStep> piece;
+  std::vector<int64_t> src;
+  for (;;) {
+    piece.clear();
+    src.clear();
+    int64_t room = max_rows_;
+    for (int64_t i = 0; i < N && room > 0; ++i) {
+      const SeqStep& s = seqs[size_t(i)];
+      const int64_t take = std::min(s.n - done[size_t(i)], room);
+      if (take <= 0) continue;
+      piece.push_back({s.slot, s.ids + done[size_t(i)], take, s.all_logits});
+      src.push_back(i);
+      room -= take;
+    }
+    if (piece.empty()) break;
+    // Output rows of this piece: (row in piece, logits row or -1, argmax index or -1).
+    std::vector<int64_t> first(piece.size());
+    std::vector<int32_t> sel;
+    std::vector<int64_t> dst, am;
+    int64_t row = 0;
+    for (size_t p = 0; p < piece.size(); ++p) {
+      const int64_t i = src[p], n = piece[p].n;
+      const bool ends = done[size_t(i)] + n == seqs[size_t(i)].n;
+      for (int64_t t = 0; t < n; ++t) {
+        const bool last = ends && t == n - 1;
+        if (piece[p].all_logits || last) {
+          sel.push_back(int32_t(row + t));
+          dst.push_back(piece[p].all_logits ? out0[size_t(i)] + done[size_t(i)] + t : out0[size_t(i)]);
+          am.push_back(last ? i : -1);
+        }
+      }
+      row += n;
+      done[size_t(i)] += n;
+    }
+    run_piece(pool, piece, sel, dst, am, opt, logits, argmax);
+  }
+}
+
+void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std::vector<int32_t>& sel,
+                      const std::vector<int64_t>& dst, const std::vector<int64_t>& am, const ForwardOptions& opt,
+                      float* logits, int32_t* argmax) const {
+  const ModelDims& d = dims_;
+  const int64_t N = int64_t(seqs.size()), H = d.hidden, V = d.vocab;
+  Backend& be = *backend_;
+  // The step's sequences: rows, slots, positions and the block table of each.
+  std::vector<int32_t> cu(size_t(N) + 1, 0), slots(static_cast<size_t>(N)), ids;
+  std::vector<int64_t> pos0(static_cast<size_t>(N));
+  int64_t max_pages = 0, max_rows = 0;
+  for (int64_t i = 0; i < N; ++i) {
+    const SeqStep& s = seqs[size_t(i)];
+    pool.reserve_append(s.slot, s.n);
+    cu[size_t(i) + 1] = cu[size_t(i)] + int32_t(s.n);
+    slots[size_t(i)] = s.slot;
+    pos0[size_t(i)] = pool.position(s.slot);
+    max_pages = std::max<int64_t>(max_pages, int64_t(pool.pages(s.slot).size()));
+    max_rows = std::max(max_rows, s.n);
+    ids.insert(ids.end(), s.ids, s.ids + s.n);
+  }
+  std::vector<int32_t> table(size_t(N * std::max<int64_t>(max_pages, 1)), 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const auto& pg = pool.pages(seqs[size_t(i)].slot);
+    std::copy(pg.begin(), pg.end(), table.begin() + i * max_pages);
+  }
+  const int64_t R = cu.back();
+  StepView view{N, R, cu.data(), slots.data(), pos0.data(), table.data(), max_pages, pool.page_tokens(), max_rows};
+  if (!work_) work_ = std::make_unique<Workspace>(be, forward_work_floats(d, max_rows_));
+  Workspace& work = *work_;
+  work.rewind(0);
+  const StepCtx c{be, view, work, R};
+  const int64_t nsel = int64_t(sel.size());
+  // Fixed buffers first, so a replayed step finds them where it recorded them.
+  std::vector<float*> spare(size_t(depth_slots(d)));
+  for (float*& p : spare) p = work.take(R * H);
+  float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
+        *hs = work.take(R * H), *ls = work.take(R * V);
+  if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1)) {
+    // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
+    DepthState depth;
+    depth.partial = spare[0];
+    depth.partial_empty = false;
+    be.embed(placed_.embed, ids.data(), R, depth.partial);
+    for (int64_t L = 0; L < d.layers; ++L)
+      decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
+    // Output aggregator over B ∪ {P}, then for the rows whose logits are wanted: final norm, lm_head.
+    attnres_site(c, placed_.output_res, depth, H, d.eps, h);
+    be.gather_rows(h, sel.data(), nsel, H, hs);
+    be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
+    be.matmul(placed_.lm_head, hs, nsel, ls);
+  }
+  be.end_step();
+  for (int64_t i = 0; i < N; ++i) pool.advance(seqs[size_t(i)].slot, seqs[size_t(i)].n);
+  if (argmax) {
+    std::vector<int32_t> picks(static_cast<size_t>(nsel));
+    std::vector<int32_t> rows;
+    for (int64_t r = 0; r < nsel; ++r)
+      if (am[size_t(r)] >= 0) rows.push_back(int32_t(r));
+    // Only the last rows are needed; they are the common case of one row per sequence.
+    if (int64_t(rows.size()) == nsel) {
+      be.argmax_rows(ls, nsel, V, picks.data());
+      for (int64_t r = 0; r < nsel; ++r) argmax[am[size_t(r)]] = picks[size_t(r)];
+    } else {
+      for (int32_t r : rows) be.argmax_rows(ls + int64_t(r) * V, 1, V, &argmax[am[size_t(r)]]);
+    }
+  }
+  if (logits) {
+    // Runs of rows with consecutive destinations come back in one copy.
+    for (int64_t r = 0; r < nsel;) {
+      int64_t e = r + 1;
+      while (e < nsel && dst[size_t(e)] == dst[size_t(e) - 1] + 1) ++e;
+      be.download(logits + dst[size_t(r)] * V, ls + r * V, size_t((e - r) * V) * 4);
+      r = e;
+    }
+  }
+}
+
+void Model::forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, float* logits,
+                    const ForwardOptions& opt) const {
+  if (s.model_ != this) fail("session belongs to another model");
+  if (s.generation_ != backend_generation_)
+    fail("this session was created before the model moved to the GPU; create a new session");
+  if (T <= 0) fail("forward needs at least one token");
+  if (opt.argmax_out && all_logits) fail("forward: argmax_out needs all_logits == false");
+  const SeqStep one{s.slot_, ids, T, all_logits};
+  step(session_pool(), std::span<const SeqStep>(&one, 1), opt, logits, opt.argmax_out);
+}
+
+}  // namespace k3

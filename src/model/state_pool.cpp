@@ -1,0 +1,323 @@
+// Slots, pages, fork and snapshots of the state pool (see state_pool.h).
+#include "model/state_pool.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace k3 {
+
+namespace {
+size_t fbytes(int64_t n) { return size_t(n) * 4; }
+}  // namespace
+
+StatePool::StatePool(Backend& be, const ModelDims& d, std::vector<bool> is_kda, const StatePoolOptions& o)
+    : be_(be), d_(d), is_kda_(std::move(is_kda)), opt_(o) {
+  if (opt_.page_tokens < 1) fail("state pool: page_tokens must be >= 1");
+  opt_.initial_slots = std::max<int64_t>(1, opt_.initial_slots);
+  opt_.initial_pages = std::max<int64_t>(1, opt_.initial_pages);
+  int64_t nk = 0, nm = 0;
+  for (bool k : is_kda_) ordinal_.push_back(k ? nk++ : nm++);
+  kda_.assign(size_t(nk), KdaPool{});
+  mla_.assign(size_t(nm), nullptr);
+  grow_slots();
+  grow_pages();
+}
+
+StatePool::~StatePool() {
+  for (KdaPool& p : kda_) {
+    be_.release(p.S);
+    for (float* c : p.conv) be_.release(c);
+  }
+  for (float* p : mla_) be_.release(p);
+}
+
+void StatePool::grow_slots() {
+  const int64_t old = int64_t(slots_.size()), cap = old ? 2 * old : opt_.initial_slots;
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  for (KdaPool& p : kda_) {
+    const auto regrow = [&](float*& buf, int64_t per, const char* what) {
+      if (per == 0) return;
+      auto* nb = static_cast<float*>(be_.alloc(fbytes(cap * per), what));
+      if (buf) be_.copy(nb, buf, fbytes(old * per));
+      be_.release(buf);
+      buf = nb;
+    };
+    regrow(p.S, sf, "KDA state pool");
+    for (float*& c : p.conv) regrow(c, cf, "KDA conv state pool");
+  }
+  slots_.resize(size_t(cap));
+  for (int64_t s = cap - 1; s >= old; --s) free_slots_.push_back(int32_t(s));
+  ++epoch_;
+}
+
+void StatePool::grow_pages() {
+  const int64_t old = int64_t(page_refs_.size()), cap = old ? 2 * old : opt_.initial_pages;
+  const int64_t per = opt_.page_tokens * d_.mla.cache_floats_per_token();
+  for (float*& p : mla_) {
+    auto* nb = static_cast<float*>(be_.alloc(fbytes(cap * per), "MLA latent cache pages"));
+    if (p) be_.copy(nb, p, fbytes(old * per));
+    be_.release(p);
+    p = nb;
+  }
+  page_refs_.resize(size_t(cap), 0);
+  for (int64_t q = cap - 1; q >= old; --q) free_pages_.push_back(int32_t(q));
+  ++epoch_;
+}
+
+bool StatePool::live(int32_t slot) const { return slot >= 0 && size_t(slot) < slots_.size() && slots_[size_t(slot)].live; }
+
+void StatePool::check_live(int32_t slot) const {
+  if (!live(slot)) fail("state pool: slot " + std::to_string(slot) + " is not a live sequence");
+}
+
+void StatePool::zero_state(int32_t slot) {
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  for (KdaPool& p : kda_) {
+    if (sf) be_.zero(p.S + slot * sf, fbytes(sf));
+    for (float* c : p.conv)
+      if (cf) be_.zero(c + slot * cf, fbytes(cf));
+  }
+}
+
+void StatePool::copy_state(int32_t dst, int32_t src) {
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  for (KdaPool& p : kda_) {
+    if (sf) be_.copy(p.S + dst * sf, p.S + src * sf, fbytes(sf));
+    for (float* c : p.conv)
+      if (cf) be_.copy(c + dst * cf, c + src * cf, fbytes(cf));
+  }
+}
+
+int32_t StatePool::alloc() {
+  if (free_slots_.empty()) grow_slots();
+  const int32_t s = free_slots_.back();
+  free_slots_.pop_back();
+  slots_[size_t(s)] = Slot{true, 0, {}};
+  zero_state(s);
+  return s;
+}
+
+void StatePool::unref(int32_t page) {
+  if (--page_refs_[size_t(page)] == 0) free_pages_.push_back(page);
+}
+
+void StatePool::free(int32_t slot) {
+  check_live(slot);
+  Slot& s = slots_[size_t(slot)];
+  for (int32_t p : s.pages) unref(p);
+  s = Slot{};
+  free_slots_.push_back(slot);
+}
+
+void StatePool::reset(int32_t slot) {
+  check_live(slot);
+  Slot& s = slots_[size_t(slot)];
+  for (int32_t p : s.pages) unref(p);
+  s.pages.clear();
+  s.pos = 0;
+  zero_state(slot);
+}
+
+int32_t StatePool::fork(int32_t src) {
+  check_live(src);
+  const int32_t dst = alloc();  // may grow (slots_ reallocates: index again below)
+  copy_into(dst, src);
+  return dst;
+}
+
+void StatePool::copy_into(int32_t dst, int32_t src) {
+  check_live(dst);
+  check_live(src);
+  if (dst == src) return;
+  Slot& d = slots_[size_t(dst)];
+  for (int32_t p : d.pages) unref(p);
+  const Slot& s = slots_[size_t(src)];
+  d.pos = s.pos;
+  d.pages = s.pages;
+  for (int32_t p : d.pages) ++page_refs_[size_t(p)];
+  copy_state(dst, src);
+}
+
+int64_t StatePool::position(int32_t slot) const {
+  check_live(slot);
+  return slots_[size_t(slot)].pos;
+}
+
+int32_t StatePool::new_page() {
+  if (free_pages_.empty()) grow_pages();
+  const int32_t p = free_pages_.back();
+  free_pages_.pop_back();
+  page_refs_[size_t(p)] = 1;
+  return p;
+}
+
+float* StatePool::page_ptr(int64_t mla_ordinal, int32_t page) const {
+  return mla_[size_t(mla_ordinal)] + int64_t(page) * opt_.page_tokens * d_.mla.cache_floats_per_token();
+}
+
+void StatePool::reserve_append(int32_t slot, int64_t n) {
+  check_live(slot);
+  const int64_t P = opt_.page_tokens;
+  {
+    // Copy-on-write: the page the next token lands in may be shared with a fork (its tokens beyond
+    // this slot's position belong to the other sequence, or to nobody after a rollback).
+    Slot& s = slots_[size_t(slot)];
+    const int64_t cur = s.pos / P;
+    if (s.pos % P != 0 && cur < int64_t(s.pages.size()) && page_refs_[size_t(s.pages[size_t(cur)])] > 1) {
+      const int32_t fresh = new_page();
+      Slot& s2 = slots_[size_t(slot)];
+      const int32_t old = s2.pages[size_t(cur)];
+      for (size_t m = 0; m < mla_.size(); ++m)
+        be_.copy(page_ptr(int64_t(m), fresh), page_ptr(int64_t(m), old),
+                 fbytes(P * d_.mla.cache_floats_per_token()));
+      unref(old);
+      s2.pages[size_t(cur)] = fresh;
+    }
+  }
+  const int64_t need = (slots_[size_t(slot)].pos + n + P - 1) / P;
+  while (int64_t(slots_[size_t(slot)].pages.size()) < need) {
+    const int32_t p = new_page();
+    slots_[size_t(slot)].pages.push_back(p);
+  }
+}
+
+void StatePool::advance(int32_t slot, int64_t n) {
+  check_live(slot);
+  slots_[size_t(slot)].pos += n;
+}
+
+const std::vector<int32_t>& StatePool::pages(int32_t slot) const {
+  check_live(slot);
+  return slots_[size_t(slot)].pages;
+}
+
+KdaPool StatePool::kda(int64_t layer) const {
+  if (!is_kda_[size_t(layer)]) fail("state pool: layer " + std::to_string(layer) + " is not a KDA layer");
+  return kda_[size_t(ordinal_[size_t(layer)])];
+}
+
+MlaPages StatePool::mla(int64_t layer) const {
+  if (is_kda_[size_t(layer)]) fail("state pool: layer " + std::to_string(layer) + " is not an MLA layer");
+  return MlaPages{mla_[size_t(ordinal_[size_t(layer)])]};
+}
+
+StatePool::Snapshot StatePool::snapshot(int32_t slot) const {
+  check_live(slot);
+  Snapshot sn;
+  sn.pos = slots_[size_t(slot)].pos;
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  sn.kda.resize(kda_.size() * size_t(sf + 3 * cf));
+  float* o = sn.kda.data();
+  for (const KdaPool& p : kda_) {
+    if (sf) be_.download(o, p.S + slot * sf, fbytes(sf));
+    o += sf;
+    for (float* c : p.conv) {
+      if (cf) be_.download(o, c + slot * cf, fbytes(cf));
+      o += cf;
+    }
+  }
+  return sn;
+}
+
+void StatePool::restore(int32_t slot, const Snapshot& sn) {
+  check_live(slot);
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  Slot& s = slots_[size_t(slot)];
+  if (sn.pos > s.pos || sn.kda.size() != kda_.size() * size_t(sf + 3 * cf))
+    fail("session rollback: the mark is not an earlier point of this session");
+  const float* i = sn.kda.data();
+  for (KdaPool& p : kda_) {
+    if (sf) be_.upload(p.S + slot * sf, i, fbytes(sf));
+    i += sf;
+    for (float* c : p.conv) {
+      if (cf) be_.upload(c + slot * cf, i, fbytes(cf));
+      i += cf;
+    }
+  }
+  const int64_t keep = (sn.pos + opt_.page_tokens - 1) / opt_.page_tokens;
+  while (int64_t(s.pages.size()) > keep) {
+    unref(s.pages.back());
+    s.pages.pop_back();
+  }
+  s.pos = sn.pos;
+}
+
+void StatePool::read_kda(int32_t slot, int64_t layer, std::vector<float>& S, std::vector<float> conv[3]) const {
+  const KdaPool p = kda(layer);
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  S.resize(size_t(sf));
+  if (sf) be_.download(S.data(), p.S + slot * sf, fbytes(sf));
+  for (int j = 0; j < 3; ++j) {
+    conv[j].resize(size_t(cf));
+    if (cf) be_.download(conv[j].data(), p.conv[j] + slot * cf, fbytes(cf));
+  }
+}
+
+void StatePool::write_kda(int32_t slot, int64_t layer, const std::vector<float>& S, const std::vector<float> conv[3]) {
+  const KdaPool p = kda(layer);
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  if (int64_t(S.size()) != sf) fail("state pool: KDA state has the wrong size");
+  if (sf) be_.upload(p.S + slot * sf, S.data(), fbytes(sf));
+  for (int j = 0; j < 3; ++j) {
+    if (int64_t(conv[j].size()) != cf) fail("state pool: KDA conv state has the wrong size");
+    if (cf) be_.upload(p.conv[j] + slot * cf, conv[j].data(), fbytes(cf));
+  }
+}
+
+void StatePool::read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std::vector<float>& kr) const {
+  check_live(slot);
+  const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
+  const Slot& s = slots_[size_t(slot)];
+  const int64_t m = ordinal_[size_t(layer)];
+  std::vector<float> page(size_t(P * W));
+  c.resize(size_t(s.pos * L));
+  kr.resize(size_t(s.pos * rp));
+  for (int64_t t0 = 0; t0 < s.pos; t0 += P) {
+    be_.download(page.data(), page_ptr(m, s.pages[size_t(t0 / P)]), fbytes(P * W));
+    for (int64_t t = t0; t < std::min(s.pos, t0 + P); ++t) {
+      std::copy_n(page.data() + (t - t0) * W, L, c.data() + t * L);
+      std::copy_n(page.data() + (t - t0) * W + L, rp, kr.data() + t * rp);
+    }
+  }
+}
+
+void StatePool::write_mla(int32_t slot, int64_t layer, const std::vector<float>& c, const std::vector<float>& kr) {
+  check_live(slot);
+  const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
+  const Slot& s = slots_[size_t(slot)];
+  if (int64_t(c.size()) != s.pos * L || int64_t(kr.size()) != s.pos * rp)
+    fail("state pool: MLA cache contents do not match the slot's position");
+  const int64_t m = ordinal_[size_t(layer)];
+  std::vector<float> page(size_t(P * W), 0.0f);
+  for (int64_t t0 = 0; t0 < s.pos; t0 += P) {
+    for (int64_t t = t0; t < std::min(s.pos, t0 + P); ++t) {
+      std::copy_n(c.data() + t * L, L, page.data() + (t - t0) * W);
+      std::copy_n(kr.data() + t * rp, rp, page.data() + (t - t0) * W + L);
+    }
+    be_.upload(page_ptr(m, s.pages[size_t(t0 / P)]), page.data(), fbytes(P * W));
+  }
+}
+
+void StatePool::set_position(int32_t slot, int64_t pos) {
+  reset(slot);
+  reserve_append(slot, pos);
+  slots_[size_t(slot)].pos = pos;
+}
+
+int64_t StatePool::live_slots() const {
+  return int64_t(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.live; }));
+}
+
+int64_t StatePool::live_pages() const {
+  return int64_t(std::count_if(page_refs_.begin(), page_refs_.end(), [](int32_t r) { return r > 0; }));
+}
+
+uint64_t StatePool::bytes() const {
+  const uint64_t per_slot = uint64_t(kda_.size()) * 4 * uint64_t(d_.kda.state_floats() + 3 * d_.kda.conv_floats());
+  const uint64_t per_page =
+      uint64_t(mla_.size()) * 4 * uint64_t(opt_.page_tokens * d_.mla.cache_floats_per_token());
+  return per_slot * slots_.size() + per_page * page_refs_.size();
+}
+
+}  // namespace k3

@@ -1,0 +1,100 @@
+// Per-sequence decode state of many sequences: a pool of slots, each with the KDA recurrent state and
+// conv histories of every KDA layer, and a paged MLA latent cache (fixed pages of tokens, a block
+// table per slot, pages shared copy-on-write between forked slots). Memory is the backend's; the
+// pool grows by doubling (slot and page ids stay valid; epoch() counts the reallocations, after
+// which device pointers captured earlier, e.g. in a CUDA graph, are stale).
+// Owns: slot/page bookkeeping, fork, snapshot/restore. Must not: compute (the forward does).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "model/backend.h"
+#include "model/dims.h"
+
+namespace k3 {
+
+struct StatePoolOptions {
+  int64_t page_tokens = 64;   // tokens per MLA cache page (a multiple of the CPU attention block, 64)
+  int64_t initial_slots = 1;  // grows by doubling
+  int64_t initial_pages = 8;  // grows by doubling
+};
+
+class StatePool {
+ public:
+  // is_kda[L] says which layers hold KDA state (the others hold an MLA cache).
+  StatePool(Backend& be, const ModelDims& d, std::vector<bool> is_kda, const StatePoolOptions& o = {});
+  ~StatePool();
+  StatePool(const StatePool&) = delete;
+  StatePool& operator=(const StatePool&) = delete;
+
+  int32_t alloc();                 // an empty sequence (zero state, no cached tokens)
+  void free(int32_t slot);         // k3::Error for a slot that is not live
+  int32_t fork(int32_t src);       // a copy of src: state copied, cache pages shared until written
+  void reset(int32_t slot);        // back to empty (pages released)
+  void copy_into(int32_t dst, int32_t src);  // dst becomes a copy of src (both stay live)
+  bool live(int32_t slot) const;
+  int64_t position(int32_t slot) const;  // tokens the slot has seen
+  void check_live(int32_t slot) const;
+
+  // A step appends n tokens to `slot`: pages for them (a shared last page is copied first), then
+  // advance() after the step.
+  void reserve_append(int32_t slot, int64_t n);
+  void advance(int32_t slot, int64_t n);
+  const std::vector<int32_t>& pages(int32_t slot) const;  // block table
+  int64_t page_tokens() const { return opt_.page_tokens; }
+
+  KdaPool kda(int64_t layer) const;   // layer must be a KDA layer
+  MlaPages mla(int64_t layer) const;  // layer must be an MLA layer
+  uint64_t epoch() const { return epoch_; }
+
+  // KDA + conv state of every KDA layer of a slot in host memory, and its position: a rollback point
+  // (the cache is not copied: restore() only shortens it back).
+  struct Snapshot {
+    int64_t pos = 0;
+    std::vector<float> kda;  // per KDA layer: S, conv q, conv k, conv v
+  };
+  Snapshot snapshot(int32_t slot) const;
+  void restore(int32_t slot, const Snapshot& s);  // k3::Error if the slot no longer extends it
+
+  // Host copies of one layer's state of a slot (session files): KDA S/conv, or the cached tokens of
+  // an MLA layer as c [len, kv_lora] and k_r [len, rope]. write_* replace them (MLA: the slot must be
+  // empty or have exactly len tokens reserved via set_position).
+  void read_kda(int32_t slot, int64_t layer, std::vector<float>& S, std::vector<float> conv[3]) const;
+  void write_kda(int32_t slot, int64_t layer, const std::vector<float>& S, const std::vector<float> conv[3]);
+  void read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std::vector<float>& kr) const;
+  void write_mla(int32_t slot, int64_t layer, const std::vector<float>& c, const std::vector<float>& kr);
+  void set_position(int32_t slot, int64_t pos);  // reset + pages for pos tokens (contents undefined)
+
+  int64_t live_slots() const;
+  int64_t live_pages() const;  // pages referenced by some slot
+  uint64_t bytes() const;      // backend memory the pool holds now
+
+ private:
+  struct Slot {
+    bool live = false;
+    int64_t pos = 0;
+    std::vector<int32_t> pages;
+  };
+  int32_t new_page();
+  void unref(int32_t page);
+  void grow_slots();
+  void grow_pages();
+  void copy_state(int32_t dst, int32_t src);
+  void zero_state(int32_t slot);
+  float* page_ptr(int64_t mla_ordinal, int32_t page) const;
+
+  Backend& be_;
+  ModelDims d_;
+  std::vector<bool> is_kda_;
+  std::vector<int64_t> ordinal_;  // layer -> index among its kind
+  StatePoolOptions opt_;
+  std::vector<KdaPool> kda_;      // per KDA layer, [slot_cap] each
+  std::vector<float*> mla_;       // per MLA layer, [page_cap, page_tokens, kv_lora + rope]
+  std::vector<Slot> slots_;
+  std::vector<int32_t> free_slots_;
+  std::vector<int32_t> page_refs_;
+  std::vector<int32_t> free_pages_;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace k3
