@@ -86,8 +86,13 @@ class Backend {
   virtual void end_step() = 0;
 
   // ---- row ops (R rows of every sequence together; weights read once for all of them)
+  // Products whose numerics depend on the shape of the call (the CPU's fast mode rounds activations
+  // of GEMMs of >= 4 rows, and not of a decode GEMV) keep each sequence's rows as they would be
+  // alone: `groups` (host, [n_groups + 1] row offsets) says which rows belong together; null means
+  // the step's sequences (R == the step's rows).
   virtual void embed(const WeightMat& E, const int32_t* host_ids, int64_t R, float* out) = 0;
-  virtual void matmul(const WeightMat& W, const float* x, int64_t R, float* y) = 0;
+  virtual void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t* groups = nullptr,
+                      int64_t n_groups = 0) = 0;
   // y[i] = W[i]·x for n weights sharing x. fp32[i] (may be null) asks for unrounded activations for
   // weight i whatever the numerics (the MoE router: a rounded input can flip a near-tie in the top-k).
   virtual void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,

@@ -49,8 +49,10 @@ class CpuBackend final : public Backend {
   void sync() override {}
   void place(ModelWeights&) override {}  // the mapping is read as it is
 
-  bool begin_step(const StepView&, const int32_t*, StepNumerics n, bool) override {
+  bool begin_step(const StepView& v, const int32_t*, StepNumerics n, bool) override {
     scope_ = std::make_unique<ops::NumericsScope>(to_ops(n));
+    step_rows_ = v.rows;
+    step_cu_.assign(v.cu_rows, v.cu_rows + v.n_seqs + 1);
     return true;
   }
   void end_step() override { scope_.reset(); }
@@ -58,32 +60,22 @@ class CpuBackend final : public Backend {
   void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
     for (int64_t t = 0; t < R; ++t) ops::dequant_row(E, ids[t], out + t * E.cols);
   }
-  void matmul(const WeightMat& W, const float* x, int64_t R, float* y) override { ops::matmul(W, x, R, y); }
+  void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t* groups,
+              int64_t n_groups) override {
+    const WeightMat* w[] = {&W};
+    const float* xs[] = {x};
+    float* ys[] = {y};
+    products(w, xs, 1, R, ys, nullptr, groups, n_groups);
+  }
   void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
                            const bool* fp32) override {
-    // Weights that want unrounded activations join the shared region only where the numerics would
-    // not round them anyway (a decode GEMV of a non-MXFP4 weight is fp32 in every mode); else they
-    // run alone with Fast -> F32 (Exact stays Exact).
-    const WeightMat* joined[8];
-    float* ys[8];
-    bool alone[8];
-    int64_t nj = 0;
-    if (n > 8) fail("matmul_shared_input: at most 8 weights");
-    for (int64_t i = 0; i < n; ++i) {
-      alone[i] = fp32 && fp32[i] && ops::fast_applies(*W[i], R);
-      if (!alone[i]) {
-        joined[nj] = W[i];
-        ys[nj++] = y[i];
-      }
-    }
-    if (nj) ops::matmul_shared_input(joined, nj, x, R, ys);
-    if (nj == n) return;
-    const ops::NumericsScope f32(ops::Numerics::F32);  // alone[i] implies Fast numerics
-    for (int64_t i = 0; i < n; ++i)
-      if (alone[i]) ops::matmul(*W[i], x, R, y[i]);
+    const float* xs[kMaxProducts];
+    if (n > kMaxProducts) fail("matmul_shared_input: at most 8 weights");
+    for (int64_t i = 0; i < n; ++i) xs[i] = x;
+    products(W, xs, n, R, y, fp32, nullptr, 0);
   }
   void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
-    ops::matmul_many(W, x, n, R, y);
+    products(W, x, n, R, y, nullptr, nullptr, 0);
   }
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
     ops::rmsnorm(x, R, n, w, eps, out);
@@ -170,7 +162,20 @@ class CpuBackend final : public Backend {
     for (int64_t t = 0; t < R; ++t) ops::router_topk(logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override;
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override {
+    // Under fast numerics an expert's GEMM rounds its rows when it has >= 4 of them, so each
+    // sequence's rows go through the experts as they would alone; otherwise every row of the step
+    // at once (each selected expert read once).
+    if (ops::current_numerics() != ops::Numerics::Fast || R != step_rows_)
+      return moe_rows(w, latent, situ, z, idx, wt, R, top_k, agg, source);
+    for (size_t i = 0; i + 1 < step_cu_.size(); ++i) {
+      const int64_t r0 = step_cu_[i], n = step_cu_[i + 1] - r0;
+      moe_rows(w, latent, situ, z + r0 * latent, idx + r0 * top_k, wt + r0 * top_k, n, top_k, agg + r0 * latent,
+               source);
+    }
+  }
+  void moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source);
 
   void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
     for (int64_t r = 0; r < R; ++r) out[r] = int32_t(std::max_element(logits + r * V, logits + (r + 1) * V) - (logits + r * V));
@@ -199,13 +204,100 @@ class CpuBackend final : public Backend {
     ops::mla_attend_expanded(q, T, kn.data(), kr.data(), vv.data(), S, pos0, d, out);
   }
 
+  // ---- fast numerics by sequence
+  // Fast numerics round a GEMM's activations when it has >= 4 rows (bf16) and quantise a one-row
+  // MXFP4 GEMV's (8-bit blocks), so a row's result depends on the call's shape. A batched step
+  // keeps each sequence's rows in the class they have alone: chunks of >= 4 rows (rounded, several
+  // such sequences in one GEMM: its rows are computed independently), single rows (fp32, MXFP4
+  // GEMVs one row at a time) and 2-3 rows (fp32).
+  enum class RowClass : uint8_t { Chunk, One, Few };
+  struct Run {
+    int64_t r0, n;
+    RowClass cls;
+  };
+  static constexpr int64_t kMaxProducts = 8;
+
+  const std::vector<Run>& runs(int64_t R, const int32_t* groups, int64_t ng) {
+    runs_.clear();
+    const int32_t one[2] = {0, int32_t(R)};
+    if (!groups) {
+      groups = R == step_rows_ ? step_cu_.data() : one;
+      ng = R == step_rows_ ? int64_t(step_cu_.size()) - 1 : 1;
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t r0 = groups[g], n = groups[g + 1] - r0;
+      if (n <= 0) continue;
+      const RowClass c = n >= ops::kFastMinRows ? RowClass::Chunk : n == 1 ? RowClass::One : RowClass::Few;
+      if (!runs_.empty() && runs_.back().cls == c && runs_.back().r0 + runs_.back().n == r0)
+        runs_.back().n += n;
+      else
+        runs_.push_back({r0, n, c});
+    }
+    return runs_;
+  }
+
+  // y[i] = W[i]·x[i] on rows [r0, r0 + k) for the weights `pick` selects, as one matmul_many call.
+  template <class Pick>
+  static void products_on(const WeightMat* const* W, const float* const* X, int64_t n, float* const* Y, int64_t r0,
+                          int64_t k, Pick&& pick) {
+    const WeightMat* w[kMaxProducts];
+    const float* x[kMaxProducts];
+    float* y[kMaxProducts];
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+      if (pick(i)) {
+        w[m] = W[i];
+        x[m] = X[i] + r0 * W[i]->cols;
+        y[m++] = Y[i] + r0 * W[i]->rows;
+      }
+    if (m) ops::matmul_many(w, x, m, k, y);
+  }
+
+  // The products of a step, by row class under fast numerics (fp32[i]: weight i wants unrounded
+  // activations whatever the numerics, as the router does).
+  void products(const WeightMat* const* W, const float* const* X, int64_t n, int64_t R, float* const* Y,
+                const bool* fp32, const int32_t* groups, int64_t ng) {
+    if (n > kMaxProducts) fail("matmul: at most 8 products per call");
+    const auto all = [](int64_t) { return true; };
+    if (ops::current_numerics() != ops::Numerics::Fast) return products_on(W, X, n, Y, 0, R, all);
+    const auto flagged = [&](int64_t i) { return fp32 && fp32[i]; };
+    const auto mx = [&](int64_t i) { return W[i]->fmt == WFormat::MXFP4; };
+    for (const Run& run : runs(R, groups, ng)) {
+      switch (run.cls) {
+        case RowClass::Chunk: {
+          products_on(W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !flagged(i); });
+          const ops::NumericsScope f32(ops::Numerics::F32);
+          products_on(W, X, n, Y, run.r0, run.n, flagged);
+          break;
+        }
+        case RowClass::Few: {
+          const ops::NumericsScope f32(ops::Numerics::F32);
+          products_on(W, X, n, Y, run.r0, run.n, all);
+          break;
+        }
+        case RowClass::One: {
+          {
+            const ops::NumericsScope f32(ops::Numerics::F32);
+            products_on(W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !mx(i) || flagged(i); });
+          }
+          for (int64_t r = run.r0; r < run.r0 + run.n; ++r)
+            products_on(W, X, n, Y, r, 1, [&](int64_t i) { return mx(i) && !flagged(i); });
+          break;
+        }
+      }
+    }
+  }
+
   std::unique_ptr<ops::NumericsScope> scope_;
   std::vector<const float*> page_ptrs_;
+  int64_t step_rows_ = 0;
+  std::vector<int32_t> step_cu_;
+  std::vector<Run> runs_;
 };
 
-void CpuBackend::moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
-                            const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
-                            ExpertSource* source) {
+void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                          const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
+                          ExpertSource* source) {
   using Buf = std::vector<float>;
   const auto buf = [](int64_t n) { return Buf(static_cast<size_t>(n)); };
   const int64_t E = int64_t(w.experts.size());

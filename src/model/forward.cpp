@@ -173,6 +173,12 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   work.rewind(0);
   const StepCtx c{be, view, work, R};
   const int64_t nsel = int64_t(sel.size());
+  // The selected rows by sequence (all its rows, or its last one), for shape-dependent numerics.
+  std::vector<int32_t> sel_groups{0};
+  for (int64_t r = 0, i = 0; r < nsel; ++r) {
+    while (sel[size_t(r)] >= cu[size_t(i) + 1]) ++i;
+    if (r + 1 == nsel || sel[size_t(r) + 1] >= cu[size_t(i) + 1]) sel_groups.push_back(int32_t(r + 1));
+  }
   // Fixed buffers first, so a replayed step finds them where it recorded them.
   std::vector<float*> spare(size_t(depth_slots(d)));
   for (float*& p : spare) p = work.take(R * H);
@@ -190,7 +196,7 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
     attnres_site(c, placed_.output_res, depth, H, d.eps, h);
     be.gather_rows(h, sel.data(), nsel, H, hs);
     be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
-    be.matmul(placed_.lm_head, hs, nsel, ls);
+    be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
   }
   be.end_step();
   for (int64_t i = 0; i < N; ++i) pool.advance(seqs[size_t(i)].slot, seqs[size_t(i)].n);
