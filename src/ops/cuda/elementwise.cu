@@ -648,7 +648,7 @@ void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const
                             float* state_pool, float* out, Stream s) {
   check_conv_width("short_conv_silu_varlen", K);
   check_varlen("short_conv_silu_varlen", b, true);
-  if (C <= 0) return;
+  if (C <= 0 || b.rows <= 0) return;  // no rows: every state stays as it is
   const int64_t tiles = b.rows / kConvTile + b.n_seqs;
   if (tiles > 65535)
     fail("short_conv_silu_varlen: " + std::to_string(b.rows) + " rows of " + std::to_string(b.n_seqs) +
