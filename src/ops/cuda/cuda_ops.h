@@ -81,6 +81,62 @@ void router_topk(const float* logits, const float* bias, int64_t T, int64_t E, i
 // agg[t] = Σ_j w[t, j] · y[t*k + j]  (j ascending), agg [T, n] overwritten.
 void moe_combine(const float* y, const float* w, int64_t T, int64_t k, int64_t n, float* agg, Stream s);
 
+// ------------------------------------------------------------------ varlen batches (continuous batching)
+// A step's rows are the tokens of n_seqs sequences, packed: rows [cu_rows[i], cu_rows[i+1]) belong to
+// sequence i, whose state lives in slot slots[i] of a state pool. The arrays are DEVICE int32 arrays, so a
+// captured CUDA graph replays with whatever was copied there last; n_seqs and rows (= cu_rows[n_seqs]) are
+// host values fixed per launch shape. A sequence may have no rows (its state is then left as it is);
+// the slots of one batch must be distinct (two sequences updating one slot would race). A slot
+// outside [0, n_slots) is never read or written: that sequence's outputs are set to NaN (loud).
+struct VarlenDev {
+  int64_t n_seqs = 0, rows = 0;
+  const int32_t* cu_rows = nullptr;  // [n_seqs + 1], cu_rows[0] = 0, non-decreasing
+  const int32_t* slots = nullptr;    // [n_seqs] (read by the KDA and conv ops only)
+  int64_t n_slots = 0;               // host: slots in the state pool (the bound for slots[i]; KDA and conv)
+};
+// KDA gated delta rule for every sequence from its own state: S_pool [n_slots, H, Dk, Dv] fp32; sequence i
+// reads and updates S_pool + slots[i]*H*Dk*Dv. q,k,g [rows,H,Dk]; v,o [rows,H,Dv]; beta [rows,H]. Same math
+// as kda_recurrent (ops.h) per sequence, and the same bits as cuda::kda_recurrent on that sequence alone.
+// Grid: (Dv/32, H, n_seqs) blocks, each walking its sequence's rows: the decode kernel.
+void kda_recurrent_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                          const VarlenDev& b, int64_t H, int64_t Dk, int64_t Dv, float* S_pool, float* o, Stream s);
+// The same result by the chunkwise form (as kda_chunked, same bits as it per sequence): for prefill chunks.
+void kda_chunked_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                        const VarlenDev& b, int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S_pool, float* o,
+                        Stream s);
+// Depthwise causal conv + SiLU per sequence with its own carried inputs: state_pool [n_slots, C, K-1]
+// (same layout as short_conv_silu's state), sequence i uses state_pool + slots[i]*C*(K-1). x,out [rows,C].
+// Same bits as short_conv_silu on each sequence alone.
+void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K,
+                            float* state_pool, float* out, Stream s);
+
+// A paged MLA latent cache of one layer: pages [n_pages, page_tokens, kv_lora + rope] fp32; per token the
+// RMS-normed latent c (kv_lora floats) then the raw shared rope key k_r (rope floats). Token position p of
+// sequence i lives in page block_table[i*max_pages + p/page_tokens], row p % page_tokens.
+// Entries the kernels meet outside [0, n_pages), or positions past max_pages pages, are never written
+// through (append skips the row) and read as NaN (attention): a bad table is loud, not a stray write.
+struct PagedCacheDev {
+  float* pages = nullptr;
+  int64_t page_tokens = 64;              // the engine uses 64; kernels must accept any value >= 1
+  const int32_t* block_table = nullptr;  // device [n_seqs, max_pages]
+  int64_t max_pages = 0;                 // host: the table's row length (fixed capacity)
+  const int32_t* pos0 = nullptr;         // device [n_seqs]: tokens cached for sequence i BEFORE this step
+  int64_t n_pages = 0;                   // host: pages in the pool (the bound for block-table entries)
+};
+// Appends the step's rows: row cu_rows[i]+j goes to position pos0[i]+j of sequence i:
+// c = RMSNorm_eps(ckv[row, :kv_lora]) * norm_w, k_r = ckv[row, kv_lora:kv_lora+rope]. ckv [rows, kv_lora+rope].
+// Same bits as mla_cache_append.
+void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora,
+                            int64_t rope, const float* norm_w, float eps, Stream s);
+// Absorbed MLA (same meaning as ops.h mla_attend_absorbed) for every sequence over its own pages, AFTER the
+// append: row cu_rows[i]+j sits at absolute position pos0[i]+j and attends to positions 0..pos0[i]+j.
+// q [rows, heads, nope+rope], out [rows, heads, v]; kv_b a device view. work: >= mla_paged_work_floats(...) floats.
+// Long key ranges are split over blocks in proportion to each row's keys (a plan computed on the
+// device from pos0, so the grid is fixed per (rows, heads) while contexts differ and grow).
+int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d);
+void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,
+                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s);
+
 }  // namespace k3::cuda
 
 namespace k3::cuda {

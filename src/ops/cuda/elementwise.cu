@@ -1,6 +1,6 @@
 // CUDA elementwise ops, norms, embedding, argmax and the AttnRes mix (cuda_ops.h): each one has the
 // meaning of its CPU twin in ops/ops.h (k3::ref is what the device tests compare against).
-// Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu, kda_gate, sigmoid_*, add_inplace,
+// Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu (+ its varlen form), kda_gate, sigmoid_*, add_inplace,
 // embed_rows, argmax_rows, attnres_mix.
 // Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/varlen.cuh"
 
 namespace k3::cuda {
 
@@ -271,14 +272,12 @@ __global__ void add_kernel(float* y, const float* x, int64_t n) {
 constexpr int kConvTile = 32;
 constexpr int kConvMaxK = 16;
 
+// The tile starting at token t0 of one sequence of T tokens (x, out at its first token; its state),
+// channel c. Shared by the single-sequence and the varlen kernels, so both compute the same bits.
 template <int KT>  // KT > 0: K known at compile time (registers); KT == 0: any K <= 16
-__global__ void short_conv_kernel(const float* x, int64_t T, int64_t C, const float* w, int Krt, float* state,
-                                  float* out) {
-  pdl_enter();
+__device__ __forceinline__ void short_conv_tile(const float* x, int64_t T, int64_t C, const float* w, int Krt,
+                                                float* state, float* out, int64_t c, int64_t t0) {
   const int K = KT > 0 ? KT : Krt;
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
-  const int64_t t0 = int64_t(blockIdx.y) * kConvTile;
   const int64_t t1 = t0 + kConvTile < T ? t0 + kConvTile : T;
   constexpr int NW = KT > 0 ? KT : kConvMaxK;
   float win[NW], wc[NW], old[NW];
@@ -302,6 +301,40 @@ __global__ void short_conv_kernel(const float* x, int64_t T, int64_t C, const fl
       const int64_t idx = T + j - (K - 1);  // position T + j of [state | x], as an index into x
       state[c * (K - 1) + j] = idx < 0 ? old[K - 1 + idx] : x[idx * C + c];
     }
+}
+
+template <int KT>
+__global__ void short_conv_kernel(const float* x, int64_t T, int64_t C, const float* w, int Krt, float* state,
+                                  float* out) {
+  pdl_enter();
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  short_conv_tile<KT>(x, T, C, w, Krt, state, out, c, int64_t(blockIdx.y) * kConvTile);
+}
+
+// Varlen: the tiles of every sequence in one grid whose size depends only on (rows, n_seqs).
+// Sequence i owns the virtual tiles [v_i, v_{i+1}) with v_i = floor(cu_rows[i]/32) + i: that range
+// holds at least ceil(T_i/32) tiles (floor(r_{i+1}/32) - floor(r_i/32) + 1 >= ceil(T_i/32)), and the
+// last v_n = floor(rows/32) + n_seqs bounds the grid. Blocks past a sequence's last tile exit.
+template <int KT>
+__global__ void short_conv_varlen_kernel(const float* x, const int32_t* cu_rows, const int32_t* slots, int n_seqs,
+                                         int n_slots, int64_t C, const float* w, int Krt, float* state_pool,
+                                         float* out) {
+  pdl_enter();
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const int64_t vt = blockIdx.y;
+  const int i = last_le(n_seqs, [cu_rows](int j) { return int64_t(cu_rows[j] / kConvTile) + j; }, vt);
+  const int64_t r0 = cu_rows[i], T = cu_rows[i + 1] - r0;
+  const int64_t t0 = (vt - (r0 / kConvTile + i)) * kConvTile;
+  if (t0 > 0 && t0 >= T) return;  // tile 0 always runs: with T = 0 it rewrites the state unchanged
+  const int slot = slots[i];
+  if (slot < 0 || slot >= n_slots) {  // a bad slot: never touched, the outputs loud
+    for (int64_t t = t0; t < T && t < t0 + kConvTile; ++t) out[(r0 + t) * C + c] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const int K = KT > 0 ? KT : Krt;
+  short_conv_tile<KT>(x + r0 * C, T, C, w, Krt, state_pool + int64_t(slot) * C * (K - 1), out + r0 * C, c, t0);
 }
 
 // ---------------------------------------------------------------- embedding / argmax
@@ -566,6 +599,23 @@ void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* 
     launch(attnres_kernel<NS, 1, TH>, unsigned(T), TH, 0, s, l, n, H, fold, eps, out);
 }
 
+// Calls f(std::integral_constant<int, KT>) with the conv kernels' compile-time width for K (0: any).
+template <class F>
+void with_conv_width(int64_t K, F&& f) {
+  switch (K) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: f(std::integral_constant<int, 0>{}); break;
+  }
+}
+
+void check_conv_width(const char* what, int64_t K) {
+  if (K < 1 || K > kConvMaxK)
+    fail(std::string(what) + ": kernel width " + std::to_string(K) + " outside 1.." + std::to_string(kConvMaxK));
+}
+
 }  // namespace
 
 // ================================================================ host API
@@ -585,18 +635,30 @@ void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, flo
 
 void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out,
                      Stream s) {
-  if (K < 1 || K > kConvMaxK) fail("short_conv_silu: kernel width " + std::to_string(K) + " outside 1.." + std::to_string(kConvMaxK));
+  check_conv_width("short_conv_silu", K);
   if (T <= 0 || C <= 0) return;
   const dim3 grid(unsigned((C + 127) / 128), unsigned((T + kConvTile - 1) / kConvTile));
-  const int k = int(K);
-  switch (k) {
-    case 1: launch(short_conv_kernel<1>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
-    case 2: launch(short_conv_kernel<2>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
-    case 3: launch(short_conv_kernel<3>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
-    case 4: launch(short_conv_kernel<4>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
-    default: launch(short_conv_kernel<0>, grid, 128, 0, s, x, T, C, w, k, state, out); break;
-  }
+  with_conv_width(K, [&](auto kt) {
+    launch(short_conv_kernel<decltype(kt)::value>, grid, 128, 0, s, x, T, C, w, int(K), state, out);
+  });
   check_launch("short_conv_silu");
+}
+
+void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K,
+                            float* state_pool, float* out, Stream s) {
+  check_conv_width("short_conv_silu_varlen", K);
+  check_varlen("short_conv_silu_varlen", b, true);
+  if (C <= 0 || b.rows <= 0) return;  // no rows: every state stays as it is
+  const int64_t tiles = b.rows / kConvTile + b.n_seqs;
+  if (tiles > 65535)
+    fail("short_conv_silu_varlen: " + std::to_string(b.rows) + " rows of " + std::to_string(b.n_seqs) +
+         " sequences exceed the kernel's grid (65535 tiles)");
+  const dim3 grid(unsigned((C + 127) / 128), unsigned(tiles));
+  with_conv_width(K, [&](auto kt) {
+    launch(short_conv_varlen_kernel<decltype(kt)::value>, grid, 128, 0, s, x, b.cu_rows, b.slots, int(b.n_seqs),
+           int(b.n_slots), C, w, int(K), state_pool, out);
+  });
+  check_launch("short_conv_silu_varlen");
 }
 
 void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,

@@ -1,6 +1,7 @@
 // CUDA Kimi Delta Attention (cuda_ops.h): kda_recurrent (token by token; the decode path) and
-// kda_chunked (the chunkwise-parallel UT/WY form of spec §3.5, as ops/cpu/attn_kernels.inc).
-// Both compute exactly what k3::ref::kda_recurrent defines, with an fp32 state.
+// kda_chunked (the chunkwise-parallel UT/WY form of spec §3.5, as ops/cpu/attn_kernels.inc), each
+// also in a varlen form (many sequences packed, each with its own state slot; one block body serves
+// both forms). All compute exactly what k3::ref::kda_recurrent defines, with an fp32 state.
 // Must not: sync, allocate, or depend on anything but its arguments (decode runs inside a graph).
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cuda_runtime.h>
@@ -8,11 +9,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/varlen.cuh"
 
 namespace k3::cuda {
 
@@ -37,20 +40,19 @@ constexpr int kMaxDim = 256;   // Dk, Dv limit (one key channel per thread in th
 //   (c) δ = β(v − u), o = w + (k·q)δ            (= S_tᵀq: read from the UPDATED state)
 //   (d) S ← Diag(α)S + kδᵀ
 // The next token's q/k/g/v/β are loaded into registers while this token computes.
+// One block's work: head h, columns [j0, j0 + 32) of one sequence of T tokens (q..beta, o at its
+// first token, rows of H heads), its state Sh = S[h] ([Dk, Dv]). Shared by the single-sequence and
+// the varlen kernels, so both compute the same bits.
 template <int RPT>
-__global__ void __launch_bounds__(kThreads) kda_recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                                 const float* __restrict__ v, const float* __restrict__ g,
-                                                                 const float* __restrict__ beta, int64_t T, int64_t H,
-                                                                 int Dk, int Dv, float* __restrict__ S,
-                                                                 float* __restrict__ o) {
-  pdl_enter();
+__device__ __forceinline__ void kda_recurrent_block(const float* __restrict__ q, const float* __restrict__ k,
+                                                    const float* __restrict__ v, const float* __restrict__ g,
+                                                    const float* __restrict__ beta, int64_t T, int64_t H, int Dk,
+                                                    int Dv, int64_t h, int j0, float* __restrict__ Sh,
+                                                    float* __restrict__ o) {
   __shared__ float s_al[2][kMaxDim], s_ka[2][kMaxDim], s_qa[2][kMaxDim], s_k[2][kMaxDim];
   __shared__ float s_v[2][kCols], s_beta[2], s_kqp[2][8];
   __shared__ float red_u[8][kCols], red_w[8][kCols], s_dl[kCols];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, ar = lane >> 3, jc = lane & 7;
-  const int64_t h = blockIdx.y;
-  const int j0 = blockIdx.x * kCols;
-  float* Sh = S + h * int64_t(Dk) * Dv;
 
   float st[RPT][4];
 #pragma unroll
@@ -160,6 +162,55 @@ __global__ void __launch_bounds__(kThreads) kda_recurrent_kernel(const float* __
   }
 }
 
+template <int RPT>
+__global__ void __launch_bounds__(kThreads) kda_recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
+                                                                 const float* __restrict__ v, const float* __restrict__ g,
+                                                                 const float* __restrict__ beta, int64_t T, int64_t H,
+                                                                 int Dk, int Dv, float* __restrict__ S,
+                                                                 float* __restrict__ o) {
+  pdl_enter();
+  const int64_t h = blockIdx.y;
+  kda_recurrent_block<RPT>(q, k, v, g, beta, T, H, Dk, Dv, h, blockIdx.x * kCols, S + h * int64_t(Dk) * Dv, o);
+}
+
+// The varlen kernels' block of sequence blockIdx.z: where its rows start, how many, and its
+// state; false when there is nothing to do (no rows, or a bad slot: its outputs become NaN).
+struct KdaSeq {
+  int64_t r0, T;
+  float* Sh;
+};
+__device__ __forceinline__ bool kda_seq(const int32_t* cu_rows, const int32_t* slots, int n_slots, int64_t H, int Dk,
+                                        int Dv, float* S_pool, float* o, KdaSeq* sq) {
+  const int i = blockIdx.z;
+  const int64_t h = blockIdx.y;
+  sq->r0 = cu_rows[i];
+  sq->T = cu_rows[i + 1] - sq->r0;
+  const int slot = slots[i];
+  if (sq->T > 0 && (slot < 0 || slot >= n_slots)) {
+    for (int64_t x = threadIdx.x; x < sq->T * kCols; x += blockDim.x) {
+      const int64_t t = x / kCols;
+      const int c = blockIdx.x * kCols + int(x % kCols);
+      if (c < Dv) o[((sq->r0 + t) * H + h) * Dv + c] = __int_as_float(0x7fc00000);
+    }
+    return false;
+  }
+  sq->Sh = S_pool + (int64_t(slot) * H + h) * Dk * Dv;
+  return sq->T > 0;
+}
+
+template <int RPT>
+__global__ void __launch_bounds__(kThreads) kda_recurrent_varlen_kernel(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const float* __restrict__ beta, const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots,
+    int n_slots, int64_t H, int Dk, int Dv, float* __restrict__ S_pool, float* __restrict__ o) {
+  pdl_enter();
+  KdaSeq sq;
+  if (!kda_seq(cu_rows, slots, n_slots, H, Dk, Dv, S_pool, o, &sq)) return;
+  const int64_t r0 = sq.r0;
+  kda_recurrent_block<RPT>(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, sq.T, H,
+                           Dk, Dv, blockIdx.y, blockIdx.x * kCols, sq.Sh, o + r0 * H * Dv);
+}
+
 // ---------------------------------------------------------------- chunked
 // Chunkwise form for one head and 32 value columns, all fp32, in the factored-decay variant of the
 // CPU kernel (ops/cpu/attn_kernels.inc): per chunk of C tokens with Γ_i = Σ_{j<=i} g_j counted from
@@ -242,12 +293,12 @@ __device__ __forceinline__ void tile_tn(int K, const float* AT, int lda, const f
 
 // Rows of KQ / P / A: k rows i at i, q rows i at CQ + i where CQ = the chunk's upper bound (the
 // tokens are staged before the cut is known; rows between C and CQ are unused when cut early).
-__global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                               const float* __restrict__ v, const float* __restrict__ g,
-                                                               const float* __restrict__ beta, int64_t T, int64_t H,
-                                                               int Dk, int Dv, int CM, float* __restrict__ S,
-                                                               float* __restrict__ o) {
-  pdl_enter();
+// One block's work (head h, columns [j0, j0 + 32), state Sh = S[h]) as in kda_recurrent_block.
+__device__ __forceinline__ void kda_chunked_block(const float* __restrict__ q, const float* __restrict__ k,
+                                                  const float* __restrict__ v, const float* __restrict__ g,
+                                                  const float* __restrict__ beta, int64_t T, int64_t H, int Dk, int Dv,
+                                                  int CM, int64_t h, int j0, float* __restrict__ Sh,
+                                                  float* __restrict__ o) {
   extern __shared__ float4 smem4[];
   float* sm = reinterpret_cast<float*>(smem4);
   const ChunkLayout L = chunk_layout(CM, Dk);
@@ -256,9 +307,6 @@ __global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __re
   float* Ks = KQ;
   int* s_len = reinterpret_cast<int*>(sm + L.total - 4);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t h = blockIdx.y;
-  const int j0 = blockIdx.x * kCols;
-  float* Sh = S + h * int64_t(Dk) * Dv;
 
   for (int i = tid; i < Dk * kCols; i += kThreads) {
     const int d = i / kCols, c = i % kCols;
@@ -448,13 +496,68 @@ __global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __re
   }
 }
 
+__global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __restrict__ q, const float* __restrict__ k,
+                                                               const float* __restrict__ v, const float* __restrict__ g,
+                                                               const float* __restrict__ beta, int64_t T, int64_t H,
+                                                               int Dk, int Dv, int CM, float* __restrict__ S,
+                                                               float* __restrict__ o) {
+  pdl_enter();
+  const int64_t h = blockIdx.y;
+  kda_chunked_block(q, k, v, g, beta, T, H, Dk, Dv, CM, h, blockIdx.x * kCols, S + h * int64_t(Dk) * Dv, o);
+}
+
+__global__ void __launch_bounds__(kThreads) kda_chunked_varlen_kernel(
+    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
+    const float* __restrict__ beta, const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots,
+    int n_slots, int64_t H, int Dk, int Dv, int CM, float* __restrict__ S_pool, float* __restrict__ o) {
+  pdl_enter();
+  KdaSeq sq;
+  if (!kda_seq(cu_rows, slots, n_slots, H, Dk, Dv, S_pool, o, &sq)) return;
+  const int64_t r0 = sq.r0;
+  kda_chunked_block(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, sq.T, H, Dk, Dv,
+                    CM, blockIdx.y, blockIdx.x * kCols, sq.Sh, o + r0 * H * Dv);
+}
+
 void check_dims(const char* what, int64_t Dk, int64_t Dv) {
   if (Dk < 1 || Dv < 1 || Dk > kMaxDim || Dv > kMaxDim)
     fail(std::string(what) + ": head dims Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv) +
          " outside the GPU kernel's 1.." + std::to_string(kMaxDim));
 }
 
+// Calls f(std::integral_constant<int, RPT>) with the state rows per thread the recurrent kernel
+// needs for Dk (Dk <= 32·RPT).
+template <class F>
+void with_rpt(int64_t Dk, F&& f) {
+  if (Dk <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (Dk <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (Dk <= 128)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
+
 constexpr int kMaxSmem = 200 * 1024;
+
+// The chunked kernels' chunk length and dynamic shared memory: `chunk` is a hint (<= 0: the
+// default 64), capped at kMaxChunk and at what fits in shared memory for this Dk; the kernel also
+// cuts chunks early under strong decay.
+int chunk_len(int64_t chunk, int64_t Dk, size_t* smem) {
+  int CM = int(chunk <= 0 ? kMaxChunk : std::min<int64_t>(chunk, kMaxChunk));
+  while (CM > 1 && size_t(chunk_layout(CM, int(Dk)).total) * 4 > size_t(kMaxSmem)) CM /= 2;
+  *smem = size_t(chunk_layout(CM, int(Dk)).total) * 4;
+  return CM;
+}
+
+// Opt a kernel in to > 48 KiB of dynamic shared memory, at the largest size it can ask for (a
+// host-side attribute: fine before or during graph capture). Callers keep the result in a static.
+bool allow_max_smem(const void* kernel) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem) == cudaSuccess;
+}
+void require_smem(bool ok, const char* what) {
+  if (!ok) fail(std::string(what) + ": this GPU cannot give " + std::to_string(kMaxSmem) + " bytes of shared memory per block");
+}
 
 }  // namespace
 
@@ -463,37 +566,53 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
   check_dims("kda_recurrent", Dk, Dv);
   if (T <= 0 || H <= 0) return;
   const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H));
-  const int dk = int(Dk), dv = int(Dv);
-  if (Dk <= 32)
-    launch(kda_recurrent_kernel<1>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
-  else if (Dk <= 64)
-    launch(kda_recurrent_kernel<2>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
-  else if (Dk <= 128)
-    launch(kda_recurrent_kernel<4>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
-  else
-    launch(kda_recurrent_kernel<8>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, dk, dv, S, o);
+  with_rpt(Dk, [&](auto rpt) {
+    launch(kda_recurrent_kernel<decltype(rpt)::value>, grid, kThreads, 0, s, q, k, v, g, beta, T, H, int(Dk), int(Dv),
+           S, o);
+  });
   check_launch("kda_recurrent");
+}
+
+void kda_recurrent_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                          const VarlenDev& b, int64_t H, int64_t Dk, int64_t Dv, float* S_pool, float* o, Stream s) {
+  check_dims("kda_recurrent_varlen", Dk, Dv);
+  check_varlen("kda_recurrent_varlen", b, true);
+  if (b.rows <= 0 || H <= 0) return;
+  const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H), unsigned(b.n_seqs));
+  with_rpt(Dk, [&](auto rpt) {
+    launch(kda_recurrent_varlen_kernel<decltype(rpt)::value>, grid, kThreads, 0, s, q, k, v, g, beta, b.cu_rows,
+           b.slots, int(b.n_slots), H, int(Dk), int(Dv), S_pool, o);
+  });
+  check_launch("kda_recurrent_varlen");
 }
 
 void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
                  int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o, Stream s) {
   check_dims("kda_chunked", Dk, Dv);
   if (T <= 0 || H <= 0) return;
-  // `chunk` is a hint (<= 0: the default 64): capped at kMaxChunk and at what fits in shared memory
-  // for this Dk; the kernel also cuts chunks early under strong decay.
-  int CM = int(chunk <= 0 ? kMaxChunk : std::min<int64_t>(chunk, kMaxChunk));
-  while (CM > 1 && size_t(chunk_layout(CM, int(Dk)).total) * 4 > size_t(kMaxSmem)) CM /= 2;
-  const size_t smem = size_t(chunk_layout(CM, int(Dk)).total) * 4;
-  // Opt in to > 48 KiB of dynamic shared memory once, at the largest size this kernel can ask for
-  // (a host-side attribute: fine before or during graph capture).
-  static const bool attr_set = [] {
-    return cudaFuncSetAttribute(kda_chunked_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem) ==
-           cudaSuccess;
-  }();
-  if (!attr_set) fail("kda_chunked: this GPU cannot give " + std::to_string(kMaxSmem) + " bytes of shared memory per block");
+  size_t smem = 0;
+  const int CM = chunk_len(chunk, Dk, &smem);
+  static const bool attr_set = allow_max_smem(reinterpret_cast<const void*>(kda_chunked_kernel));
+  require_smem(attr_set, "kda_chunked");
   const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H));
   launch(kda_chunked_kernel, grid, kThreads, smem, s, q, k, v, g, beta, T, H, int(Dk), int(Dv), CM, S, o);
   check_launch("kda_chunked");
+}
+
+void kda_chunked_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                        const VarlenDev& b, int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S_pool, float* o,
+                        Stream s) {
+  check_dims("kda_chunked_varlen", Dk, Dv);
+  check_varlen("kda_chunked_varlen", b, true);
+  if (b.rows <= 0 || H <= 0) return;
+  size_t smem = 0;
+  const int CM = chunk_len(chunk, Dk, &smem);
+  static const bool attr_set = allow_max_smem(reinterpret_cast<const void*>(kda_chunked_varlen_kernel));
+  require_smem(attr_set, "kda_chunked_varlen");
+  const dim3 grid(unsigned((Dv + kCols - 1) / kCols), unsigned(H), unsigned(b.n_seqs));
+  launch(kda_chunked_varlen_kernel, grid, kThreads, smem, s, q, k, v, g, beta, b.cu_rows, b.slots, int(b.n_slots), H,
+         int(Dk), int(Dv), CM, S_pool, o);
+  check_launch("kda_chunked_varlen");
 }
 
 }  // namespace k3::cuda

@@ -1,6 +1,8 @@
 // CUDA MLA over the latent cache (cuda_ops.h): the cache append (normalised latent + shared k_r),
 // the absorbed attention (q̃ = W_UKᵀ q_nope, softmax over [c | k_r] keys, W_UV on the latent
-// output) and the device-side length counter. fp32 everywhere in both precisions.
+// output) and the device-side length counter. fp32 everywhere in both precisions. Each of append
+// and attention also in a paged varlen form (many sequences, pages through a block table) sharing
+// the same kernel bodies; the key ranges of a paged launch are split by a device-side plan.
 // Must not: sync, allocate, or read the cache length on the host (it lives on the device so a
 // captured decode graph replays with a growing cache); the grid never depends on that length.
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
@@ -16,6 +18,7 @@
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/varlen.cuh"
 
 namespace k3::cuda {
 
@@ -24,14 +27,12 @@ namespace {
 
 // ---------------------------------------------------------------- cache append
 // One block per new token: RMSNorm of the latent (fp64 sum of squares, fp32 w·(x·inv) as the CPU
-// rmsnorm), and the raw k_r copied, both at row *len_dev + t.
-__global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, int64_t R, const float* __restrict__ w,
-                                    float eps, const int32_t* __restrict__ len_dev, float* __restrict__ c_cache,
-                                    float* __restrict__ kr_cache) {
-  pdl_enter();
+// rmsnorm) into c_dst [L], and the raw k_r copied into kr_dst [R]. The contiguous and the paged
+// appends differ only in where a token's row is, so they share this body (and its bits).
+__device__ __forceinline__ void append_row(const float* __restrict__ x, int64_t L, int64_t R,
+                                           const float* __restrict__ w, float eps, float* __restrict__ c_dst,
+                                           float* __restrict__ kr_dst) {
   __shared__ double red[32];
-  const int64_t t = blockIdx.x, pos = int64_t(*len_dev) + t;
-  const float* x = ckv + t * (L + R);
   double ss = 0;
   for (int64_t i = threadIdx.x; i < L; i += blockDim.x) ss += double(x[i]) * double(x[i]);
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -44,8 +45,31 @@ __global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, in
   }
   __syncthreads();
   const float inv = float(1.0 / sqrt(red[0] / double(L) + double(eps)));
-  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) c_cache[pos * L + i] = w[i] * (x[i] * inv);
-  for (int64_t i = threadIdx.x; i < R; i += blockDim.x) kr_cache[pos * R + i] = x[L + i];
+  for (int64_t i = threadIdx.x; i < L; i += blockDim.x) c_dst[i] = w[i] * (x[i] * inv);
+  for (int64_t i = threadIdx.x; i < R; i += blockDim.x) kr_dst[i] = x[L + i];
+}
+
+// Contiguous cache: token t at row *len_dev + t of c_cache [cap, L] and kr_cache [cap, R].
+__global__ void cache_append_kernel(const float* __restrict__ ckv, int64_t L, int64_t R, const float* __restrict__ w,
+                                    float eps, const int32_t* __restrict__ len_dev, float* __restrict__ c_cache,
+                                    float* __restrict__ kr_cache) {
+  pdl_enter();
+  const int64_t t = blockIdx.x, pos = int64_t(*len_dev) + t;
+  append_row(ckv + t * (L + R), L, R, w, eps, c_cache + pos * L, kr_cache + pos * R);
+}
+
+// Paged cache: row r of sequence i (cu_rows[i] <= r) at position pos0[i] + r - cu_rows[i] of that
+// sequence's pages. A position the table cannot place is skipped (never a stray write).
+__global__ void cache_append_paged_kernel(const float* __restrict__ ckv, int64_t L, int64_t R,
+                                          const float* __restrict__ w, float eps, const int32_t* __restrict__ cu_rows,
+                                          int n_seqs, PagedCacheDev c) {
+  pdl_enter();
+  const int64_t r = blockIdx.x;
+  const int i = seq_of_row(cu_rows, n_seqs, r);
+  const int64_t pos = int64_t(c.pos0[i]) + r - cu_rows[i];
+  float* dst = paged_row(c, c.block_table + int64_t(i) * c.max_pages, pos, L + R);
+  if (dst == nullptr) return;  // the whole block: no barrier is left waiting
+  append_row(ckv + r * (L + R), L, R, w, eps, dst, dst + L);
 }
 
 __global__ void advance_len_kernel(int32_t* len, int32_t T) {
@@ -334,17 +358,30 @@ constexpr int kHG = 16, kBS = 16, kAttThreads = 256, kXSplit = 16, kKtLd = kBS +
 constexpr int64_t kMinSplitKeys = 64;
 constexpr int kMaxRope = 128;
 
+// Where a paged launch's blocks work (written on the device by mla_paged_plan_kernel): row t sees
+// row_keys[t] keys of sequence row_seq[t], split in row_u[t] ranges held by the partial slots
+// row_off[t] .. + row_u[t] - 1; slot w is split slot_j[w] of row slot_row[w] (-1: unused).
+struct PagedPlan {
+  int32_t *row_seq, *row_keys, *row_u, *row_off;  // [rows]
+  int32_t *slot_row, *slot_j;                     // [slots]
+};
+
 struct AttnArgs {
   const float* q;   // [T, heads, nope + rope]
   const float* ql;  // [T, heads, L]  q̃ (and, with one split, the normalised output o_lat in place)
-  const float* c;   // [S, L]
-  const float* kr;  // [S, R]
+  // Keys: contiguous (pc.pages == null): c [S, L], kr [S, R], query t sees *len + t + 1 of them,
+  // the block grid (T, head groups, nsplit) with split_plan; paged: pc and the plan, grid (slots, head groups).
+  const float* c;
+  const float* kr;
   const int32_t* len;
-  float* out;                       // nsplit == 1: o_lat [T, heads, L] (== ql)
-  float *part_o, *part_m, *part_z;  // nsplit > 1: [nsplit, T, heads, L] and [nsplit, T, heads]
+  PagedCacheDev pc;
+  PagedPlan plan;
+  float* out;                       // direct: o_lat [T, heads, L] (== ql)
+  float *part_o, *part_m, *part_z;  // else: [partial slot, heads, L] and [partial slot, heads]
   int64_t T, heads, nope, rope, L;
   int nsplit;
-  bool vec;  // L and rope multiples of 4: 16-byte key loads
+  bool direct;  // one block per (row, head group): the normalised output written in place
+  bool vec;     // L and rope multiples of 4 (and the keys 16-byte aligned): 16-byte key loads
   float scale;
 };
 
@@ -363,19 +400,65 @@ __host__ __device__ inline size_t att_smem_floats(int L, int R) {
   return size_t(X) * kHG + size_t(X) * kKtLd + size_t(kXSplit) * kHG * kBS + kBS * kHG + 3 * kHG;
 }
 
+// A block's share of the work: query row t, keys [s_begin, s_end), the partial slot its (m, z, o)
+// go to when not direct, and (paged) its sequence's block-table row.
+struct AttnWork {
+  int64_t t, s_begin, s_end, pslot;
+  const int32_t* bt;
+};
+__device__ __forceinline__ bool attn_work(const AttnArgs& a, AttnWork* w) {
+  int64_t nkeys, per;
+  if (a.pc.pages == nullptr) {
+    w->t = blockIdx.x;
+    const int sp = blockIdx.z;
+    nkeys = int64_t(*a.len) + w->t + 1;  // causal: keys 0..pos0+t
+    int used;
+    split_plan(nkeys, a.nsplit, &used, &per);
+    if (sp >= used) return false;  // a split this query does not need (never merged)
+    w->s_begin = int64_t(sp) * per;
+    w->pslot = int64_t(sp) * a.T + w->t;
+    w->bt = nullptr;
+  } else {
+    const int64_t slot = blockIdx.x;
+    const int r = a.plan.slot_row[slot];
+    if (r < 0) return false;  // a slot the plan left unused (never merged)
+    const int u = a.plan.row_u[r];
+    nkeys = a.plan.row_keys[r];
+    per = ((nkeys + u - 1) / u + kBS - 1) / kBS * kBS;
+    w->t = r;
+    w->s_begin = int64_t(a.plan.slot_j[slot]) * per;
+    w->pslot = slot;
+    w->bt = a.pc.block_table + int64_t(a.plan.row_seq[r]) * a.pc.max_pages;
+  }
+  w->s_end = w->s_begin + per < nkeys ? w->s_begin + per : nkeys;
+  return true;
+}
+
+// Where one key's latent row c [L] and rope row k_r [R] are; paged: null when the block table
+// cannot place it (the key then reads as NaN).
+struct KeyRow {
+  const float *c, *kr;
+};
+__device__ __forceinline__ KeyRow key_row(const AttnArgs& a, const int32_t* bt, int64_t key) {
+  if (bt == nullptr) return KeyRow{a.c + key * a.L, a.kr + key * a.rope};
+  const float* p = paged_row(a.pc, bt, key, a.L + a.rope);
+  return KeyRow{p, p ? p + a.L : nullptr};
+}
+
 // Key-tile items: (key s, 4 consecutive depth columns x0..x0+3), s fastest, so a warp's transposed
 // stores KT[x][s] hit 32 different banks and its loads read 16 keys × 32 contiguous bytes.
-__device__ __forceinline__ float4 load_key4(const AttnArgs& a, int64_t key, int x0) {
+__device__ __forceinline__ float4 load_key4(const AttnArgs& a, const KeyRow& k, int x0) {
   const int L = int(a.L), R = int(a.rope);
+  if (k.c == nullptr) return make_float4(NAN, NAN, NAN, NAN);
   if (a.vec) {
-    if (x0 < L) return *reinterpret_cast<const float4*>(a.c + key * L + x0);
-    return *reinterpret_cast<const float4*>(a.kr + key * R + (x0 - L));
+    if (x0 < L) return *reinterpret_cast<const float4*>(k.c + x0);
+    return *reinterpret_cast<const float4*>(k.kr + (x0 - L));
   }
   float v[4];
 #pragma unroll
   for (int u = 0; u < 4; ++u) {
     const int x = x0 + u;
-    v[u] = x < L ? a.c[key * L + x] : x < L + R ? a.kr[key * R + (x - L)] : 0.0f;
+    v[u] = x < L ? k.c[x] : x < L + R ? k.kr[x - L] : 0.0f;
   }
   return make_float4(v[0], v[1], v[2], v[3]);
 }
@@ -397,15 +480,10 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
   float* mrun = corr + kHG;
   float* zrun = mrun + kHG;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t t = blockIdx.x;
-  const int hg0 = blockIdx.y * kHG, sp = blockIdx.z;
-  const int64_t nkeys = int64_t(*a.len) + t + 1;  // causal: keys 0..pos0+t
-  int used;
-  int64_t per_split;
-  split_plan(nkeys, a.nsplit, &used, &per_split);
-  if (sp >= used) return;  // the whole block: a split this query does not need (never merged)
-  const int64_t s_begin = int64_t(sp) * per_split;
-  const int64_t s_end = s_begin + per_split < nkeys ? s_begin + per_split : nkeys;
+  const int hg0 = blockIdx.y * kHG;
+  AttnWork wk;
+  if (!attn_work(a, &wk)) return;  // the whole block
+  const int64_t t = wk.t, s_begin = wk.s_begin, s_end = wk.s_end;
 
   // q̃ and q_rope of the group's heads, transposed (depth-major) for float4 reads along heads;
   // heads fastest across lanes (conflict-free stores).
@@ -431,16 +509,24 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
   const int ht = tile / 4, st = tile % 4;
   const int xper = (X + kXSplit - 1) / kXSplit, xa = xs * xper, xb = min(X, xa + xper);
 
+  // Every item of a thread is the same key of the tile (kAttThreads is a multiple of kBS), so a
+  // thread finds one key row per tile, and finds the next tile's while this tile's loads are in
+  // flight (a paged block-table read then costs no latency of its own).
+  static_assert(kAttThreads % kBS == 0, "a thread's tile items must share one key");
+  const int my_key = tid % kBS;
+  KeyRow krow{};
+  if (s_begin + my_key < s_end) krow = key_row(a, wk.bt, s_begin + my_key);
   for (int64_t sb = s_begin; sb < s_end; sb += kBS) {
     const int nb = int(s_end - sb < kBS ? s_end - sb : kBS);
     {
       float4 pre[NR];  // keys sb .. sb+15 (zero beyond s_end): every load issued, then stored
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        const int it = tid + r * kAttThreads, s = it % kBS;
+        const int it = tid + r * kAttThreads;
         pre[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (it < items && s < nb) pre[r] = load_key4(a, sb + s, (it / kBS) * 4);
+        if (it < items && my_key < nb) pre[r] = load_key4(a, krow, (it / kBS) * 4);
       }
+      if (sb + kBS + my_key < s_end) krow = key_row(a, wk.bt, sb + kBS + my_key);
       __syncthreads();  // the previous tile's KT / PT are no longer read
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
@@ -544,7 +630,7 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
     const int h = hg0 + hh;
     if (h >= a.heads) continue;
     const int64_t row = t * a.heads + h;
-    if (a.nsplit == 1) {
+    if (a.direct) {
       const float inv = 1.0f / zrun[hh];
 #pragma unroll
       for (int m = 0; m < LM; ++m) {
@@ -552,7 +638,7 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
         if (l < L) a.out[row * L + l] = acc[hh][m] * inv;
       }
     } else {
-      const int64_t prow = int64_t(sp) * a.T * a.heads + row;
+      const int64_t prow = wk.pslot * a.heads + h;
 #pragma unroll
       for (int m = 0; m < LM; ++m) {
         const int l = tid + 256 * m;
@@ -566,25 +652,45 @@ __global__ void __launch_bounds__(kAttThreads, LM <= 2 ? 2 : 1) mla_attend_kerne
   }
 }
 
+// Which partial slots hold a query row's splits: contiguous (row_u == null): split sp of row t in
+// slot sp·T + t, the splits used from split_plan; paged: slots row_off[t] .. + row_u[t] - 1.
+struct SplitMap {
+  const int32_t* len;
+  int nsplit;
+  int64_t T;
+  const int32_t *row_u, *row_off;
+};
+
 // Merge of the used splits' partials: o_lat[t, h] = Σ e^{m_sp − M} o_sp / Σ e^{m_sp − M} z_sp.
 // Block = (t, h) row; warp 0 computes the split weights (lane = splits lane and lane + 32; max and
 // sum by a fixed shuffle tree, so deterministic) into shared memory, then the columns.
+constexpr int kMaxSplits = 64;
 __global__ void combine_kernel(const float* __restrict__ part_o, const float* __restrict__ part_m,
-                               const float* __restrict__ part_z, const int32_t* __restrict__ len, int64_t heads,
-                               int64_t rows, int nsplit, int64_t L, float* __restrict__ out) {
+                               const float* __restrict__ part_z, SplitMap map, int64_t heads, int64_t L,
+                               float* __restrict__ out) {
   pdl_enter();
-  __shared__ float wsp[64];
+  __shared__ float wsp[kMaxSplits];
   __shared__ float s_inv;
-  const int64_t row = blockIdx.x, t = row / heads;
+  const int64_t row = blockIdx.x, t = row / heads, h = row % heads;
   int used;
-  int64_t per;
-  split_plan(int64_t(*len) + t + 1, nsplit, &used, &per);
+  int64_t slot0, stride;
+  if (map.row_u == nullptr) {
+    int64_t per;
+    split_plan(int64_t(*map.len) + t + 1, map.nsplit, &used, &per);
+    slot0 = t;
+    stride = map.T;
+  } else {
+    used = map.row_u[t];
+    slot0 = map.row_off[t];
+    stride = 1;
+  }
+  const auto prow = [&](int sp) { return (slot0 + sp * stride) * heads + h; };
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x, sa = lane, sb = lane + 32;
-    const float ma = sa < used ? part_m[sa * rows + row] : -INFINITY;
-    const float mb = sb < used ? part_m[sb * rows + row] : -INFINITY;
-    const float za = sa < used ? part_z[sa * rows + row] : 0.0f;
-    const float zb = sb < used ? part_z[sb * rows + row] : 0.0f;
+    const float ma = sa < used ? part_m[prow(sa)] : -INFINITY;
+    const float mb = sb < used ? part_m[prow(sb)] : -INFINITY;
+    const float za = sa < used ? part_z[prow(sa)] : 0.0f;
+    const float zb = sb < used ? part_z[prow(sb)] : 0.0f;
     float M = fmaxf(ma, mb);
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     const float wa = ma == -INFINITY ? 0.0f : expf(ma - M), wb = mb == -INFINITY ? 0.0f : expf(mb - M);
@@ -598,9 +704,83 @@ __global__ void combine_kernel(const float* __restrict__ part_o, const float* __
   for (int64_t l = threadIdx.x; l < L; l += blockDim.x) {
     float acc = 0.0f;
     for (int sp = 0; sp < used; ++sp)
-      if (wsp[sp] != 0.0f) acc = fmaf(wsp[sp], part_o[(sp * rows + row) * L + l], acc);
+      if (wsp[sp] != 0.0f) acc = fmaf(wsp[sp], part_o[prow(sp) * L + l], acc);
     out[row * L + l] = acc * s_inv;
   }
+}
+
+// ---------------------------------------------------------------- paged plan
+// One block lays out a paged launch's work from the device arrays (so a replayed graph follows
+// them): row t of sequence i sees n_t = pos0[i] + t - cu_rows[i] + 1 keys and gets
+//   u_t = min(1 + floor(n_t · B / Σn), ceil(n_t / kMinSplitKeys), kMaxSplits)
+// splits, B = slots - rows the spare slots: proportional to its keys, so rows of any mix of lengths
+// finish together. Σ u_t <= rows + B = slots. Slots are handed out in row order (prefix sums).
+constexpr int kPlanThreads = 1024;
+
+// Exclusive prefix sum of one value per thread over the block (kPlanThreads), and the block total.
+__device__ int64_t block_exclusive_scan(int64_t v, int64_t* total, int64_t* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int64_t x = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  __syncthreads();  // red is free (a previous call's readers are done)
+  if (lane == 31) red[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int64_t w = lane < kPlanThreads / 32 ? red[lane] : 0;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    red[lane] = w;  // inclusive sums of the warps' totals
+  }
+  __syncthreads();
+  *total = red[kPlanThreads / 32 - 1];
+  return x - v + (warp > 0 ? red[warp - 1] : 0);
+}
+
+__global__ void __launch_bounds__(kPlanThreads) mla_paged_plan_kernel(const int32_t* __restrict__ cu_rows,
+                                                                      const int32_t* __restrict__ pos0, int n_seqs,
+                                                                      int64_t rows, int64_t slots, PagedPlan p) {
+  pdl_enter();
+  __shared__ int64_t red[32];
+  int64_t sum_keys = 0, part = 0;
+  for (int64_t r = threadIdx.x; r < rows; r += kPlanThreads) {
+    const int i = seq_of_row(cu_rows, n_seqs, r);
+    const int64_t n = int64_t(pos0[i]) + r - cu_rows[i] + 1;
+    p.row_seq[r] = i;
+    p.row_keys[r] = int32_t(n);
+    part += n;
+  }
+  block_exclusive_scan(part, &sum_keys, red);
+  const int64_t spare = slots - rows;
+  int64_t base = 0;  // slots handed out to the rows before this round
+  for (int64_t r0 = 0; r0 < rows; r0 += kPlanThreads) {
+    const int64_t r = r0 + threadIdx.x;
+    int64_t u = 0;
+    if (r < rows) {
+      const int64_t n = p.row_keys[r];
+      u = 1 + (sum_keys > 0 ? n * spare / sum_keys : 0);
+      const int64_t most = (n + kMinSplitKeys - 1) / kMinSplitKeys;
+      u = u < most ? u : most;
+      u = u < kMaxSplits ? u : kMaxSplits;
+      u = u > 1 ? u : 1;
+    }
+    int64_t round_total;
+    const int64_t off = base + block_exclusive_scan(u, &round_total, red);
+    if (r < rows) {
+      p.row_u[r] = int32_t(u);
+      p.row_off[r] = int32_t(off);
+      for (int j = 0; j < u; ++j) {
+        p.slot_row[off + j] = int32_t(r);
+        p.slot_j[off + j] = j;
+      }
+    }
+    base += round_total;
+  }
+  for (int64_t w = base + threadIdx.x; w < slots; w += kPlanThreads) p.slot_row[w] = -1;
 }
 
 int sm_count() {
@@ -683,14 +863,95 @@ void head_products(bool nt, const float* X, const WeightMat& W, const MlaAttnDim
 }
 
 template <int LM>
-void launch_attend(const AttnArgs& a, size_t smem, Stream s) {
+void launch_attend(const AttnArgs& a, dim3 grid, size_t smem, Stream s) {
   static const bool attr_set = [] {
     return cudaFuncSetAttribute(mla_attend_kernel<LM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAttSmem) ==
            cudaSuccess;
   }();
   if (!attr_set) fail("mla_attend_absorbed: this GPU cannot give " + std::to_string(kMaxAttSmem) + " bytes of shared memory per block");
-  const dim3 grid(unsigned(a.T), unsigned((a.heads + kHG - 1) / kHG), unsigned(a.nsplit));
   launch(mla_attend_kernel<LM>, grid, kAttThreads, smem, s, a);
+}
+
+// The attention stage for either key source: a's keys, splits and outputs are filled in; the grid
+// is (gx, head groups, gz). The partials (when not direct) are merged by `merge`.
+void attend_and_merge(const AttnArgs& a, unsigned gx, unsigned gz, const SplitMap& merge, float* ql, Stream s) {
+  const size_t smem = att_smem_floats(int(a.L), int(a.rope)) * 4;
+  const dim3 grid(gx, unsigned((a.heads + kHG - 1) / kHG), gz);
+  if (a.L <= 256)
+    launch_attend<1>(a, grid, smem, s);
+  else if (a.L <= 512)
+    launch_attend<2>(a, grid, smem, s);
+  else
+    launch_attend<4>(a, grid, smem, s);
+  check_launch("mla_attend_absorbed (attend)");
+  if (!a.direct) {
+    launch(combine_kernel, unsigned(a.T * a.heads), 128, 0, s, a.part_o, a.part_m, a.part_z, merge, a.heads, a.L, ql);
+    check_launch("mla_attend_absorbed (combine)");
+  }
+}
+
+// Shape checks of both forms (one-line k3::Error).
+void check_absorbed(const char* what, const WeightMat& kv_b, const MlaAttnDims& d) {
+  const int64_t L = d.kv_lora, per = d.nope + d.v;
+  if (kv_b.rows != d.heads * per || kv_b.cols != L)
+    fail(std::string(what) + ": kv_b is " + std::to_string(kv_b.rows) + "x" + std::to_string(kv_b.cols) +
+         ", expected " + std::to_string(d.heads * per) + "x" + std::to_string(L));
+  if (L > 1024 || d.rope > kMaxRope)
+    fail(std::string(what) + ": kv_lora " + std::to_string(L) + " / rope " + std::to_string(d.rope) +
+         " beyond the GPU kernel's 1024 / " + std::to_string(kMaxRope));
+  if (att_smem_floats(int(L), int(d.rope)) * 4 > size_t(kMaxAttSmem))
+    fail(std::string(what) + ": kv_lora + rope = " + std::to_string(L + d.rope) +
+         " needs more shared memory than a block has");
+}
+
+AttnArgs attn_args(const float* q, const float* ql, int64_t T, const MlaAttnDims& d) {
+  AttnArgs a{};
+  a.q = q;
+  a.ql = ql;
+  a.out = const_cast<float*>(ql);  // direct: o_lat over q̃ (each block reads its own q̃ rows first)
+  a.T = T;
+  a.heads = d.heads;
+  a.nope = d.nope;
+  a.rope = d.rope;
+  a.L = d.kv_lora;
+  a.scale = d.scale;
+  return a;
+}
+
+// Partial slots of a paged launch: one per row, plus what brings the attention grid to about eight
+// waves of two blocks per SM when the rows alone are fewer (decode), so every row's key range can
+// be split in proportion to its length and the longest split stays a small part of the step.
+int64_t paged_slots(int64_t rows, int64_t heads) {
+  const int64_t groups = (heads + kHG - 1) / kHG;
+  return std::max<int64_t>(rows, (16 * int64_t(sm_count()) + groups - 1) / groups);
+}
+
+// Work layout of a paged launch (floats; the plan's int32 arrays at the end):
+// q̃/o_lat [rows, heads, L] | part_o [slots, heads, L] | part_m, part_z [slots, heads] (only when
+// slots > rows) | row_seq, row_keys, row_u, row_off [rows] | slot_row, slot_j [slots].
+int64_t paged_parts(int64_t rows, int64_t slots, const MlaAttnDims& d) { return slots > rows ? slots * d.heads : 0; }
+int64_t paged_work_floats(int64_t rows, int64_t slots, const MlaAttnDims& d) {
+  return rows * d.heads * d.kv_lora + paged_parts(rows, slots, d) * (d.kv_lora + 2) + 4 * rows + 2 * slots;
+}
+struct PagedWork {
+  float *ql, *part_o, *part_m, *part_z;
+  PagedPlan plan;
+};
+PagedWork paged_work(float* work, int64_t rows, int64_t slots, const MlaAttnDims& d) {
+  PagedWork w{};
+  const int64_t L = d.kv_lora, parts = paged_parts(rows, slots, d);
+  w.ql = work;
+  w.part_o = w.ql + rows * d.heads * L;
+  w.part_m = w.part_o + parts * L;
+  w.part_z = w.part_m + parts;
+  int32_t* ip = reinterpret_cast<int32_t*>(w.part_z + parts);
+  w.plan.row_seq = ip;
+  w.plan.row_keys = ip + rows;
+  w.plan.row_u = ip + 2 * rows;
+  w.plan.row_off = ip + 3 * rows;
+  w.plan.slot_row = ip + 4 * rows;
+  w.plan.slot_j = ip + 4 * rows + slots;
+  return w;
 }
 
 }  // namespace
@@ -702,6 +963,16 @@ void mla_cache_append(const float* ckv, int64_t T, int64_t kv_lora, int64_t rope
   check_launch("mla_cache_append");
 }
 
+void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora,
+                            int64_t rope, const float* norm_w, float eps, Stream s) {
+  check_varlen("mla_cache_append_paged", b, false);
+  check_paged("mla_cache_append_paged", c);
+  if (b.rows <= 0) return;
+  launch(cache_append_paged_kernel, unsigned(b.rows), 256, 0, s, ckv, kv_lora, rope, norm_w, eps, b.cu_rows,
+         int(b.n_seqs), c);
+  check_launch("mla_cache_append_paged");
+}
+
 int64_t mla_absorbed_work_floats(int64_t T, const MlaAttnDims& d) {
   const int64_t rows = T * d.heads, ns = mla_splits(T, d.heads);
   return rows * d.kv_lora + (ns > 1 ? ns * rows * (d.kv_lora + 2) : 0);
@@ -711,16 +982,8 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
                          const WeightMat& kv_b, const MlaAttnDims& d, float* work, float* out, Precision p, Stream s) {
   (void)p;  // fp32 in both precisions (the BF16 mode keeps this op in fp32: it is not a GEMM of activations)
   if (T <= 0) return;
-  const int64_t L = d.kv_lora, per = d.nope + d.v;
-  if (kv_b.rows != d.heads * per || kv_b.cols != L)
-    fail("mla_attend_absorbed: kv_b is " + std::to_string(kv_b.rows) + "x" + std::to_string(kv_b.cols) + ", expected " +
-         std::to_string(d.heads * per) + "x" + std::to_string(L));
-  if (L > 1024 || d.rope > kMaxRope)
-    fail("mla_attend_absorbed: kv_lora " + std::to_string(L) + " / rope " + std::to_string(d.rope) +
-         " beyond the GPU kernel's 1024 / " + std::to_string(kMaxRope));
-  const size_t smem = att_smem_floats(int(L), int(d.rope)) * 4;
-  if (smem > size_t(kMaxAttSmem))
-    fail("mla_attend_absorbed: kv_lora + rope = " + std::to_string(L + d.rope) + " needs more shared memory than a block has");
+  check_absorbed("mla_attend_absorbed", kv_b, d);
+  const int64_t L = d.kv_lora;
   const int ns = mla_splits(T, d.heads);
   const int64_t rows = T * d.heads;
   float* ql = work;  // [T, heads, L]: q̃, then o_lat
@@ -728,39 +991,64 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
   head_products(false, q, kv_b, d, T, ql, s);
   check_launch("mla_attend_absorbed (q_lat)");
   // 2. attention over the latent cache
-  AttnArgs a{};
-  a.q = q;
-  a.ql = ql;
+  AttnArgs a = attn_args(q, ql, T, d);
   a.c = c;
   a.kr = k_r;
   a.len = len_dev;
-  a.out = ql;
   a.part_o = work + rows * L;
   a.part_m = a.part_o + int64_t(ns) * rows * L;
   a.part_z = a.part_m + int64_t(ns) * rows;
-  a.T = T;
-  a.heads = d.heads;
-  a.nope = d.nope;
-  a.rope = d.rope;
-  a.L = L;
   a.nsplit = ns;
+  a.direct = ns == 1;
   a.vec = L % 4 == 0 && d.rope % 4 == 0 && reinterpret_cast<uintptr_t>(c) % 16 == 0 &&
           reinterpret_cast<uintptr_t>(k_r) % 16 == 0;
-  a.scale = d.scale;
-  if (L <= 256)
-    launch_attend<1>(a, smem, s);
-  else if (L <= 512)
-    launch_attend<2>(a, smem, s);
-  else
-    launch_attend<4>(a, smem, s);
-  check_launch("mla_attend_absorbed (attend)");
-  if (ns > 1) {
-    launch(combine_kernel, unsigned(rows), 128, 0, s, a.part_o, a.part_m, a.part_z, len_dev, d.heads, rows, ns, L, ql);
-    check_launch("mla_attend_absorbed (combine)");
-  }
+  SplitMap merge{};
+  merge.len = len_dev;
+  merge.nsplit = ns;
+  merge.T = T;
+  attend_and_merge(a, unsigned(T), unsigned(ns), merge, ql, s);
   // 3. out[t, h] = W_UV[h] o_lat[t, h]
   head_products(true, ql, kv_b, d, T, out, s);
   check_launch("mla_attend_absorbed (out)");
+}
+
+int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d) {
+  (void)n_seqs;  // the layout depends on the rows only (n_seqs is kept for the callers' one call shape)
+  return paged_work_floats(rows, paged_slots(rows, d.heads), d);
+}
+
+void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,
+                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s) {
+  (void)p;  // fp32 in both precisions, as mla_attend_absorbed
+  check_varlen("mla_attend_absorbed_paged", b, false);
+  check_paged("mla_attend_absorbed_paged", c);
+  check_absorbed("mla_attend_absorbed_paged", kv_b, d);
+  if (b.rows <= 0) return;
+  const int64_t rows = b.rows, L = d.kv_lora, slots = paged_slots(rows, d.heads);
+  const PagedWork w = paged_work(work, rows, slots, d);
+  // 1. the device plan: each row's keys and split count, the slot → (row, split) map
+  launch(mla_paged_plan_kernel, 1, kPlanThreads, 0, s, b.cu_rows, c.pos0, int(b.n_seqs), rows, slots, w.plan);
+  check_launch("mla_attend_absorbed_paged (plan)");
+  // 2. q̃[t, h] = W_UK[h]ᵀ q_nope[t, h]
+  head_products(false, q, kv_b, d, rows, w.ql, s);
+  check_launch("mla_attend_absorbed_paged (q_lat)");
+  // 3. attention over each row's pages, merged
+  AttnArgs a = attn_args(q, w.ql, rows, d);
+  a.pc = c;
+  a.plan = w.plan;
+  a.part_o = w.part_o;
+  a.part_m = w.part_m;
+  a.part_z = w.part_z;
+  a.nsplit = 1;
+  a.direct = slots == rows;
+  a.vec = L % 4 == 0 && d.rope % 4 == 0 && reinterpret_cast<uintptr_t>(c.pages) % 16 == 0;
+  SplitMap merge{};
+  merge.row_u = w.plan.row_u;
+  merge.row_off = w.plan.row_off;
+  attend_and_merge(a, unsigned(slots), 1, merge, w.ql, s);
+  // 4. out[t, h] = W_UV[h] o_lat[t, h]
+  head_products(true, w.ql, kv_b, d, rows, out, s);
+  check_launch("mla_attend_absorbed_paged (out)");
 }
 
 void advance_len(int32_t* len_dev, int64_t T, Stream s) {
