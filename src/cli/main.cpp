@@ -71,49 +71,85 @@ struct EngineFlags {
   }
 };
 
-int argmax(const float* x, int64_t n) {
-  return int(std::max_element(x, x + n) - x);  // first maximum on ties
+// The prompts of a run: --ids (one prompt) or --ids-file (one prompt per line, comma-separated ids).
+std::vector<std::vector<int32_t>> read_prompts(const std::string& ids_arg, const std::string& ids_file) {
+  if (ids_arg.empty() == ids_file.empty()) k3::fail("give one of --ids or --ids-file");
+  if (!ids_arg.empty()) return {k3::cli::parse_ids(ids_arg)};
+  std::ifstream f(ids_file);
+  if (!f) k3::fail("cannot read " + ids_file + ": " + std::strerror(errno));
+  std::vector<std::vector<int32_t>> prompts;
+  std::string line;
+  for (int n = 1; std::getline(f, line); ++n) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) k3::fail(ids_file + ":" + std::to_string(n) + ": empty line (one prompt per line)");
+    try {
+      prompts.push_back(k3::cli::parse_ids(line));
+    } catch (const k3::Error& e) {
+      k3::fail(ids_file + ":" + std::to_string(n) + ": " + e.what());
+    }
+  }
+  if (prompts.empty()) k3::fail(ids_file + ": no prompts");
+  return prompts;
 }
 
-int cmd_logits(const EngineFlags& ef, const std::string& ids_arg, const std::string& out_path) {
+// Every prompt in one step of its own slot (a batch); all logits of each.
+int cmd_logits(const EngineFlags& ef, const std::string& ids_arg, const std::string& ids_file,
+               const std::string& out_path) {
   ef.apply_threads();
-  const std::vector<int32_t> ids = k3::cli::parse_ids(ids_arg);
+  const auto prompts = read_prompts(ids_arg, ids_file);
   auto model = ef.load();
-  k3::Session s(*model);
-  const int64_t V = model->dims().vocab, T = int64_t(ids.size());
-  std::vector<float> logits(static_cast<size_t>(T * V));
-  model->forward(s, ids.data(), T, true, logits.data(), ef.options());
-  std::ofstream f(out_path, std::ios::binary);
-  if (!f) k3::fail("cannot write " + out_path + ": " + std::strerror(errno));
-  f.write(reinterpret_cast<const char*>(logits.data()), std::streamsize(logits.size() * sizeof(float)));
-  if (!f) k3::fail("write failed for " + out_path);
-  std::fprintf(stderr, "k3 logits: wrote %lld x %lld float32 to %s\n", (long long)T, (long long)V, out_path.c_str());
+  auto pool = model->new_pool();
+  const int64_t V = model->dims().vocab;
+  std::vector<k3::SeqStep> batch;
+  int64_t rows = 0;
+  for (const auto& p : prompts) {
+    batch.push_back({pool->alloc(), p.data(), int64_t(p.size()), true});
+    rows += int64_t(p.size());
+  }
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  model->step(*pool, batch, ef.options(), logits.data());
+  int64_t r = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    // --ids writes OUT itself; --ids-file writes OUT.0, OUT.1, ... (one per line of the file).
+    const std::string path = ids_file.empty() ? out_path : out_path + "." + std::to_string(i);
+    const int64_t T = int64_t(prompts[i].size());
+    std::ofstream f(path, std::ios::binary);
+    if (!f) k3::fail("cannot write " + path + ": " + std::strerror(errno));
+    f.write(reinterpret_cast<const char*>(logits.data() + r * V), std::streamsize(T * V * 4));
+    if (!f) k3::fail("write failed for " + path);
+    std::fprintf(stderr, "k3 logits: wrote %lld x %lld float32 to %s\n", (long long)T, (long long)V, path.c_str());
+    r += T;
+  }
   return 0;
 }
 
-int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, int64_t n, bool print_ids) {
+// Greedy decoding of every prompt together: one step prefills them all, then each step decodes one
+// token of every prompt (the argmax is picked where the logits are: on the GPU, on the device).
+int cmd_generate(const EngineFlags& ef, const std::string& ids_arg, const std::string& ids_file, int64_t n,
+                 bool print_ids) {
   ef.apply_threads();
-  const std::vector<int32_t> prompt = k3::cli::parse_ids(ids_arg);
+  const auto prompts = read_prompts(ids_arg, ids_file);
   auto model = ef.load();
-  k3::Session s(*model);
-  const int64_t V = model->dims().vocab;
-  std::vector<float> logits(static_cast<size_t>(V));
-  model->forward(s, prompt.data(), int64_t(prompt.size()), false, logits.data(), ef.options());
-  std::vector<int32_t> out;
-  // On the GPU the argmax of each decode step is taken on the device (same ties: lowest id).
-  k3::ForwardOptions step = ef.options();
-  int32_t picked = -1;
-  if (model->on_gpu()) step.argmax_out = &picked;
+  auto pool = model->new_pool();
+  const k3::ForwardOptions opt = ef.options();
+  const size_t N = prompts.size();
+  std::vector<k3::SeqStep> batch;
+  for (const auto& p : prompts) batch.push_back({pool->alloc(), p.data(), int64_t(p.size()), false});
+  std::vector<int32_t> picked(N), feed(N);
+  std::vector<std::vector<int32_t>> out(N);
+  model->step(*pool, batch, opt, nullptr, picked.data());
   for (int64_t i = 0; i < n; ++i) {
-    const int32_t tok = picked >= 0 ? picked : argmax(logits.data(), V);
-    out.push_back(tok);
-    if (i + 1 < n) model->forward(s, &tok, 1, false, model->on_gpu() ? nullptr : logits.data(), step);  // incremental decode
+    for (size_t j = 0; j < N; ++j) out[j].push_back(picked[j]);
+    if (i + 1 == n) break;
+    feed = picked;
+    for (size_t j = 0; j < N; ++j) batch[j] = {batch[j].slot, &feed[j], 1, false};
+    model->step(*pool, batch, opt, nullptr, picked.data());
   }
-  if (print_ids) {
-    std::string line;
-    for (size_t i = 0; i < out.size(); ++i) line += (i ? " " : "") + std::to_string(out[i]);
-    std::printf("%s\n", line.c_str());
-  }
+  if (print_ids)
+    for (const auto& ids : out) {
+      std::string line;
+      for (size_t i = 0; i < ids.size(); ++i) line += (i ? " " : "") + std::to_string(ids[i]);
+      std::printf("%s\n", line.c_str());
+    }
   return 0;
 }
 
@@ -182,18 +218,25 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("k3 ") + k3::version());
 
   EngineFlags ef_logits, ef_gen;
-  std::string ids_logits, ids_gen, out_path, info_dir;
+  std::string ids_logits, ids_gen, file_logits, file_gen, out_path, info_dir;
   int64_t n_gen = 16, ctx = 0;
   bool greedy = false, print_ids = false;
 
-  auto* logits = app.add_subcommand("logits", "one prefill over --ids; writes float32 LE logits [T, vocab] to --out");
+  auto* logits = app.add_subcommand(
+      "logits", "one prefill over --ids (or every line of --ids-file, as one batch); float32 LE logits [T, vocab]");
   ef_logits.add(logits);
-  logits->add_option("--ids", ids_logits, "token ids: 1,2,3 or @file (commas/whitespace)")->required();
-  logits->add_option("-o,--out", out_path, "output file")->required();
+  auto* lo_ids = logits->add_option("--ids", ids_logits, "token ids: 1,2,3 or @file (commas/whitespace)");
+  logits->add_option("--ids-file", file_logits, "one prompt per line (comma-separated ids), run together as a batch")
+      ->excludes(lo_ids);
+  logits->add_option("-o,--out", out_path, "output file (with --ids-file: PREFIX; writes PREFIX.0, PREFIX.1, ...)")
+      ->required();
 
-  auto* gen = app.add_subcommand("generate", "prefill --ids, then -n incremental decode steps (greedy)");
+  auto* gen = app.add_subcommand("generate", "prefill --ids (or every line of --ids-file), then -n decode steps (greedy)");
   ef_gen.add(gen);
-  gen->add_option("--ids", ids_gen, "prompt token ids: 1,2,3 or @file")->required();
+  auto* gen_ids = gen->add_option("--ids", ids_gen, "prompt token ids: 1,2,3 or @file");
+  gen->add_option("--ids-file", file_gen, "one prompt per line (comma-separated ids), decoded together as a batch; "
+                                          "one line of generated ids per prompt, in input order")
+      ->excludes(gen_ids);
   gen->add_option("-n,--n-tokens", n_gen, "tokens to generate")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   gen->add_flag("--greedy", greedy, "argmax decoding (the only mode of this subcommand)");
   gen->add_flag("--print-ids", print_ids, "print the generated ids on one line");
@@ -239,10 +282,10 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*logits) return cmd_logits(ef_logits, ids_logits, out_path);
+    if (*logits) return cmd_logits(ef_logits, ids_logits, file_logits, out_path);
     if (*gen) {
       if (!greedy) k3::fail("generate: only --greedy decoding is available in this subcommand (sampling lives in `k3 run`)");
-      return cmd_generate(ef_gen, ids_gen, n_gen, print_ids);
+      return cmd_generate(ef_gen, ids_gen, file_gen, n_gen, print_ids);
     }
     if (*info) return cmd_info(info_dir, ctx);
   } catch (const k3::Error& e) {

@@ -42,6 +42,11 @@ struct StepView {
   const int32_t* block_table = nullptr;  // [n_seqs, max_pages]
   int64_t max_pages = 0, page_tokens = 0;
   int64_t max_rows_per_seq = 0;          // the longest sequence of the step
+  int64_t n_slots = 0, n_pages = 0;      // the state pool's capacities (slot and page ids are below)
+  // Which pool and which of its allocations: device pointers recorded for a step of this shape
+  // (a CUDA graph) stay valid while both are unchanged.
+  const void* pool = nullptr;
+  uint64_t pool_epoch = 0;
 };
 
 // Per-layer views of the state pool (backend memory): KDA recurrent state and conv history of every
@@ -84,6 +89,7 @@ class Backend {
   // step's shape (one row per sequence), which is what recording needs.
   virtual bool begin_step(const StepView& s, const int32_t* ids, StepNumerics n, bool replayable) = 0;
   virtual void end_step() = 0;
+  virtual void abort_step() noexcept = 0;  // an op of the step threw: drop what was being recorded
 
   // ---- row ops (R rows of every sequence together; weights read once for all of them)
   // Products whose numerics depend on the shape of the call (the CPU's fast mode rounds activations

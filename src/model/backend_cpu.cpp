@@ -56,6 +56,7 @@ class CpuBackend final : public Backend {
     return true;
   }
   void end_step() override { scope_.reset(); }
+  void abort_step() noexcept override { scope_.reset(); }
 
   void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
     for (int64_t t = 0; t < R; ++t) ops::dequant_row(E, ids[t], out + t * E.cols);

@@ -167,7 +167,8 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
     std::copy(pg.begin(), pg.end(), table.begin() + i * max_pages);
   }
   const int64_t R = cu.back();
-  StepView view{N, R, cu.data(), slots.data(), pos0.data(), table.data(), max_pages, pool.page_tokens(), max_rows};
+  const StepView view{N,        R,        cu.data(), slots.data(), pos0.data(), table.data(), max_pages,
+                      pool.page_tokens(), max_rows, pool.slot_capacity(), pool.page_capacity(), &pool, pool.epoch()};
   if (!work_) work_ = std::make_unique<Workspace>(be, forward_work_floats(d, max_rows_));
   Workspace& work = *work_;
   work.rewind(0);
@@ -184,6 +185,7 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   for (float*& p : spare) p = work.take(R * H);
   float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
         *hs = work.take(R * H), *ls = work.take(R * V);
+  try {
   if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1)) {
     // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
     DepthState depth;
@@ -199,6 +201,10 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
     be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
   }
   be.end_step();
+  } catch (...) {
+    be.abort_step();
+    throw;
+  }
   for (int64_t i = 0; i < N; ++i) pool.advance(seqs[size_t(i)].slot, seqs[size_t(i)].n);
   if (argmax) {
     std::vector<int32_t> picks(static_cast<size_t>(nsel));

@@ -31,10 +31,15 @@ struct LayerRunner {
     const std::vector<int32_t>& table = pool.pages(s);
     const std::vector<int32_t> ids(size_t(n), 0);
     const StepView v{1, n, cu.data(), slots.data(), pos0.data(), table.data(), int64_t(table.size()),
-                     pool.page_tokens(), n};
+                     pool.page_tokens(), n, pool.slot_capacity(), pool.page_capacity(), &pool, pool.epoch()};
     work.rewind(0);
     be->begin_step(v, ids.data(), num, false);
-    fn(StepCtx{*be, v, work, n});
+    try {
+      fn(StepCtx{*be, v, work, n});
+    } catch (...) {
+      be->abort_step();
+      throw;
+    }
     be->end_step();
     pool.advance(s, n);
   }

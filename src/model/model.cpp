@@ -1,6 +1,7 @@
 // Model construction and backend choice, and Session: one sequence as a slot of the model's own
 // state pool (mark/rollback, the session file format K3SESS01).
 // Must not: compute (model/forward.cpp) or bind tensors (model/kimi_k3.cpp).
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <istream>
@@ -15,6 +16,13 @@ namespace k3 {
 
 Model::Model() : backend_(make_cpu_backend()) {}
 
+void Model::set_max_step_rows(int64_t rows) {
+  if (rows < 1) fail("rows per step must be >= 1");
+  if (on_gpu()) fail("set_max_step_rows: on the GPU the step size is GpuOptions::tokens_per_call");
+  max_rows_ = rows;
+  work_.reset();
+}
+
 Model::~Model() {
   // Memory of the backend goes back before the backend itself.
   sessions_.reset();
@@ -28,7 +36,7 @@ std::unique_ptr<StatePool> Model::new_pool(const StatePoolOptions& o) const {
 }
 
 StatePool& Model::session_pool() const {
-  if (!sessions_) sessions_ = new_pool();
+  if (!sessions_) sessions_ = new_pool(session_pool_opts_);
   return *sessions_;
 }
 
@@ -48,6 +56,7 @@ void Model::use_gpu(const GpuOptions& o) {
   backend_ = std::move(be);
   placed_ = std::move(placed);
   max_rows_ = o.tokens_per_call;
+  session_pool_opts_.initial_pages = std::max<int64_t>(1, (o.initial_context + 63) / 64);
   ++backend_generation_;
 }
 

@@ -114,6 +114,10 @@ class Model {
   void forward(Session& s, const int32_t* ids, int64_t T, bool all_logits, float* logits,
                const ForwardOptions& opt = {}) const;
 
+  // Rows of one step on the CPU (default 512): longer steps run in pieces of this many rows.
+  void set_max_step_rows(int64_t rows);
+  int64_t max_step_rows() const { return max_rows_; }
+
   // The state pool Sessions of this model live in (created on first use, on the current backend).
   StatePool& session_pool() const;
   // A fresh pool on this model's backend (a server's own; sessions are not in it).
@@ -153,6 +157,7 @@ class Model {
   ModelWeights placed_;
   std::unique_ptr<Backend> backend_;
   int64_t max_rows_ = 512;                  // rows of one step (workspace plan)
+  StatePoolOptions session_pool_opts_;      // the sessions' pool (GPU: pages for initial_context)
   mutable std::unique_ptr<Workspace> work_;
   mutable std::unique_ptr<StatePool> sessions_;
   uint64_t backend_generation_ = 0;         // bumped by use_gpu: older sessions refuse to run

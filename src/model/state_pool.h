@@ -46,6 +46,8 @@ class StatePool {
   KdaPool kda(int64_t layer) const;   // layer must be a KDA layer
   MlaPages mla(int64_t layer) const;  // layer must be an MLA layer
   uint64_t epoch() const { return epoch_; }
+  int64_t slot_capacity() const { return int64_t(slots_.size()); }
+  int64_t page_capacity() const { return int64_t(page_refs_.size()); }
 
   // KDA + conv state of every KDA layer of a slot in host memory, and its position: a rollback point
   // (the cache is not copied: restore() only shortens it back).

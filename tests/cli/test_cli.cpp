@@ -222,3 +222,51 @@ TEST(Cli, HelpForEverySubcommand) {
     EXPECT_NE(r.out.find("--model"), std::string::npos) << sub << ": " << r.out;
   }
 }
+
+// The batch contract: every line of --ids-file is one prompt; all of them run together, and each
+// line's result equals that prompt run alone with --ids (generate: the ids; logits: the bytes).
+TEST(CliBatch, IdsFileEqualsEachPromptAlone) {
+  const std::string m = "--model " + quote((fs::path(K3_SOURCE_DIR) / "models/k3-nano").string());
+  const std::vector<std::string> prompts{"11,220,3300,4,57", "900", "1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19",
+                                         "4000,4001"};
+  const std::string tag = std::to_string(::getpid());
+  const fs::path file = fs::temp_directory_path() / ("k3cli_batch_" + tag);
+  {
+    std::ofstream f(file);
+    for (const auto& p : prompts) f << p << "\n";
+  }
+  const auto batched = run_k3("generate " + m + " --ids-file " + file.string() + " -n 6 --greedy --print-ids");
+  ASSERT_EQ(batched.code, 0) << batched.err;
+  std::string alone;
+  for (const auto& p : prompts) {
+    const auto r = run_k3("generate " + m + " --ids " + p + " -n 6 --greedy --print-ids");
+    ASSERT_EQ(r.code, 0) << r.err;
+    alone += r.out;
+  }
+  EXPECT_EQ(batched.out, alone);
+  EXPECT_EQ(std::count(batched.out.begin(), batched.out.end(), '\n'), 4);
+
+  const fs::path prefix = fs::temp_directory_path() / ("k3cli_batch_logits_" + tag);
+  const auto lb = run_k3("logits " + m + " --ids-file " + file.string() + " --out " + prefix.string());
+  ASSERT_EQ(lb.code, 0) << lb.err;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const fs::path one = prefix.string() + ".alone";
+    const auto la = run_k3("logits " + m + " --ids " + prompts[i] + " --out " + one.string());
+    ASSERT_EQ(la.code, 0) << la.err;
+    const fs::path got = prefix.string() + "." + std::to_string(i);
+    EXPECT_EQ(k3test::slurp(got), k3test::slurp(one)) << "prompt " << i;
+    const size_t T = size_t(std::count(prompts[i].begin(), prompts[i].end(), ',') + 1);
+    EXPECT_EQ(fs::file_size(got), T * 8448 * 4);  // [T, vocab] float32, K3-nano's vocab_size 8448
+    fs::remove(got);
+    fs::remove(one);
+  }
+  // Bad files: one line naming the file and line.
+  std::ofstream(file) << "1,2\n\n3\n";
+  expect_bad(run_k3("generate " + m + " --ids-file " + file.string() + " -n 2 --greedy"), ":2: empty line");
+  std::ofstream(file) << "1,2\n3,x\n";
+  expect_bad(run_k3("generate " + m + " --ids-file " + file.string() + " -n 2 --greedy"), ":2: ");
+  expect_bad(run_k3("generate " + m + " --ids 1 --ids-file " + file.string() + " -n 2 --greedy"), "excludes");
+  expect_bad(run_k3("generate " + m + " -n 2 --greedy"), "--ids or --ids-file");
+  expect_bad(run_k3("logits " + m + " --ids-file /nonexistent/ids --out /tmp/x"), "/nonexistent/ids");
+  fs::remove(file);
+}

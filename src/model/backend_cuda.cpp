@@ -1,0 +1,492 @@
+// The CUDA backend: every op on device memory through ops/cuda (one stream). Weights are uploaded
+// once into one arena (routed experts stacked per layer in their stored format, MXFP4 stays 4-bit);
+// a step's sequences (ids, rows, slots, positions, block tables) are copied to the device before
+// its ops, so a decode step (one row per sequence, any number of sequences) recorded once as a
+// CUDA graph replays for later steps of the same shape. Routed experts: per-slot GEMVs with the
+// expert ids on the device for short chunks, one GEMM per selected expert for long ones.
+// Must not: include CUDA headers (only the plain ops/cuda/*.h API) or fall back to the CPU.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/error.h"
+#include "model/backends.h"
+#include "model/model.h"
+#include "ops/cuda/cuda_ops.h"
+
+namespace k3 {
+namespace cu = k3::cuda;
+
+namespace {
+
+std::string gib(size_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", double(b) / (1024.0 * 1024 * 1024));
+  return s;
+}
+
+size_t data_bytes(const WeightMat& w) { return size_t(w.rows) * size_t(row_bytes(w)); }
+size_t scale_bytes(const WeightMat& w) { return w.fmt == WFormat::MXFP4 ? size_t(w.rows * (w.cols / 32)) : 0; }
+
+// Expert e (rows [e*R, (e+1)*R)) of a stacked expert matrix, as its own view.
+WeightMat expert_view(const WeightMat& stacked, int64_t R, int64_t e) { return rows_of(stacked, e * R, R); }
+
+// Places weights into one device allocation. Run twice: a sizing pass (base == nullptr) and a
+// copying pass, so the arena is exactly as large as what is put in it.
+class Uploader {
+ public:
+  explicit Uploader(char* base) : base_(base) {}
+  size_t used() const { return off_; }
+  void vec(FVec& v) { v.p = static_cast<const float*>(put(v.p, v.size() * 4)); }
+  void mat(WeightMat& w) {
+    w.data = put(w.data, data_bytes(w));
+    if (w.fmt == WFormat::MXFP4) w.scales = static_cast<const uint8_t*>(put(w.scales, scale_bytes(w)));
+  }
+  // Experts e = 0..E-1 of one matrix kind stacked along rows: [E * rows, cols], same format each.
+  WeightMat stack(const std::vector<const WeightMat*>& ws) {
+    const WeightMat& f = *ws.front();
+    for (const WeightMat* w : ws)
+      if (w->fmt != f.fmt || w->rows != f.rows || w->cols != f.cols)
+        fail("GPU upload: routed experts of one layer differ in format or shape (" + std::string(wformat_name(w->fmt)) +
+             " vs " + wformat_name(f.fmt) + ")");
+    WeightMat d = f;
+    d.rows = f.rows * int64_t(ws.size());
+    char* data = static_cast<char*>(reserve(data_bytes(f) * ws.size()));
+    for (size_t i = 0; i < ws.size(); ++i) copy(data + i * data_bytes(f), ws[i]->data, data_bytes(f));
+    d.data = data;
+    if (f.fmt == WFormat::MXFP4) {
+      char* sc = static_cast<char*>(reserve(scale_bytes(f) * ws.size()));
+      for (size_t i = 0; i < ws.size(); ++i) copy(sc + i * scale_bytes(f), ws[i]->scales, scale_bytes(f));
+      d.scales = reinterpret_cast<const uint8_t*>(sc);
+    }
+    return d;
+  }
+
+ private:
+  void* reserve(size_t n) {
+    off_ = (off_ + 255) & ~size_t(255);
+    char* p = base_ ? base_ + off_ : reinterpret_cast<char*>(off_ + 256);  // sizing pass: any non-null
+    off_ += n;
+    return p;
+  }
+  void copy(void* dst, const void* src, size_t n) {
+    if (base_) cu::h2d(dst, src, n);
+  }
+  const void* put(const void* src, size_t n) {
+    void* p = reserve(n);
+    copy(p, src, n);
+    return p;
+  }
+  char* base_;
+  size_t off_ = 0;
+};
+
+// Every weight of `w` into the arena (the visitor's list), the routed experts of each MoE layer
+// stacked (w1, w3, w2), experts[e] becoming views into the stacks.
+void place_all(Uploader& u, ModelWeights& w) {
+  for_each_weight(
+      w,
+      [&](WeightMat& m, WeightRole role) {
+        if (role != WeightRole::RoutedExpert) u.mat(m);
+      },
+      [&](FVec& v) { u.vec(v); });
+  for (LayerWeights& l : w.layers) {
+    if (l.dense_ffn || l.moe.experts.empty()) continue;
+    MoeWeights& e = l.moe;
+    std::vector<const WeightMat*> w1, w3, w2;
+    for (const GluWeights& x : e.experts) {
+      w1.push_back(&x.gate);
+      w3.push_back(&x.up);
+      w2.push_back(&x.down);
+    }
+    e.stacked = {u.stack(w1), u.stack(w3), u.stack(w2)};
+    const int64_t I = e.experts.front().gate.rows, Lt = e.experts.front().down.rows;
+    for (size_t x = 0; x < e.experts.size(); ++x)
+      e.experts[x] = {expert_view(e.stacked.gate, I, int64_t(x)), expert_view(e.stacked.up, I, int64_t(x)),
+                      expert_view(e.stacked.down, Lt, int64_t(x))};
+  }
+}
+
+cu::Precision precision_of(StepNumerics n) {
+  if (n == StepNumerics::Exact)
+    fail("--numerics exact (fp64 sums) is CPU-only; on the GPU use --numerics fp32 (parity mode) or fast (bf16)");
+  return n == StepNumerics::Fast ? cu::Precision::BF16 : cu::Precision::F32;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const ModelDims& d, const GpuOptions& o) : d_(d), opt_(o) {
+    stream_ = cu::stream_create();
+    const int64_t R = o.tokens_per_call, K = std::max<int64_t>(d.moe.top_k, 1);
+    // Routed experts: per-slot gate/up/out, grouping buffers (rows in/out) and row lists.
+    moe_floats_ = R * K * (2 * d.moe.inter + 3 * d.moe.latent);
+    if (d.moe.experts > 0) {
+      moe_buf_ = cu::DevBuf(size_t(std::max<int64_t>(moe_floats_, 1)) * 4, "MoE expert scratch");
+      rows_dev_ = cu::DevBuf(size_t(2 * R * K) * 4, "MoE row lists");
+      rows_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(2 * R * K) * 4));
+    }
+    const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
+    if (d.mla_layers > 0) {
+      // The attention's split plan depends on the rows, and fewer rows may take more scratch.
+      int64_t floats = 1;
+      for (int64_t r = 1; r <= R; ++r) floats = std::max(floats, cu::mla_paged_work_floats(r, r, ad));
+      mla_work_ = cu::DevBuf(size_t(floats) * 4, "MLA workspace");
+    }
+    ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
+    seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
+    argmax_dev_ = cu::DevBuf(size_t(R) * 4, "greedy picks");
+    staging_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(4 * R + 1) * 4));
+  }
+  ~CudaBackend() override {
+    cu::graph_destroy(graph_);
+    cu::host_free_pinned(staging_);
+    cu::host_free_pinned(table_pinned_);
+    cu::host_free_pinned(rows_pinned_);
+    cu::stream_destroy(stream_);
+  }
+
+  const char* name() const override { return "cuda"; }
+  BackendCaps caps() const override { return {false, false, false}; }
+
+  void* alloc(size_t bytes, const char* what) override { return cu::dev_alloc(std::max<size_t>(bytes, 1), what); }
+  void release(void* p) noexcept override {
+    if (p) {
+      try {
+        cu::sync(stream_);  // queued work may still read it
+      } catch (...) {
+      }
+      cu::dev_free(p);
+    }
+  }
+  void upload(void* dst, const void* src, size_t n) override {
+    cu::h2d(dst, src, n, stream_);
+    cu::sync(stream_);  // src is pageable host memory the caller may reuse
+  }
+  void download(void* dst, const void* src, size_t n) override { cu::d2h(dst, src, n, stream_); }
+  void copy(void* dst, const void* src, size_t n) override { cu::d2d(dst, src, n, stream_); }
+  void zero(void* dst, size_t n) override { cu::dev_memset(dst, 0, n, stream_); }
+  void sync() override { cu::sync(stream_); }
+  bool set_graphs(bool on) override {
+    opt_.graphs = on;
+    return true;
+  }
+
+  void place(ModelWeights& w) override {
+    Uploader sizing(nullptr);
+    ModelWeights probe = w;
+    place_all(sizing, probe);
+    arena_ = cu::DevBuf(sizing.used() + 256, "model weights");
+    Uploader up(arena_.as<char>());
+    place_all(up, w);
+    cu::sync();
+  }
+
+  // ---- a step
+  bool begin_step(const StepView& v, const int32_t* ids, StepNumerics n, bool replayable) override {
+    p_ = precision_of(n);
+    if (v.rows > opt_.tokens_per_call) fail("GPU: a step of more rows than the workspace holds");
+    cu::sync(stream_);  // the staging buffers are rewritten below
+    view_ = v;
+    view_cu_.assign(v.cu_rows, v.cu_rows + v.n_seqs + 1);
+    // Block tables with a device row stride that only grows (a recorded graph keeps reading it).
+    const int64_t need_pages = std::max<int64_t>(v.max_pages, 1);
+    if (need_pages > table_stride_ || v.n_seqs * std::max(need_pages, table_stride_) > table_cap_) {
+      table_stride_ = std::max(table_stride_ * 2, need_pages);
+      table_cap_ = opt_.tokens_per_call * table_stride_;
+      table_dev_ = cu::DevBuf(size_t(table_cap_) * 4, "block tables");
+      cu::host_free_pinned(table_pinned_);
+      table_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(table_cap_) * 4));
+      ++buffers_;
+    }
+    const int64_t N = v.n_seqs, R = v.rows;
+    int32_t* st = staging_;
+    std::memcpy(st, ids, size_t(R) * 4);
+    std::memcpy(st + R, v.cu_rows, size_t(N + 1) * 4);
+    std::memcpy(st + R + N + 1, v.slots, size_t(N) * 4);
+    for (int64_t i = 0; i < N; ++i) st[R + 2 * N + 1 + i] = int32_t(v.pos0[i]);
+    for (int64_t i = 0; i < N; ++i)
+      std::memcpy(table_pinned_ + i * table_stride_, v.block_table + i * v.max_pages, size_t(v.max_pages) * 4);
+    cu::h2d(ids_dev_.get(), st, size_t(R) * 4, stream_);
+    cu::h2d(seq_dev_.get(), st + R, size_t(3 * N + 1) * 4, stream_);
+    cu::h2d(table_dev_.get(), table_pinned_, size_t(N * table_stride_) * 4, stream_);
+    int32_t* sd = seq_dev_.as<int32_t>();
+    vb_ = cu::VarlenDev{N, R, sd, sd + N + 1, v.n_slots};
+    pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
+    capturing_ = false;
+    if (!opt_.graphs || !replayable) return true;
+    const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};
+    if (graph_ && key == key_) {
+      cu::graph_launch(graph_, stream_);
+      return false;
+    }
+    cu::graph_destroy(graph_);
+    graph_ = nullptr;
+    key_ = key;
+    cu::capture_begin(stream_);
+    capturing_ = true;
+    return true;
+  }
+  void end_step() override {
+    if (!capturing_) return;
+    capturing_ = false;
+    graph_ = cu::capture_end(stream_);
+    cu::graph_launch(graph_, stream_);
+  }
+  void abort_step() noexcept override {
+    if (!capturing_) return;
+    capturing_ = false;
+    try {
+      cu::graph_destroy(cu::capture_end(stream_));
+    } catch (...) {
+    }
+  }
+
+  // ---- row ops
+  void embed(const WeightMat& E, const int32_t*, int64_t R, float* out) override {
+    cu::embed_rows(E, ids_dev_.as<int32_t>(), R, out, stream_);
+  }
+  void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t* groups,
+              int64_t n_groups) override {
+    by_runs(R, groups, n_groups, [&](int64_t r0, int64_t n, cu::Precision p) {
+      cu::matmul(W, x + r0 * W.cols, n, y + r0 * W.rows, p, stream_);
+    });
+  }
+  void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
+                           const bool* fp32) override {
+    for (int64_t i = 0; i < n; ++i)
+      by_runs(R, nullptr, 0, [&](int64_t r0, int64_t k, cu::Precision p) {
+        cu::matmul(*W[i], x + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, fp32 && fp32[i] ? cu::Precision::F32 : p,
+                   stream_);
+      });
+  }
+  void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
+    for (int64_t i = 0; i < n; ++i)
+      by_runs(R, nullptr, 0, [&](int64_t r0, int64_t k, cu::Precision p) {
+        cu::matmul(*W[i], x[i] + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, p, stream_);
+      });
+  }
+  void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
+    cu::rmsnorm(x, R, n, w, eps, out, stream_);
+  }
+  void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
+    cu::l2norm_scale(x, rows, n, eps, scale, stream_);
+  }
+  void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
+    cu::situ_glu(g, u, n, b1, b2, out, stream_);
+  }
+  void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias, float lb,
+                float* g) override {
+    cu::kda_gate(f, R, H, D, A_log, dt_bias, lb, g, stream_);
+  }
+  void sigmoid(float* x, int64_t n) override { cu::sigmoid_inplace(x, n, stream_); }
+  void sigmoid_mul(float* x, const float* gate, int64_t n) override { cu::sigmoid_gate_mul(x, gate, n, stream_); }
+  void add(float* y, const float* x, int64_t n) override { cu::add_inplace(y, x, n, stream_); }
+  void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst) override {
+    bool identity = true;
+    for (int64_t i = 0; i < n && identity; ++i) identity = rows[i] == i;
+    if (identity) return cu::d2d(dst, src, size_t(n * width) * 4, stream_);
+    if (capturing_) fail("internal error: a recorded GPU step gathers rows");
+    const int64_t K = std::max<int64_t>(d_.moe.top_k, 1);
+    if (n > 2 * opt_.tokens_per_call * K || !rows_pinned_) fail("internal error: GPU row gather too large");
+    std::memcpy(rows_pinned_, rows, size_t(n) * 4);
+    cu::h2d(rows_dev_.get(), rows_pinned_, size_t(n) * 4, stream_);
+    cu::gather_rows(src, rows_dev_.as<int32_t>(), n, width, dst, stream_);
+    cu::sync(stream_);  // the pinned list is reused
+  }
+  void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
+                   float* out) override {
+    cu::attnres_mix(src, n_src, R, H, fold, eps, out, stream_);
+  }
+
+  // ---- per-sequence ops
+  void short_conv_silu(const float* x, const StepView&, int64_t C, const float* w, int64_t K, float* state,
+                       float* out) override {
+    cu::short_conv_silu_varlen(x, vb_, C, w, K, state, out, stream_);
+  }
+  void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
+           int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
+    if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)
+      cu::kda_chunked_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, chunk, S_pool, o, stream_);
+    else
+      cu::kda_recurrent_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, S_pool, o, stream_);
+  }
+  void mla_append(const float* ckv, const StepView&, int64_t L, int64_t rope, const float* norm_w, float eps,
+                  const MlaPages& pages) override {
+    cu::PagedCacheDev c = pc_;
+    c.pages = pages.pages;
+    cu::mla_cache_append_paged(ckv, vb_, c, L, rope, norm_w, eps, stream_);
+  }
+  void mla_attend(const float* q, const StepView&, const MlaPages& pages, const WeightMat& kv_b, const MlaAttnDims& d,
+                  MlaAlgo, float* out) override {
+    cu::PagedCacheDev c = pc_;
+    c.pages = pages.pages;
+    cu::mla_attend_absorbed_paged(q, vb_, c, kv_b, d, mla_work_.as<float>(), out, p_, stream_);
+  }
+
+  // ---- MoE
+  void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
+                   int32_t* idx, float* w) override {
+    cu::router_topk(logits, bias, R, E, k, renorm, scale, idx, w, stream_);
+  }
+  void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                  const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source) override {
+    if (source) fail("routed experts from an expert source are not supported on the GPU yet");
+    if (w.stacked.gate.empty()) fail("internal error: GPU MoE without stacked experts");
+    // Sequences of up to kGemvMaxT rows: every (row, slot) pair runs its expert's GLU as a GEMV
+    // with the expert ids on the device (what a recorded decode step replays). A longer chunk
+    // groups its slots by expert on the host, one GEMM per selected expert, as it does alone.
+    for (const Run& run : runs(R, nullptr, 0)) {
+      if (!run.big) {
+        routed_gemv(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
+                    agg + run.r0 * latent);
+        continue;
+      }
+      // A long chunk is one sequence (runs() never merges them).
+      routed_grouped(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
+                     agg + run.r0 * latent);
+    }
+  }
+
+  void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
+    if (R > opt_.tokens_per_call) fail("internal error: argmax of more rows than a step has");
+    cu::argmax_rows(logits, R, V, argmax_dev_.as<int32_t>(), stream_);
+    cu::d2h(out, argmax_dev_.get(), size_t(R) * 4, stream_);
+  }
+
+ private:
+  // A step's rows by sequence: runs of consecutive sequences of one class. Short chunks (<= kGemvMaxT
+  // rows) compute with fp32 activations alone (GEMV kernels), so together they do too (GEMVs, or the
+  // fp32 GEMM past kGemvMaxT rows); longer chunks use the step's precision (bf16 tensor cores).
+  struct Run {
+    int64_t r0, n;
+    bool big;
+  };
+  const std::vector<Run>& runs(int64_t R, const int32_t* groups, int64_t ng) {
+    runs_.clear();
+    const int32_t one[2] = {0, int32_t(R)};
+    if (!groups) {
+      const bool step = R == view_.rows && !view_cu_.empty();
+      groups = step ? view_cu_.data() : one;
+      ng = step ? int64_t(view_cu_.size()) - 1 : 1;
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t r0 = groups[g], n = groups[g + 1] - r0;
+      if (n <= 0) continue;
+      const bool big = n > cu::kGemvMaxT;
+      if (!runs_.empty() && !big && !runs_.back().big && runs_.back().r0 + runs_.back().n == r0)
+        runs_.back().n += n;
+      else
+        runs_.push_back({r0, n, big});
+    }
+    return runs_;
+  }
+  template <class Fn>
+  void by_runs(int64_t R, const int32_t* groups, int64_t ng, Fn&& fn) {
+    if (p_ == cu::Precision::F32) return fn(0, R, p_);
+    for (const Run& r : runs(R, groups, ng)) fn(r.r0, r.n, r.big || r.n <= cu::kGemvMaxT ? p_ : cu::Precision::F32);
+  }
+
+  // agg[n] = Σ_j wt · GLU_{idx}(z) by per-slot GEMVs (device ids).
+  void routed_gemv(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                   const float* wt, int64_t n, int64_t K, float* agg) {
+    const int64_t I = w.experts.front().gate.rows;
+    float *hg = moe_buf_.as<float>(), *hu = hg + n * K * I, *ye = hu + n * K * I;
+    cu::expert_matmul(w.stacked.gate, I, idx, n * K, z, K, hg, cu::Precision::F32, stream_);
+    cu::expert_matmul(w.stacked.up, I, idx, n * K, z, K, hu, cu::Precision::F32, stream_);
+    cu::situ_glu(hg, hu, n * K * I, situ.beta, situ.linear_beta, hg, stream_);
+    cu::expert_matmul(w.stacked.down, latent, idx, n * K, hg, 1, ye, cu::Precision::F32, stream_);
+    cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
+  }
+
+  // The same for one sequence's chunk, grouped by expert on the host: each selected expert is one
+  // GEMM over its rows (tensor cores in bf16). Every slot's output lands in its own row, so the
+  // combine (and its summation order) is the GEMV path's.
+  void routed_grouped(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                      const float* wt, int64_t T, int64_t K, float* agg) {
+    if (capturing_) fail("internal error: a recorded GPU step groups experts on the host");
+    const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows;
+    std::vector<int32_t> sel(size_t(T * K));
+    cu::d2h(sel.data(), idx, sel.size() * 4, stream_);
+    std::vector<int64_t> count(size_t(E) + 1, 0);
+    for (int32_t e : sel) {
+      if (e < 0 || e >= E) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      ++count[size_t(e) + 1];
+    }
+    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];  // first slot of expert e
+    int32_t* rows = rows_pinned_;  // [T*K] token rows (gather), then [T*K] slot rows (scatter)
+    std::vector<int64_t> fill(count.begin(), count.end() - 1);
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      const int64_t at = fill[size_t(sel[size_t(slot)])]++;
+      rows[at] = int32_t(slot / K);
+      rows[T * K + at] = int32_t(slot);
+    }
+    int32_t* rows_dev = rows_dev_.as<int32_t>();
+    cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4, stream_);
+    float *hg = moe_buf_.as<float>(), *hu = hg + T * K * I, *ye = hu + T * K * I, *xg = ye + T * K * latent,
+          *yg = xg + T * K * latent;
+    cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
+      if (n == 0) continue;
+      cu::matmul(w.experts[size_t(e)].gate, xg + o * latent, n, hg + o * I, p_, stream_);
+      cu::matmul(w.experts[size_t(e)].up, xg + o * latent, n, hu + o * I, p_, stream_);
+    }
+    cu::situ_glu(hg, hu, T * K * I, situ.beta, situ.linear_beta, hg, stream_);
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
+      if (n) cu::matmul(w.experts[size_t(e)].down, hg + o * I, n, yg + o * latent, p_, stream_);
+    }
+    cu::scatter_rows(yg, rows_dev + T * K, T * K, latent, ye, stream_);
+    cu::moe_combine(ye, wt, T, K, latent, agg, stream_);
+    cu::sync(stream_);  // the pinned row lists are rewritten by the next layer
+  }
+
+  struct GraphKey {
+    int64_t n_seqs = -1, rows = -1;
+    int precision = -1;
+    const void* pool = nullptr;
+    uint64_t epoch = 0;
+    int64_t table_stride = 0;
+    uint64_t buffers = 0;
+    bool operator==(const GraphKey&) const = default;
+  };
+
+  ModelDims d_;
+  GpuOptions opt_;
+  cu::Stream stream_ = nullptr;
+  cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
+  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0;
+  uint64_t buffers_ = 0;
+  int32_t *staging_ = nullptr, *table_pinned_ = nullptr, *rows_pinned_ = nullptr;
+  cu::Precision p_ = cu::Precision::BF16;
+  StepView view_;
+  std::vector<int32_t> view_cu_;
+  cu::VarlenDev vb_;
+  cu::PagedCacheDev pc_;
+  std::vector<Run> runs_;
+  cu::GraphExec graph_ = nullptr;
+  GraphKey key_;
+  bool capturing_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) {
+  if (cu::device_count() == 0) fail("--device cuda: no usable CUDA GPU (" + cu::unavailable_reason() + ")");
+  const cu::DeviceInfo dev = cu::device_info();
+  if (dev.sm_major < 9)
+    fail("--device cuda: " + dev.name + " is compute capability " + std::to_string(dev.sm_major) + "." +
+         std::to_string(dev.sm_minor) + "; this build has kernels for sm_90a (Hopper) only");
+  const GpuMemoryPlan plan = gpu_memory_plan(m, o, o.initial_context);
+  // Leave headroom for the CUDA context, cuBLAS workspace, expert scratch and allocator rounding.
+  const size_t headroom = size_t(512) << 20;
+  if (plan.total() + headroom > dev.free_bytes)
+    fail("--device cuda: the model needs " + gib(plan.total()) + " of GPU memory (weights " + gib(plan.weights) +
+         ", workspace " + gib(plan.workspace) + ", state for " + std::to_string(o.initial_context) + " tokens " +
+         gib(plan.state_fixed + plan.state_per_token * size_t(o.initial_context)) + ") but " + dev.name + " has " +
+         gib(dev.free_bytes) + " free");
+  return std::make_unique<CudaBackend>(m.dims(), o);
+}
+
+}  // namespace k3
