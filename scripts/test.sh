@@ -18,8 +18,11 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
   build/tokvenv/bin/python tools/tokenizer/setup_vocab.py --out build/tokenizer-data
 fi
 
+echo "== docs: every section reference in the code resolves in docs/architecture.md"
+python3 tools/check_section_refs.py
+
 echo "== release build"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON >/dev/null
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DK3_BUILD_TESTS=ON -DK3_WERROR=ON >/dev/null
 cmake --build build -j"$jobs"
 (cd build && ctest --output-on-failure -j"$jobs" --timeout 900)
 

@@ -70,10 +70,11 @@ std::string gpu_fit_line(size_t need) {
 }
 
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who) {
+                    bool quiet, const std::string& who, bool experts_resident) {
   if (device != "cuda") return;
   GpuOptions o;
   o.graphs = graphs;
+  o.experts_resident = experts_resident;
   o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
   o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
   const auto t0 = std::chrono::steady_clock::now();
@@ -225,7 +226,6 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   uint64_t budget = 0;
   if (!f.ram_budget.empty()) budget = parse_size(f.ram_budget, "--ram-budget");
   const bool cuda = f.device == "cuda";
-  if (cuda && budget) fail("--ram-budget streams experts on the CPU; with --device cuda every expert stays in GPU memory");
   if (cuda && f.numerics == "exact")
     fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.direct_io && !budget) fail("--direct-io needs --ram-budget (it is how streamed experts are read)");
@@ -273,7 +273,8 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   if (budget) lm.experts = make_budget_expert_cache(*lm.model, budget, f.direct_io);
   if (cuda) {
     // The upload reads every weight once; no prefault of the host mapping is needed.
-    move_to_device(*lm.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who);
+    // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
+    move_to_device(*lm.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, budget == 0);
   } else if (!f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
     const auto progress = [&](uint64_t done, uint64_t total) {

@@ -79,8 +79,10 @@ std::atomic<bool>& interrupt_flag();
 
 // --device cuda: moves `m` to the GPU (weights uploaded once; one-line error when there is no GPU,
 // the build has no CUDA backend, or the model does not fit) and reports it on stderr unless quiet.
+// experts_resident false (--ram-budget): only the trunk is uploaded; routed experts come from the
+// expert cache every step.
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who);
+                    bool quiet, const std::string& who, bool experts_resident = true);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".

@@ -84,13 +84,14 @@ class Uploader {
 
 // Every weight of `w` into the arena (the visitor's list), the routed experts of each MoE layer
 // stacked (w1, w3, w2), experts[e] becoming views into the stacks.
-void place_all(Uploader& u, ModelWeights& w) {
+void place_all(Uploader& u, ModelWeights& w, bool experts) {
   for_each_weight(
       w,
       [&](WeightMat& m, WeightRole role) {
         if (role != WeightRole::RoutedExpert) u.mat(m);
       },
       [&](FVec& v) { u.vec(v); });
+  if (!experts) return;  // they stay host views, read only through an ExpertSource
   for (LayerWeights& l : w.layers) {
     if (l.dense_ffn || l.moe.experts.empty()) continue;
     MoeWeights& e = l.moe;
@@ -147,7 +148,7 @@ class CudaBackend final : public Backend {
   }
 
   const char* name() const override { return "cuda"; }
-  BackendCaps caps() const override { return {false, false, false}; }
+  BackendCaps caps() const override { return {false, false, true}; }
 
   void* alloc(size_t bytes, const char* what) override { return cu::dev_alloc(std::max<size_t>(bytes, 1), what); }
   void release(void* p) noexcept override {
@@ -175,10 +176,10 @@ class CudaBackend final : public Backend {
   void place(ModelWeights& w) override {
     Uploader sizing(nullptr);
     ModelWeights probe = w;
-    place_all(sizing, probe);
+    place_all(sizing, probe, opt_.experts_resident);
     arena_ = cu::DevBuf(sizing.used() + 256, "model weights");
     Uploader up(arena_.as<char>());
-    place_all(up, w);
+    place_all(up, w, opt_.experts_resident);
     cu::sync();
   }
 
@@ -331,8 +332,14 @@ class CudaBackend final : public Backend {
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source) override {
-    if (source) fail("routed experts from an expert source are not supported on the GPU yet");
-    if (w.stacked.gate.empty()) fail("internal error: GPU MoE without stacked experts");
+    if (source) return routed_from_source(w, latent, situ, z, idx, wt, R, K, agg, *source);
+    if (w.stacked.gate.empty())
+      fail("the routed experts were not uploaded to the GPU (--ram-budget): pass their expert source");
+    routed(w, latent, situ, z, idx, wt, R, K, agg);
+  }
+
+  void routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+              const float* wt, int64_t R, int64_t K, float* agg) {
     // Sequences of up to kGemvMaxT rows: every (row, slot) pair runs its expert's GLU as a GEMV
     // with the expert ids on the device (what a recorded decode step replays). A longer chunk
     // groups its slots by expert on the host, one GEMM per selected expert, as it does alone.
@@ -346,6 +353,89 @@ class CudaBackend final : public Backend {
       routed_grouped(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
                      agg + run.r0 * latent);
     }
+  }
+
+  // Experts from a source (streamed from disk into host memory): the experts the step's rows
+  // select are fetched (each once, ascending), uploaded into a staging stack and the ids remapped
+  // onto it; then the resident path runs on the staged copies: same kernels on the same bytes,
+  // so the same results as all-resident.
+  void routed_from_source(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                          const int32_t* idx, const float* wt, int64_t R, int64_t K, float* agg, ExpertSource& src) {
+    if (capturing_) fail("internal error: a recorded GPU step fetches experts");
+    const int64_t E = int64_t(w.experts.size());
+    std::vector<int32_t> sel(size_t(R * K));
+    cu::d2h(sel.data(), idx, sel.size() * 4, stream_);
+    std::vector<int32_t> slot_of(size_t(E), -1), order;
+    for (int32_t e : sel) {
+      if (e < 0 || e >= E) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      slot_of[size_t(e)] = 0;
+    }
+    for (int64_t e = 0; e < E; ++e)
+      if (slot_of[size_t(e)] == 0) {
+        slot_of[size_t(e)] = int32_t(order.size());
+        order.push_back(int32_t(e));
+      }
+    const int64_t M = int64_t(order.size());
+    const GluWeights& f = w.experts.front();  // formats and shapes (the host views)
+    stage(f, M);
+    const int64_t batch = std::max<int64_t>(1, src.max_batch());
+    std::vector<const GluWeights*> got(size_t(std::min(batch, M)));
+    for (int64_t b = 0; b < M; b += batch) {
+      const int64_t n = std::min(batch, M - b);
+      src.fetch(w.layer, order.data() + b, n, got.data());
+      for (int64_t i = 0; i < n; ++i) {
+        const GluWeights& g = *got[size_t(i)];
+        const WeightMat* from[3] = {&g.gate, &g.up, &g.down};
+        WeightMat* to[3] = {&staged_.experts[size_t(b + i)].gate, &staged_.experts[size_t(b + i)].up,
+                            &staged_.experts[size_t(b + i)].down};
+        for (int j = 0; j < 3; ++j) {
+          if (from[j]->fmt != to[j]->fmt || from[j]->rows != to[j]->rows || from[j]->cols != to[j]->cols)
+            fail("GPU MoE: a fetched expert differs in format or shape from the layer's experts");
+          cu::h2d(const_cast<void*>(to[j]->data), from[j]->data, data_bytes(*from[j]), stream_);
+          if (from[j]->fmt == WFormat::MXFP4)
+            cu::h2d(const_cast<uint8_t*>(to[j]->scales), from[j]->scales, scale_bytes(*from[j]), stream_);
+        }
+      }
+      cu::sync(stream_);  // the fetched host copies are valid until the next fetch only
+    }
+    for (int32_t& e : sel) e = slot_of[size_t(e)];
+    cu::h2d(remap_.get(), sel.data(), sel.size() * 4, stream_);
+    staged_.stacked = {rows_of(stage_.gate, 0, M * f.gate.rows), rows_of(stage_.up, 0, M * f.up.rows),
+                       rows_of(stage_.down, 0, M * f.down.rows)};
+    MoeWeights view = staged_;
+    view.experts.resize(size_t(M));
+    routed(view, latent, situ, z, remap_.as<int32_t>(), wt, R, K, agg);
+    cu::sync(stream_);
+  }
+
+  // A staging stack for M experts shaped like `f` (grown when needed).
+  void stage(const GluWeights& f, int64_t M) {
+    const int64_t K = std::max<int64_t>(d_.moe.top_k, 1), cap = std::min<int64_t>(opt_.tokens_per_call * K, d_.moe.experts);
+    if (!stage_buf_ || stage_shape_.gate.fmt != f.gate.fmt || stage_shape_.gate.rows != f.gate.rows ||
+        stage_shape_.down.fmt != f.down.fmt) {
+      const auto bytes = [&](const WeightMat& x) { return (data_bytes(x) + scale_bytes(x) + 512) * size_t(cap); };
+      stage_buf_ = cu::DevBuf(bytes(f.gate) + bytes(f.up) + bytes(f.down), "streamed-expert staging");
+      remap_ = cu::DevBuf(size_t(opt_.tokens_per_call * K) * 4, "streamed-expert ids");
+      char* p = stage_buf_.as<char>();
+      const auto carve = [&](const WeightMat& x) {
+        WeightMat s = x;
+        s.rows = x.rows * cap;
+        s.data = p;
+        p += (data_bytes(s) + 255) & ~size_t(255);
+        if (x.fmt == WFormat::MXFP4) {
+          s.scales = reinterpret_cast<const uint8_t*>(p);
+          p += (scale_bytes(s) + 255) & ~size_t(255);
+        }
+        return s;
+      };
+      stage_ = {carve(f.gate), carve(f.up), carve(f.down)};
+      stage_shape_ = f;
+      staged_.experts.assign(size_t(cap), GluWeights{});
+      for (int64_t e = 0; e < cap; ++e)
+        staged_.experts[size_t(e)] = {expert_view(stage_.gate, f.gate.rows, e), expert_view(stage_.up, f.up.rows, e),
+                                      expert_view(stage_.down, f.down.rows, e)};
+    }
+    if (M > int64_t(staged_.experts.size())) fail("internal error: more streamed experts than the staging holds");
   }
 
   void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
@@ -465,6 +555,9 @@ class CudaBackend final : public Backend {
   cu::VarlenDev vb_;
   cu::PagedCacheDev pc_;
   std::vector<Run> runs_;
+  cu::DevBuf stage_buf_, remap_;  // streamed experts: staging stacks and remapped ids
+  GluWeights stage_, stage_shape_;
+  MoeWeights staged_;
   cu::GraphExec graph_ = nullptr;
   GraphKey key_;
   bool capturing_ = false;

@@ -186,7 +186,9 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
         *hs = work.take(R * H), *ls = work.take(R * V);
   try {
-  if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1)) {
+  // A step can be recorded for replay when its op sequence depends on its shape only: one row per
+  // sequence (no host-side grouping), and no experts fetched from a source on the host.
+  if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1 && !opt.experts)) {
     // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
     DepthState depth;
     depth.partial = spare[0];

@@ -72,7 +72,14 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
 }
 
 GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context) {
-  return gpu_memory_plan(m.config(), total_weight_bytes(m.weights()), o, context);
+  uint64_t bytes = 0;
+  for_each_weight(
+      m.weights(),
+      [&](const WeightMat& w, WeightRole role) {
+        if (o.experts_resident || role != WeightRole::RoutedExpert) bytes += weight_bytes(w);
+      },
+      [&](const FVec& v) { bytes += weight_bytes(v); });
+  return gpu_memory_plan(m.config(), bytes, o, context);
 }
 
 // ---------------------------------------------------------------- session

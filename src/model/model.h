@@ -31,6 +31,9 @@ struct GpuOptions {
   bool graphs = true;              // capture single-token decode steps in CUDA graphs
   int64_t tokens_per_call = 256;   // rows of one step; longer steps run in pieces
   int64_t initial_context = 4096;  // cache pages reserved up front per sequence (grows when needed)
+  // false: routed experts stay in host memory and every step uploads the ones it selects from the
+  // ForwardOptions::experts source (--ram-budget); only the trunk goes to the GPU.
+  bool experts_resident = true;
 };
 
 // GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).

@@ -208,3 +208,27 @@ TEST(ModelStep, RefusesBadSteps) {
 }
 
 }  // namespace
+
+namespace {
+// fp32 SIMD numerics: a batched step computes decode rows with GEMMs where alone they are GEMVs
+// (another order of fp32 sums, ~1e-7). Reported, not gated: on the random tiny fixtures a 1e-7
+// change can flip a router near-tie (the generator only keeps top-k gaps >= 1e-4), which moves a
+// sequence's logits by tenths; K3-nano (trained) shows what the reordering itself costs.
+TEST(BatchEquivalenceF32, Reported) {
+  k3::ForwardOptions o;
+  o.numerics = k3::ops::Numerics::F32;
+  for (const fs::path& dir : {ours("tiny"), nano()}) {
+    auto m = k3::Model::load(dir.string());
+    for (int64_t N : {8, 32}) {
+      const auto seqs = k3test::mixed_sequences(N, int32_t(m->dims().vocab), uint32_t(N));
+      auto pool = m->new_pool();
+      const auto batched = k3test::run_batched(*m, seqs, o, *pool);
+      double worst = 0;
+      for (size_t i = 0; i < seqs.size(); ++i)
+        worst = std::max(worst, k3test::rel_l2(batched[i], k3test::run_alone(*m, seqs[i], o)));
+      std::printf("%s N=%lld fp32: worst rel-L2 batched vs alone %.3g\n", dir.filename().c_str(), (long long)N, worst);
+      EXPECT_EQ(pool->live_slots(), 0);
+    }
+  }
+}
+}  // namespace
