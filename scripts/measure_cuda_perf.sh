@@ -57,8 +57,14 @@ check "bench --device cuda prints graphs and no-graphs rows" bash -c \
   "$k3 bench -m $nano --device cuda -p 64 -n 32 -r 2 --no-progress | tee -a /dev/stderr | grep -q 'no-graphs'"
 check "--numerics exact on cuda: one-line error, exit 2" bash -c \
   "$k3 run -m $nano --device cuda --numerics exact -n 2 hi 2>/tmp/err.txt; rc=\$?; cat /tmp/err.txt; test \$rc -eq 2 && test \$(wc -l </tmp/err.txt) -eq 1"
-check "--ram-budget on cuda: one-line error, exit 2" bash -c \
-  "$k3 run -m $nano --device cuda --ram-budget 1G -n 2 hi 2>/tmp/err.txt; rc=\$?; cat /tmp/err.txt; test \$rc -eq 2 && test \$(wc -l </tmp/err.txt) -eq 1"
+check "run --device cuda --ram-budget (experts streamed) == all resident (greedy text)" same_nonempty \
+  "$k3 run -q -m $nano --temp 0 -n 40 --device cuda --ram-budget 27M 'Once upon a time' 2>/dev/null" \
+  "$k3 run -q -m $nano --temp 0 -n 40 --device cuda 'Once upon a time' 2>/dev/null"
+check "generate --ids-file --device cuda: each line == that prompt alone" bash -c \
+  "printf '11,220,3300,4,57\\n900\\n1,2,3,4,5,6,7,8,9,10,11,12\\n' >/tmp/ids.txt && \
+   a=\$($k3 generate -m $nano --ids-file /tmp/ids.txt -n 8 --greedy --print-ids --device cuda) && \
+   b=\$(for p in 11,220,3300,4,57 900 1,2,3,4,5,6,7,8,9,10,11,12; do $k3 generate -m $nano --ids \$p -n 8 --greedy --print-ids --device cuda; done) && \
+   echo \"[\$a] [\$b]\" && test -n \"\$a\" && test \"\$a\" = \"\$b\""
 python3 tools/gtest_table.py - "${results[@]}" | tee "$out/cli-table.md"
 
 [[ "${K3_SKIP_BENCH:-0}" == 1 ]] && exit 0

@@ -41,12 +41,17 @@ TEST_P(CudaBatch, EachSequenceEqualsItselfAloneFp32) {
   auto pool = m->new_pool();
   const auto batched = k3test::run_batched(*m, seqs, o, *pool);
   double worst = 0;
+  std::string errs;
   for (size_t i = 0; i < seqs.size(); ++i) {
     EXPECT_EQ(k3test::count_nan(batched[i]), 0u);
     const double e = k3test::rel_l2(batched[i], k3test::run_alone(*m, seqs[i], o));
     worst = std::max(worst, e);
+    char b[32];
+    std::snprintf(b, sizeof b, " %.1e", e);
+    errs += b;
     EXPECT_LE(e, kBatchTolF32) << "sequence " << i;
   }
+  std::printf("[gate] per-sequence:%s\n", errs.c_str());
   std::printf("[gate] GPU batch N=%-3lld graphs %d rows/step %-4lld fp32 worst rel-L2 batched vs alone %.3e (tol %.0e)\n",
               (long long)N, int(graphs), (long long)rows, worst, kBatchTolF32);
   EXPECT_EQ(pool->live_slots(), 0);
