@@ -1,7 +1,9 @@
-// Implements `k3 bench` (llama-bench style): ppN / tgN throughput at several context depths, several
-// thread counts, with a snapshot (Session copy) of each depth context reused by every repetition.
+// Implements `k3 bench` (llama-bench style): ppN / tgN throughput at several context depths, thread
+// counts and batch sizes (sequences per Model::step), with a snapshot (a pool slot) of each depth
+// context that every repetition copies. run() = plan (tests and settings) -> measure (probes, depth
+// contexts, timed runs) -> report (md / json / jsonl).
 // Owns: its flag parsing, timing, progress on stderr, md/json/jsonl on stdout. Must not: do model
-// math (it only calls Model::forward) or print anything but results to stdout; every bad input is
+// math (it only calls Model::step) or print anything but results to stdout; every bad input is
 // one line "k3 bench: error: ..." on stderr and exit status 2.
 #include "cli/cmd_bench.h"
 
@@ -18,11 +20,14 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cli/cli_common.h"
@@ -54,13 +59,14 @@ const char* kHelp =
     "  -n, --n-gen LIST       decode lengths: one tgN test per value (0 = none)    (default 128)\n"
     "  -d, --n-depth LIST     context depths: tokens already in the cache          (default 0)\n"
     "  -t, --threads LIST     CPU thread counts                                   (default: all cores)\n"
+    "  -b, --batch LIST       sequences per step (N sequences run together)       (default 1)\n"
     "  -r, --repetitions N    timed repetitions per test, after one warm-up run   (default 5)\n"
     "  -o, --output FORMAT    md | json | jsonl                                    (default md)\n"
     "      --json-out FILE    also write the json document to FILE (any -o)\n"
     "      --kda ALGO         KDA prefill algorithm: chunked | recurrent           (default chunked)\n"
     "      --mla FORM         MLA attention form: absorbed | expanded              (default absorbed)\n"
     "      --chunk N          KDA chunk size for prefill, 1..1024                  (default 64)\n"
-    "      --ubatch N         tokens per forward call when prefilling              (default 512)\n"
+    "      --ubatch N         prefill tokens per sequence and step                (default 512)\n"
     "      --seed N           seed of the random token ids                         (default 1)\n"
     "      --numerics MODE    fast | fp32 | exact (see docs/performance.md)        (default fast)\n"
     "      --cpu-isa LEVEL    avx512 | avx2 | scalar kernels                       (default: best)\n"
@@ -73,11 +79,18 @@ const char* kHelp =
     "  -h, --help             this text\n"
     "\n"
     "LIST is comma-separated, e.g. -p 128,512 -d 0,1024. Tests: ppN for each N in -p and tgN for\n"
-    "each N in -n, each at every depth in -d and every thread count in -t. A depth context is\n"
-    "prefilled once from seeded random ids (a deeper one extends the previous one) and\n"
+    "each N in -n, at every depth in -d, every thread count in -t and every batch in -b. A depth\n"
+    "context is prefilled once from seeded random ids (a deeper one extends the previous one) and\n"
     "snapshotted; each run starts from a copy (not timed) and one warm-up run precedes -r runs.\n"
     "ppN: one prefill of N new tokens (in --ubatch pieces, last-token logits). tgN: N single-token\n"
     "decode steps, each fed the argmax of the previous step. t/s = mean ± sample stddev over -r.\n"
+    "\n"
+    "Batch B (-b): B sequences, each a copy of the depth context, go through one Model::step per\n"
+    "step. tgN: each step decodes one token of every sequence (each fed its own argmax; their first\n"
+    "tokens differ). ppN: B different prompts of N tokens, each step feeding every sequence its next\n"
+    "piece of at most --ubatch tokens. Once -b lists a B other than 1, rows gain n_batch, t/s becomes\n"
+    "the aggregate (B x N tokens / time), and 't/s per seq' (N / time) and 'vs n_batch=1' (aggregate\n"
+    "/ the B = 1 row of the same test; B = 1 runs first) are added.\n"
     "\n"
     "Roofline (per thread count, measured in the same run before the tests): streaming read\n"
     "bandwidth and the peak multiply-add rate of the widest product of the CPU level (vdpbf16ps on\n"
@@ -87,14 +100,17 @@ const char* kHelp =
     "only the last token's logits are computed; attention not counted) / peak. On the CPU both\n"
     "probes run again (best of 3) before the first and after every repetition: a repetition is\n"
     "divided by the larger probe on its two sides, and the column is the mean of those ratios\n"
-    "(a shared machine's bandwidth moves within seconds; json has both ratios).\n"
+    "(a shared machine's bandwidth moves within seconds; json has both ratios). tgN with B > 1:\n"
+    "bytes per step = the weights once, counting min(B x top_k, experts) routed experts per MoE\n"
+    "layer (the most the union of the B selections can be, so an upper bound), + B embedding\n"
+    "rows, KDA states and MLA caches; the ratio is the aggregate t/s x those bytes / B / bandwidth.\n"
     "With --device cuda the probes run on the GPU: device-to-device copy bandwidth (bytes read +\n"
     "written) and the cuBLAS bf16 GEMM rate (8192^3, random data); tgN runs with and without\n"
     "CUDA-graph replay of the decode step (--graphs); -t is ignored.\n";
 
 struct Flags {
   std::string model;
-  std::vector<int64_t> n_prompt{512}, n_gen{128}, n_depth{0}, threads;
+  std::vector<int64_t> n_prompt{512}, n_gen{128}, n_depth{0}, threads, batch{1};
   int64_t reps = 5;
   std::string output = "md", json_out;
   std::string kda = "chunked", mla = "absorbed";
@@ -104,6 +120,12 @@ struct Flags {
   std::string numerics = "fast", cpu_isa;
   int64_t roofline_mib = 1024;
   std::string device = "cpu", graphs = "both";
+  // Some -b value other than 1: rows and results then carry the batch columns and fields (with
+  // -b 1 alone the output is what it was before batches existed).
+  bool batched() const {
+    return std::any_of(batch.begin(), batch.end(), [](int64_t b) { return b != 1; });
+  }
+  int64_t max_batch() const { return *std::max_element(batch.begin(), batch.end()); }
 };
 
 bool all_digits(const std::string& s) {
@@ -139,6 +161,7 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& s, i
 }
 
 constexpr int64_t kMaxTokens = int64_t(1) << 40;
+constexpr int64_t kMaxBatch = 4096;  // sequences of one step (pool slots)
 
 Flags parse_flags(int argc, char** argv) {
   Flags f;
@@ -164,6 +187,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (a == "-n" || a == "--n-gen") f.n_gen = parse_list(a, value(), 0, kMaxTokens);
     else if (a == "-d" || a == "--n-depth") f.n_depth = parse_list(a, value(), 0, kMaxTokens);
     else if (a == "-t" || a == "--threads") f.threads = parse_list(a, value(), 1, 4096);
+    else if (a == "-b" || a == "--batch") f.batch = parse_list(a, value(), 1, kMaxBatch);
     else if (a == "-r" || a == "--repetitions") f.reps = parse_int(a, value(), 1, 1000000);
     else if (a == "-o" || a == "--output") {
       f.output = value();
@@ -311,27 +335,32 @@ struct Test {
   int64_t n = 0, depth = 0, threads = 1;
   size_t depth_index = 0;  // position in -d (a depth may be listed twice)
   int graphs = -1;         // GPU tgN: 1 = CUDA-graph decode steps, 0 = launched kernel by kernel; -1 = n/a
+  int64_t batch = 1;       // sequences run together
   std::string name() const {
     std::string s = (pp ? "pp" : "tg") + std::to_string(n);
     if (depth > 0) s += " @ d" + std::to_string(depth);
     if (graphs >= 0) s += graphs ? " graphs" : " no-graphs";
     return s;
   }
+  int64_t tokens() const { return batch * n; }  // tokens of one run, all sequences
 };
 
 struct Result {
   Test test;
   std::vector<int64_t> samples_ns;
-  double avg_ts = 0, stddev_ts = 0;
+  double avg_ts = 0, stddev_ts = 0;  // aggregate: test.tokens() per run
   // Roofline ratio (0 when not measured): tg -> bytes/token x t/s / read bandwidth; pp -> weight
   // FLOPs/token x t/s / peak. On the CPU the roof is probed again around every repetition
   // (`around`: before the first, between two, after the last); repetition i divides by the larger
   // of the probes on its two sides, and `roofline_ratio` is the mean of those ratios, `roof` the
   // mean of those roofs. `ratio_start` divides the mean t/s by the probe taken before all tests.
+  // For tg with a batch, bytes/token is bytes_per_step / batch (traffic: the step's parts).
   double roofline_ratio = 0, work_per_token = 0, roof = 0, start_roof = 0, ratio_start = 0;
   double lm_head_flops = 0;  // per logit row; a run computes logit_rows of them
   int64_t logit_rows = 0;
+  k3::DecodeTraffic traffic;
   std::vector<double> around, rep_ratios;
+  double vs_batch1 = 0;  // avg_ts / avg_ts of the batch-1 result of the same test (0: none)
 };
 
 // Fills the roofline fields of `r` from its samples (summarize() first) and `work` per token.
@@ -347,7 +376,7 @@ void roofline_ratios(Result& r, double work, double start_roof) {
   double sum_ratio = 0, sum_roof = 0;
   for (size_t i = 0; i < r.samples_ns.size(); ++i) {
     const double roof = std::max(r.around[i], r.around[i + 1]);
-    const double ts = double(r.test.n) * 1e9 / double(std::max<int64_t>(r.samples_ns[i], 1));
+    const double ts = double(r.test.tokens()) * 1e9 / double(std::max<int64_t>(r.samples_ns[i], 1));
     r.rep_ratios.push_back(ts * work / (roof * 1e9));
     sum_ratio += r.rep_ratios.back();
     sum_roof += roof;
@@ -358,7 +387,7 @@ void roofline_ratios(Result& r, double work, double start_roof) {
 
 void summarize(Result& r) {
   std::vector<double> ts;
-  for (int64_t ns : r.samples_ns) ts.push_back(double(r.test.n) * 1e9 / double(std::max<int64_t>(ns, 1)));
+  for (int64_t ns : r.samples_ns) ts.push_back(double(r.test.tokens()) * 1e9 / double(std::max<int64_t>(ns, 1)));
   double sum = 0;
   for (double v : ts) sum += v;
   r.avg_ts = sum / double(ts.size());
@@ -367,53 +396,64 @@ void summarize(Result& r) {
   r.stddev_ts = ts.size() > 1 ? std::sqrt(ss / double(ts.size() - 1)) : 0.0;
 }
 
+// The timed work: a pool with the depth context in `base` and the slots of the timed runs.
 struct Bench {
   const k3::Model& model;
   const Flags& f;
   k3::ForwardOptions opt;
-  std::vector<float> logits;
+  std::unique_ptr<k3::StatePool> pool;
+  int32_t base = -1;           // the depth context every run copies
+  std::vector<int32_t> work;   // the runs' sequences (as many as the largest -b)
+  std::vector<float> logits;   // [largest -b, vocab]: last-token logits of prefill steps
+  std::vector<k3::SeqStep> seqs;
+  std::vector<int32_t> feed, picked;
 
-  Bench(const k3::Model& m, const Flags& fl) : model(m), f(fl), logits(static_cast<size_t>(m.dims().vocab)) {
+  Bench(const k3::Model& m, const Flags& fl, const k3::StatePoolOptions& po)
+      : model(m), f(fl), pool(m.new_pool(po)), logits(static_cast<size_t>(fl.max_batch() * m.dims().vocab)) {
     opt.kda_algo = f.kda == "recurrent" ? k3::KdaAlgo::Recurrent : k3::KdaAlgo::Chunked;
     opt.mla_algo = f.mla == "expanded" ? k3::MlaAlgo::Expanded : k3::MlaAlgo::Absorbed;
     opt.kda_chunk = f.chunk;
     opt.numerics = k3::ops::parse_numerics(f.numerics);
+    base = pool->alloc();
+    for (int64_t i = 0; i < f.max_batch(); ++i) work.push_back(pool->alloc());
   }
 
-  // Prefill `ids` in --ubatch pieces (last-token logits of each piece); `tick(done)` after each.
+  // Appends `ids` to the depth context in --ubatch pieces (last-token logits); `tick(done)` after each.
   template <class Tick>
-  void prefill(k3::Session& s, const int32_t* ids, int64_t n, Tick tick) {
+  void prefill_base(const int32_t* ids, int64_t n, Tick tick) {
     for (int64_t off = 0; off < n; off += f.ubatch) {
-      const int64_t len = std::min(f.ubatch, n - off);
-      model.forward(s, ids + off, len, false, logits.data(), opt);
-      tick(off + len);
+      const k3::SeqStep one{base, ids + off, std::min(f.ubatch, n - off), false};
+      model.step(*pool, std::span<const k3::SeqStep>(&one, 1), opt, logits.data());
+      tick(off + one.n);
     }
   }
+  void reset_base() { pool->reset(base); }
 
-  int64_t argmax() const {
-    return int64_t(std::max_element(logits.begin(), logits.end()) - logits.begin());  // first max on ties
-  }
-
-  // One timed run of `t` starting from a copy of `base` into `s`; the copy itself is not timed.
-  // (Copying into the same session keeps its GPU buffers, so a captured decode graph is reused.)
-  int64_t run_once(k3::Session& s, const k3::Session& base, const Test& t, const std::vector<int32_t>& prompt,
-                   int32_t first) {
-    s = base;
+  // One timed run of `t`: its t.batch sequences start as copies of the depth context (not timed).
+  // pp: prompts holds batch x n ids (sequence i's at i x n); each step feeds every sequence its next
+  // piece of at most --ubatch ids, last-token logits. tg: first holds the first id of each; each
+  // step decodes one token of every sequence, fed its argmax of the step before (argmax output
+  // only: the GPU copies back one id per sequence).
+  int64_t run_once(const Test& t, const std::vector<int32_t>& prompts, const std::vector<int32_t>& first) {
+    const size_t B = size_t(t.batch);
+    for (size_t i = 0; i < B; ++i) pool->copy_into(work[i], base);
     if (t.graphs >= 0) model.set_gpu_graphs(t.graphs == 1);
+    seqs.resize(B);
+    const std::span<const k3::SeqStep> step(seqs.data(), B);
     const auto t0 = std::chrono::steady_clock::now();
     if (t.pp) {
-      prefill(s, prompt.data(), int64_t(prompt.size()), [](int64_t) {});
+      for (int64_t off = 0; off < t.n; off += f.ubatch) {
+        const int64_t len = std::min(f.ubatch, t.n - off);
+        for (size_t i = 0; i < B; ++i) seqs[i] = {work[i], prompts.data() + int64_t(i) * t.n + off, len, false};
+        model.step(*pool, step, opt, logits.data());
+      }
     } else {
-      int32_t tok = first;
-      if (model.on_gpu()) {  // the argmax on the device, as greedy decoding does there
-        k3::ForwardOptions o = opt;
-        o.argmax_out = &tok;
-        for (int64_t i = 0; i < t.n; ++i) model.forward(s, &tok, 1, false, nullptr, o);
-      } else {
-        for (int64_t i = 0; i < t.n; ++i) {
-          model.forward(s, &tok, 1, false, logits.data(), opt);
-          tok = int32_t(argmax());
-        }
+      feed.assign(first.begin(), first.begin() + int64_t(B));
+      picked.resize(B);
+      for (int64_t s = 0; s < t.n; ++s) {
+        for (size_t i = 0; i < B; ++i) seqs[i] = {work[i], &feed[i], 1, false};
+        model.step(*pool, step, opt, nullptr, picked.data());
+        feed.swap(picked);
       }
     }
     const auto t1 = std::chrono::steady_clock::now();
@@ -421,7 +461,7 @@ struct Bench {
   }
 };
 
-// ---------------------------------------------------------------- output
+// ---------------------------------------------------------------- plan
 
 struct ModelInfo {
   std::string name;
@@ -429,13 +469,137 @@ struct ModelInfo {
   int64_t n_params = 0, n_active = 0;
 };
 
+// Everything decided before the first probe: the tests in run order and what the header says.
+struct Plan {
+  bool cuda = false;
+  ModelInfo mi;
+  std::vector<int64_t> threads;
+  int64_t build_threads = 1;  // threads of the (untimed) depth prefills
+  std::vector<Test> tests;
+  std::string kernel_level, cpu, gpu, algo, command;
+  k3::StatePoolOptions pool;  // sized for the depth context and the largest batch
+};
+
+void check_model_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) throw Error("model directory '" + dir + "' does not exist");
+  if (!fs::is_directory(dir, ec)) throw Error("model path '" + dir + "' is not a directory");
+}
+
+// Tokens a sequence holds at most: the deepest depth + the longest prompt or generation.
+int64_t max_context(const Flags& f) {
+  int64_t max_ctx = 16;
+  for (int64_t d : f.n_depth)
+    max_ctx = std::max(max_ctx, d + std::max(*std::max_element(f.n_prompt.begin(), f.n_prompt.end()),
+                                             *std::max_element(f.n_gen.begin(), f.n_gen.end())));
+  return max_ctx;
+}
+
+std::unique_ptr<k3::Model> load_model(const Flags& f) {
+  if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
+  auto model = k3::Model::load(f.model);
+  if (f.device == "cuda")
+    k3::cli::move_to_device(*model, "cuda", f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench");
+  return model;
+}
+
+void check_positions(const Flags& f, int64_t max_pos) {
+  if (max_pos <= 0) return;
+  for (int64_t d : f.n_depth) {
+    for (int64_t p : f.n_prompt)
+      if (p > 0 && d + p > max_pos)
+        throw Error("depth " + std::to_string(d) + " + prompt " + std::to_string(p) + " = " + std::to_string(d + p) +
+                    " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
+    for (int64_t n : f.n_gen)
+      if (n > 0 && d + n > max_pos)
+        throw Error("depth " + std::to_string(d) + " + generated " + std::to_string(n) + " = " + std::to_string(d + n) +
+                    " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
+  }
+}
+
+ModelInfo model_info(const Flags& f, const k3::Model& model) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  ModelInfo mi;
+  std::string dir = fs::path(f.model).lexically_normal().string();
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  mi.name = fs::path(dir).filename().string();
+  if (mi.name.empty() || mi.name == ".") mi.name = fs::absolute(f.model, ec).lexically_normal().parent_path().filename().string();
+  if (mi.name.empty()) mi.name = "model";
+  mi.bytes = model.checkpoint().total_tensor_bytes();
+  const k3::ArchParams ap = k3::compute_arch_params(model.config());
+  mi.n_params = ap.total;
+  mi.n_active = ap.active_per_token;
+  return mi;
+}
+
+// -b in run order: batch 1 first (the others are compared with it), then the rest as given.
+std::vector<int64_t> batch_order(const std::vector<int64_t>& batch) {
+  std::vector<int64_t> order;
+  std::copy_if(batch.begin(), batch.end(), std::back_inserter(order), [](int64_t b) { return b == 1; });
+  std::copy_if(batch.begin(), batch.end(), std::back_inserter(order), [](int64_t b) { return b != 1; });
+  return order;
+}
+
+Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
+  Plan p;
+  p.cuda = f.device == "cuda";
+  // Exact numerics run the scalar kernels whatever the CPU level (ops/cpu/isa.h).
+  p.kernel_level = f.numerics == "exact" ? "scalar" : k3::ops::cpu_isa_name(k3::ops::cpu_isa());
+  check_positions(f, model.config().max_position_embeddings);
+  p.mi = model_info(f, model);
+  p.threads = f.threads;
+  if (p.threads.empty() || p.cuda) p.threads = {p.cuda ? 1 : omp_get_max_threads()};  // -t is CPU-only
+  p.build_threads = *std::max_element(p.threads.begin(), p.threads.end());
+
+  // Every test, in run order: per depth, per thread count, pp tests then tg tests, each per batch.
+  const std::vector<int64_t> batches = batch_order(f.batch);
+  for (size_t di = 0; di < f.n_depth.size(); ++di)
+    for (int64_t t : p.threads) {
+      for (int64_t n : f.n_prompt)
+        for (int64_t b : batches)
+          if (n > 0) p.tests.push_back({true, n, f.n_depth[di], t, di, -1, b});
+      for (int64_t n : f.n_gen)
+        for (int64_t b : batches) {
+          if (n <= 0) continue;
+          if (!p.cuda) p.tests.push_back({false, n, f.n_depth[di], t, di, -1, b});
+          if (p.cuda && f.graphs != "off") p.tests.push_back({false, n, f.n_depth[di], t, di, 1, b});
+          if (p.cuda && f.graphs != "on") p.tests.push_back({false, n, f.n_depth[di], t, di, 0, b});
+        }
+    }
+
+  p.cpu = cpu_name();
+#ifdef K3_HAVE_CUDA
+  if (p.cuda) p.gpu = k3::cuda::device_info().name;
+#endif
+  p.algo = "KDA " + f.kda;
+  if (f.kda == "chunked") p.algo += " (chunk " + std::to_string(f.chunk) + ")";
+  p.algo += ", MLA " + f.mla + ", ubatch " + std::to_string(f.ubatch);
+  for (int i = 0; i < argc; ++i) p.command += std::string(i ? " " : "k3 ") + argv[i];
+
+  // Slots: the depth context + the largest batch. Pages: the deepest context, plus the pages a run
+  // adds to each sequence (runs share the context's pages copy-on-write); the pool grows if short.
+  const int64_t pt = p.pool.page_tokens, max_depth = *std::max_element(f.n_depth.begin(), f.n_depth.end());
+  const int64_t longest = std::max(*std::max_element(f.n_prompt.begin(), f.n_prompt.end()),
+                                   *std::max_element(f.n_gen.begin(), f.n_gen.end()));
+  const int64_t run_pages = std::min<int64_t>(longest, 1 << 20) / pt + 2;
+  p.pool.initial_slots = 1 + f.max_batch();
+  p.pool.initial_pages = std::clamp<int64_t>(std::min<int64_t>(max_depth, 1 << 24) / pt + 1 + f.max_batch() * run_pages, 8, 1 << 16);
+  return p;
+}
+
+// ---------------------------------------------------------------- report
+
 Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
+  const bool batched = f.batched();
   Json j;
   j["model"] = mi.name;
   j["model_bytes"] = mi.bytes;
   j["n_params"] = mi.n_params;
   j["n_active_params"] = mi.n_active;
   j["threads"] = r.test.threads;
+  if (batched) j["n_batch"] = r.test.batch;
   j["n_prompt"] = r.test.pp ? r.test.n : 0;
   j["n_gen"] = r.test.pp ? 0 : r.test.n;
   j["n_depth"] = r.test.depth;
@@ -443,6 +607,11 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["samples_ns"] = r.samples_ns;
   j["avg_ts"] = r.avg_ts;
   j["stddev_ts"] = r.stddev_ts;
+  if (batched) {
+    j["per_seq_ts"] = r.avg_ts / double(r.test.batch);
+    j["per_seq_stddev_ts"] = r.stddev_ts / double(r.test.batch);
+    if (r.vs_batch1 > 0) j["aggregate_vs_batch1"] = r.vs_batch1;
+  }
   j["kda"] = f.kda;
   j["mla"] = f.mla;
   j["kda_chunk"] = f.chunk;
@@ -464,16 +633,22 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
       j["roofline"]["probes_around_reps"] = r.around;
       j["roofline"]["rep_ratios"] = r.rep_ratios;
     }
+    if (batched && !r.test.pp) {
+      const k3::DecodeTraffic& t = r.traffic;
+      j["roofline"]["bytes_per_step"] = t.total();
+      j["roofline"]["bytes_per_step_parts"] = {
+          {"trunk", t.trunk}, {"experts", t.experts}, {"kda_state", t.kda_state}, {"mla_cache", t.mla_cache}};
+      j["roofline"]["experts_per_moe_layer"] = t.experts_per_layer;
+    }
   }
   return j;
 }
 
+// A markdown table: the first column left-aligned, the others right-aligned.
 struct MdTable {
+  std::vector<std::string> names;
   std::vector<size_t> w;
-  MdTable(size_t model_w, size_t test_w, bool roofline)
-      : w{std::max<size_t>(model_w, 5), 10, 10, 7, std::max<size_t>(test_w, 4), 20} {
-    if (roofline) w.push_back(12);
-  }
+  void add(const std::string& name, size_t width) { names.push_back(name), w.push_back(width); }
   static std::string pad(const std::string& s, size_t n, bool right) {
     // Width in characters, not bytes ("±" is two bytes of UTF-8).
     const size_t len = size_t(std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
@@ -486,13 +661,155 @@ struct MdTable {
     return line + "\n";
   }
   std::string header() const {
-    std::vector<std::string> names{"model", "size", "params", "threads", "test", "t/s"};
-    if (w.size() > names.size()) names.push_back("roofline");
     std::string line = row(names) + "|";
     for (size_t i = 0; i < w.size(); ++i) line += " " + (i == 0 ? std::string(w[i], '-') : std::string(w[i] - 1, '-') + ":") + " |";
     return line + "\n";
   }
 };
+
+void out(const std::string& s) {
+  std::fwrite(s.data(), 1, s.size(), stdout);
+  std::fflush(stdout);
+}
+
+using Roofs = std::map<int64_t, k3::ops::Roofline>;  // per thread count
+
+// The output side: the json document (printed with -o json and written to --json-out at the end),
+// md rows or jsonl lines as results come, and the batch-1 results the others are compared with.
+class Report {
+ public:
+  Report(const Flags& f, const Plan& p) : f_(f), p_(p) {
+    doc_["build"] = {{"engine", "k3cpp"},
+                     {"version", k3::version()},
+                     {"compiler", compiler()},
+                     {"cpu", p.cpu},
+                     {"cpu_cores", omp_get_num_procs()},
+                     {"date", utc_now()},
+                     {"command", p.command}};
+    if (p.cuda) doc_["build"]["gpu"] = p.gpu;
+    doc_["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
+                        {"numerics", f.numerics}, {"cpu_isa", p.kernel_level}, {"device", f.device},
+                        {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
+    if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
+    doc_["results"] = Json::array();
+    size_t test_w = 4;
+    for (const Test& t : p.tests) test_w = std::max(test_w, t.name().size());
+    table_.add("model", std::max<size_t>(p.mi.name.size(), 5));
+    table_.add("size", 10);
+    table_.add("params", 10);
+    table_.add("threads", 7);
+    if (f.batched()) table_.add("n_batch", 7);
+    table_.add("test", test_w);
+    table_.add("t/s", 20);
+    if (f.batched()) table_.add("t/s per seq", 20), table_.add("vs n_batch=1", 12);
+    if (f.roofline) table_.add("roofline", 12);
+  }
+
+  // Opened by run() before the model loads, so a bad --json-out fails fast.
+  static std::unique_ptr<std::ofstream> open_json_out(const Flags& f) {
+    if (f.json_out.empty()) return nullptr;
+    auto file = std::make_unique<std::ofstream>(f.json_out, std::ios::binary | std::ios::trunc);
+    if (!*file) throw Error("--json-out: cannot write " + f.json_out + ": " + std::strerror(errno));
+    return file;
+  }
+
+  // The probes in the document, and the md header (engine, machine, settings, roofs, columns).
+  void begin(const Roofs& roofs, Progress& prog) {
+    if (f_.roofline) {
+      Json rj = Json::array();
+      std::vector<int64_t> seen;  // -t may list a count twice: one probe each
+      for (int64_t t : p_.threads) {
+        const auto it = roofs.find(t);
+        if (it == roofs.end() || std::find(seen.begin(), seen.end(), t) != seen.end()) continue;
+        seen.push_back(t);
+        const k3::ops::Roofline& r = it->second;
+        rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops},
+                      {"peak_kind", r.peak_kind}, {"probe_bytes", r.probe_bytes}});
+      }
+      doc_["roofline"] = rj;
+    }
+    if (f_.output != "md") return;
+    prog.done();
+    std::string head = "k3 " + std::string(k3::version()) + " bench | " + (p_.cuda ? "GPU: " + p_.gpu + " | " : "") +
+                       "CPU: " + p_.cpu + " (" + std::to_string(omp_get_num_procs()) + " cores, " + p_.kernel_level +
+                       " kernels) | " + p_.algo + " | numerics " + f_.numerics + " | " + std::to_string(f_.reps) +
+                       " reps + 1 warm-up\n";
+    for (const auto& [t, r] : roofs) {
+      char line[256];
+      if (p_.cuda)
+        std::snprintf(line, sizeof line, "roofline GPU: copy %.1f GB/s (read + write), peak %.1f GFLOP/s (%s)\n",
+                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
+      else
+        std::snprintf(line, sizeof line, "roofline t=%lld: read %.1f GB/s, peak %.1f GFLOP/s (%s)\n", (long long)t,
+                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
+      head += line;
+    }
+    out(head + "\n" + table_.header());
+  }
+
+  // One finished test: compared with its batch-1 result, then printed (md / jsonl) and kept.
+  void add(Result r, Progress& prog) {
+    const auto key = std::make_tuple(r.test.depth_index, r.test.threads, r.test.pp, r.test.n, r.test.graphs);
+    if (r.test.batch == 1) batch1_[key] = r.avg_ts;
+    if (auto it = batch1_.find(key); it != batch1_.end() && it->second > 0) r.vs_batch1 = r.avg_ts / it->second;
+    Json rj = result_json(p_.mi, f_, r);
+    if (f_.output == "md") {
+      prog.done();
+      out(table_.row(md_cells(r)));
+    } else if (f_.output == "jsonl") {
+      prog.done();
+      out(rj.dump() + "\n");
+    }
+    doc_["results"].push_back(std::move(rj));
+  }
+
+  // The json document: on stdout with -o json, and into the --json-out file.
+  void finish(Progress& prog, std::ofstream* json_file) {
+    prog.done();
+    const std::string text = doc_.dump(2) + "\n";
+    if (f_.output == "json") out(text);
+    if (json_file) {
+      *json_file << text;
+      json_file->flush();
+      if (!*json_file) throw Error("--json-out: write failed for " + f_.json_out);
+    }
+  }
+
+ private:
+  std::vector<std::string> md_cells(const Result& r) const {
+    const Test& t = r.test;
+    auto pm = [](double v, double sd) {
+      char s[64];
+      std::snprintf(s, sizeof s, "%.2f ± %.2f", v, sd);
+      return std::string(s);
+    };
+    std::vector<std::string> cells{p_.mi.name, human_bytes(p_.mi.bytes), human_count(p_.mi.n_params),
+                                   std::to_string(t.threads)};
+    if (f_.batched()) cells.push_back(std::to_string(t.batch));
+    cells.push_back(t.name());
+    cells.push_back(pm(r.avg_ts, r.stddev_ts));
+    if (f_.batched()) {
+      cells.push_back(pm(r.avg_ts / double(t.batch), r.stddev_ts / double(t.batch)));
+      char vs[32];
+      std::snprintf(vs, sizeof vs, "%.2fx", r.vs_batch1);
+      cells.push_back(r.vs_batch1 > 0 ? vs : "-");
+    }
+    if (f_.roofline) {
+      char rl[64];
+      std::snprintf(rl, sizeof rl, "%.1f%% %s", 100 * r.roofline_ratio, t.pp ? "peak" : p_.cuda ? "HBM" : "BW");
+      cells.push_back(rl);
+    }
+    return cells;
+  }
+
+  const Flags& f_;
+  const Plan& p_;
+  Json doc_;
+  MdTable table_;
+  std::map<std::tuple<size_t, int64_t, bool, int64_t, int>, double> batch1_;  // aggregate t/s of batch 1
+};
+
+// ---------------------------------------------------------------- measure
 
 // GPU probes in the CPU roofline's shape: read_gbs = device copy bandwidth, peak = cuBLAS bf16.
 k3::ops::Roofline gpu_roofline(uint64_t bytes) {
@@ -509,239 +826,117 @@ k3::ops::Roofline gpu_roofline(uint64_t bytes) {
 #endif
 }
 
-void out(const std::string& s) {
-  std::fwrite(s.data(), 1, s.size(), stdout);
-  std::fflush(stdout);
+// Roofline probes, per thread count, before any test (the machine is otherwise idle then). On the
+// CPU the read probe keeps its buffer (read_probes), so both probes run again around every repetition.
+Roofs probe_roofs(const Flags& f, const Plan& p, Progress& prog,
+                  std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes) {
+  Roofs roofs;
+  if (!f.roofline) return roofs;
+  for (int64_t t : p.threads) {
+    if (roofs.count(t)) continue;
+    prog.say("roofline probes (t=" + std::to_string(t) + ")");
+    if (p.cuda) {
+      roofs[t] = gpu_roofline(uint64_t(f.roofline_mib) << 20);
+    } else {
+      auto& probe = read_probes[t] = std::make_unique<k3::ops::ReadProbe>(int(t), uint64_t(f.roofline_mib) << 20);
+      roofs[t] = k3::ops::measure_roofline(*probe, 5);
+    }
+  }
+  return roofs;
 }
 
-int run(const Flags& f, int argc, char** argv) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (!fs::exists(f.model, ec)) throw Error("model directory '" + f.model + "' does not exist");
-  if (!fs::is_directory(f.model, ec)) throw Error("model path '" + f.model + "' is not a directory");
-
-  std::unique_ptr<std::ofstream> json_file;
-  if (!f.json_out.empty()) {
-    json_file = std::make_unique<std::ofstream>(f.json_out, std::ios::binary | std::ios::trunc);
-    if (!*json_file) throw Error("--json-out: cannot write " + f.json_out + ": " + std::strerror(errno));
+// One test at depth d (the context is in bench.base): a warm-up, -r timed repetitions with the
+// probes around them, the statistics and the roofline ratio.
+Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench& bench, const Roofs& roofs,
+                    const std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes, Progress& prog) {
+  const int64_t d = t.depth, V = model.dims().vocab;
+  omp_set_num_threads(int(t.threads));
+  // Sequence i of a batch: prompt ids [i n, (i+1) n) of the depth's prompt stream, first decode id i
+  // of its first-id stream (sequence 0 gets what a batch of 1 gets).
+  const std::vector<int32_t> prompts = t.pp ? random_ids(f.seed, uint64_t(d) * 2 + 1, t.tokens(), V) : std::vector<int32_t>{};
+  const std::vector<int32_t> first = random_ids(f.seed, uint64_t(d) * 2 + 2, t.batch, V);
+  const std::string label = t.name() + (f.batched() ? " b=" + std::to_string(t.batch) : "") +
+                            " (t=" + std::to_string(t.threads) + ")";
+  prog.say(label + ": warm-up");
+  bench.run_once(t, prompts, first);
+  Result r;
+  r.test = t;
+  // The roof of this test's kind, probed again (best of 3) before the first repetition and after each one.
+  const auto probe_it = read_probes.find(t.threads);
+  auto probe_again = [&] {
+    if (probe_it == read_probes.end()) return;
+    prog.say(label + ": roofline probe");
+    r.around.push_back(t.pp ? k3::ops::measure_peak_gflops(int(t.threads), 3) : probe_it->second->measure(3));
+  };
+  probe_again();
+  for (int64_t rep = 0; rep < f.reps; ++rep) {
+    prog.say(label + ": rep " + std::to_string(rep + 1) + "/" + std::to_string(f.reps));
+    r.samples_ns.push_back(bench.run_once(t, prompts, first));
+    probe_again();
   }
-
-  if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
-  auto model = k3::Model::load(f.model);
-  const bool cuda = f.device == "cuda";
-  int64_t max_ctx = 16;
-  for (int64_t d : f.n_depth) max_ctx = std::max(max_ctx, d + std::max(*std::max_element(f.n_prompt.begin(), f.n_prompt.end()),
-                                                                      *std::max_element(f.n_gen.begin(), f.n_gen.end())));
-  if (cuda) k3::cli::move_to_device(*model, "cuda", f.graphs != "off", f.ubatch, max_ctx, !f.progress, "k3 bench");
-  // Exact numerics run the scalar kernels whatever the CPU level (ops/cpu/isa.h).
-  const std::string kernel_level = f.numerics == "exact" ? "scalar" : k3::ops::cpu_isa_name(k3::ops::cpu_isa());
-  const k3::ModelConfig& cfg = model->config();
-  const int64_t V = model->dims().vocab, max_pos = cfg.max_position_embeddings;
-  if (max_pos > 0) {
-    for (int64_t d : f.n_depth) {
-      for (int64_t p : f.n_prompt)
-        if (p > 0 && d + p > max_pos)
-          throw Error("depth " + std::to_string(d) + " + prompt " + std::to_string(p) + " = " + std::to_string(d + p) +
-                      " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
-      for (int64_t n : f.n_gen)
-        if (n > 0 && d + n > max_pos)
-          throw Error("depth " + std::to_string(d) + " + generated " + std::to_string(n) + " = " + std::to_string(d + n) +
-                      " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
-    }
+  summarize(r);
+  if (auto it = roofs.find(t.threads); it != roofs.end()) {
+    // A tg step of the batch reads the traffic of all its sequences; a pp token costs the same
+    // weight FLOPs whatever the batch.
+    r.traffic = k3::decode_traffic(model, d, t.pp ? 1 : t.batch);
+    // A ppN run computes the logits of the last token of each --ubatch piece of each sequence only.
+    const int64_t pieces = (t.n + f.ubatch - 1) / f.ubatch;
+    roofline_ratios(r, t.pp ? r.traffic.prefill_flops_per_token(t.n, pieces) : double(r.traffic.total()) / double(t.batch),
+                    t.pp ? it->second.peak_gflops : it->second.read_gbs);
+    r.lm_head_flops = r.traffic.lm_head_flops;
+    r.logit_rows = t.batch * (t.pp ? pieces : t.n);
   }
+  return r;
+}
 
-  ModelInfo mi;
-  {
-    std::string dir = fs::path(f.model).lexically_normal().string();
-    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
-    mi.name = fs::path(dir).filename().string();
-    if (mi.name.empty() || mi.name == ".") mi.name = fs::absolute(f.model, ec).lexically_normal().parent_path().filename().string();
-    if (mi.name.empty()) mi.name = "model";
-  }
-  mi.bytes = model->checkpoint().total_tensor_bytes();
-  const k3::ArchParams ap = k3::compute_arch_params(cfg);
-  mi.n_params = ap.total;
-  mi.n_active = ap.active_per_token;
-
-  std::vector<int64_t> threads = f.threads;
-  if (threads.empty() || cuda) threads = {cuda ? 1 : omp_get_max_threads()};  // -t is CPU-only
-  const int64_t build_threads = *std::max_element(threads.begin(), threads.end());
-
-  // Every test, in run order: per depth, per thread count, pp tests then tg tests.
-  std::vector<Test> tests;
-  for (size_t di = 0; di < f.n_depth.size(); ++di)
-    for (int64_t t : threads) {
-      for (int64_t p : f.n_prompt)
-        if (p > 0) tests.push_back({true, p, f.n_depth[di], t, di});
-      for (int64_t n : f.n_gen) {
-        if (n <= 0) continue;
-        if (!cuda) tests.push_back({false, n, f.n_depth[di], t, di});
-        if (cuda && f.graphs != "off") tests.push_back({false, n, f.n_depth[di], t, di, 1});
-        if (cuda && f.graphs != "on") tests.push_back({false, n, f.n_depth[di], t, di, 0});
-      }
-    }
-
-  const std::string cpu = cpu_name();
-  std::string gpu;
-#ifdef K3_HAVE_CUDA
-  if (cuda) gpu = k3::cuda::device_info().name;
-#endif
-  std::string algo = "KDA " + f.kda;
-  if (f.kda == "chunked") algo += " (chunk " + std::to_string(f.chunk) + ")";
-  algo += ", MLA " + f.mla + ", ubatch " + std::to_string(f.ubatch);
-  std::string command;
-  for (int i = 0; i < argc; ++i) command += std::string(i ? " " : "k3 ") + argv[i];
-
-  Json doc;
-  doc["build"] = {{"engine", "k3cpp"},
-                  {"version", k3::version()},
-                  {"compiler", compiler()},
-                  {"cpu", cpu},
-                  {"cpu_cores", omp_get_num_procs()},
-                  {"date", utc_now()},
-                  {"command", command}};
-  if (cuda) doc["build"]["gpu"] = gpu;
-  doc["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
-                     {"numerics", f.numerics}, {"cpu_isa", kernel_level}, {"device", f.device},
-                     {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
-  doc["results"] = Json::array();
-
-  size_t test_w = 4;
-  for (const Test& t : tests) test_w = std::max(test_w, t.name().size());
-  const MdTable table(mi.name.size(), test_w, f.roofline);
-  Progress prog(f.progress);
-
-  // Roofline probes, per thread count, before any test (the machine is otherwise idle then). On the
-  // CPU the read probe keeps its buffer, so both probes run again around every timed repetition.
-  std::map<int64_t, k3::ops::Roofline> roofs;
-  std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>> read_probes;
-  if (f.roofline) {
-    Json rj = Json::array();
-    for (int64_t t : threads) {
-      if (roofs.count(t)) continue;
-      prog.say("roofline probes (t=" + std::to_string(t) + ")");
-      k3::ops::Roofline r;
-      if (cuda) {
-        r = gpu_roofline(uint64_t(f.roofline_mib) << 20);
-      } else {
-        auto& probe = read_probes[t] = std::make_unique<k3::ops::ReadProbe>(int(t), uint64_t(f.roofline_mib) << 20);
-        r = k3::ops::measure_roofline(*probe, 5);
-      }
-      roofs[t] = r;
-      rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops}, {"peak_kind", r.peak_kind},
-                    {"probe_bytes", r.probe_bytes}});
-    }
-    doc["roofline"] = rj;
-  }
-  if (f.output == "md") {
-    prog.done();
-    std::string head = "k3 " + std::string(k3::version()) + " bench | " + (cuda ? "GPU: " + gpu + " | " : "") + "CPU: " + cpu + " (" +
-                       std::to_string(omp_get_num_procs()) + " cores, " + kernel_level +
-                       " kernels) | " + algo + " | numerics " + f.numerics + " | " + std::to_string(f.reps) +
-                       " reps + 1 warm-up\n";
-    for (const auto& [t, r] : roofs) {
-      char line[256];
-      if (cuda)
-        std::snprintf(line, sizeof line, "roofline GPU: copy %.1f GB/s (read + write), peak %.1f GFLOP/s (%s)\n",
-                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
-      else
-        std::snprintf(line, sizeof line, "roofline t=%lld: read %.1f GB/s, peak %.1f GFLOP/s (%s)\n", (long long)t,
-                      r.read_gbs, r.peak_gflops, r.peak_kind.c_str());
-      head += line;
-    }
-    out(head + "\n" + table.header());
-  }
-
-  prog.say("loaded " + f.model + " (" + human_bytes(mi.bytes) + ", " + human_count(mi.n_params) + " params); " +
-           std::to_string(tests.size()) + " tests");
+// Every test in plan order: the depth contexts built (untimed) as the depths come, each test measured
+// and handed to the report.
+void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs& roofs,
+             const std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes, Report& report, Progress& prog) {
+  prog.say("loaded " + f.model + " (" + human_bytes(p.mi.bytes) + ", " + human_count(p.mi.n_params) + " params); " +
+           std::to_string(p.tests.size()) + " tests");
   // Read every weight page in once, so no timed run pays for page faults of experts that the
   // warm-up happened not to route to.
-  if (!cuda)
-    model->checkpoint().prefault([&](uint64_t done, uint64_t total) {
+  if (!p.cuda)
+    model.checkpoint().prefault([&](uint64_t done, uint64_t total) {
       prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
     });
-  Bench bench(*model, f);
+  Bench bench(model, f, p.pool);
   // Depth contexts are prefixes of one id stream: a deeper context extends the previous one
   // (so -d 0,1024,2048 prefills 2048 tokens, not 3072); a shallower one starts over.
-  const std::vector<int32_t> ctx_ids = random_ids(f.seed, 0, *std::max_element(f.n_depth.begin(), f.n_depth.end()), V);
-  k3::Session base(*model);  // the snapshot every repetition copies
-  k3::Session work(*model);  // what each repetition runs in
+  const std::vector<int32_t> ctx_ids =
+      random_ids(f.seed, 0, *std::max_element(f.n_depth.begin(), f.n_depth.end()), model.dims().vocab);
   int64_t base_len = 0;
   size_t next = 0;
   for (size_t di = 0; di < f.n_depth.size(); ++di) {
     const int64_t d = f.n_depth[di];
-    omp_set_num_threads(int(build_threads));
-    if (d < base_len) base.reset(), base_len = 0;
+    omp_set_num_threads(int(p.build_threads));
+    if (d < base_len) bench.reset_base(), base_len = 0;
     if (d > base_len) {
       const std::string dn = std::to_string(d);
       const int64_t from = base_len;
       prog.say("depth " + dn + ": prefill " + std::to_string(from) + "/" + dn);
-      bench.prefill(base, ctx_ids.data() + from, d - from,
-                    [&](int64_t done) { prog.say("depth " + dn + ": prefill " + std::to_string(from + done) + "/" + dn); });
+      bench.prefill_base(ctx_ids.data() + from, d - from,
+                         [&](int64_t done) { prog.say("depth " + dn + ": prefill " + std::to_string(from + done) + "/" + dn); });
       base_len = d;
     }
-    for (; next < tests.size() && tests[next].depth_index == di; ++next) {
-      const Test& t = tests[next];
-      omp_set_num_threads(int(t.threads));
-      const std::vector<int32_t> prompt = t.pp ? random_ids(f.seed, uint64_t(d) * 2 + 1, t.n, V) : std::vector<int32_t>{};
-      const int32_t first = random_ids(f.seed, uint64_t(d) * 2 + 2, 1, V)[0];
-      const std::string label = t.name() + " (t=" + std::to_string(t.threads) + ")";
-      prog.say(label + ": warm-up");
-      bench.run_once(work, base, t, prompt, first);
-      Result r;
-      r.test = t;
-      // The roof of this test's kind, probed again (best of 3) before the first repetition and
-      // after each one.
-      const auto probe_it = read_probes.find(t.threads);
-      auto probe_again = [&] {
-        if (probe_it == read_probes.end()) return;
-        prog.say(label + ": roofline probe");
-        r.around.push_back(t.pp ? k3::ops::measure_peak_gflops(int(t.threads), 3) : probe_it->second->measure(3));
-      };
-      probe_again();
-      for (int64_t rep = 0; rep < f.reps; ++rep) {
-        prog.say(label + ": rep " + std::to_string(rep + 1) + "/" + std::to_string(f.reps));
-        r.samples_ns.push_back(bench.run_once(work, base, t, prompt, first));
-        probe_again();
-      }
-      summarize(r);
-      if (auto it = roofs.find(t.threads); it != roofs.end()) {
-        const k3::DecodeTraffic tr = k3::decode_traffic(*model, d);
-        // A ppN run computes the logits of the last token of each --ubatch piece only.
-        const int64_t pieces = (t.n + f.ubatch - 1) / f.ubatch;
-        roofline_ratios(r, t.pp ? tr.prefill_flops_per_token(t.n, pieces) : double(tr.total()),
-                        t.pp ? it->second.peak_gflops : it->second.read_gbs);
-        r.lm_head_flops = tr.lm_head_flops;
-        r.logit_rows = t.pp ? pieces : t.n;
-      }
-      Json rj = result_json(mi, f, r);
-      if (f.output == "md") {
-        char ts[64];
-        std::snprintf(ts, sizeof ts, "%.2f ± %.2f", r.avg_ts, r.stddev_ts);
-        prog.done();
-        std::vector<std::string> cells{mi.name, human_bytes(mi.bytes), human_count(mi.n_params), std::to_string(t.threads),
-                                       t.name(), ts};
-        if (f.roofline) {
-          char rl[64];
-          std::snprintf(rl, sizeof rl, "%.1f%% %s", 100 * r.roofline_ratio, t.pp ? "peak" : cuda ? "HBM" : "BW");
-          cells.push_back(rl);
-        }
-        out(table.row(cells));
-      } else if (f.output == "jsonl") {
-        prog.done();
-        out(rj.dump() + "\n");
-      }
-      doc["results"].push_back(std::move(rj));
-    }
+    for (; next < p.tests.size() && p.tests[next].depth_index == di; ++next)
+      report.add(measure_test(f, p.tests[next], model, bench, roofs, read_probes, prog), prog);
   }
-  prog.done();
-  const std::string text = doc.dump(2) + "\n";
-  if (f.output == "json") out(text);
-  if (json_file) {
-    *json_file << text;
-    json_file->flush();
-    if (!*json_file) throw Error("--json-out: write failed for " + f.json_out);
-  }
+}
+
+int run(const Flags& f, int argc, char** argv) {
+  check_model_dir(f.model);
+  const std::unique_ptr<std::ofstream> json_file = Report::open_json_out(f);
+  const std::unique_ptr<k3::Model> model = load_model(f);
+  const Plan plan = make_plan(f, *model, argc, argv);
+  Report report(f, plan);
+  Progress prog(f.progress);
+  std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>> read_probes;
+  const Roofs roofs = probe_roofs(f, plan, prog, read_probes);
+  report.begin(roofs, prog);
+  measure(f, plan, *model, roofs, read_probes, report, prog);
+  report.finish(prog, json_file.get());
   return 0;
 }
 

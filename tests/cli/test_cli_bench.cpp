@@ -256,6 +256,121 @@ TEST(CliBench, DepthsInAnyOrder) {
   }
 }
 
+// -b: one row per batch size, batch 1 first; t/s is the aggregate (N x per-sequence), compared
+// with the batch-1 row of the same test. Without a batch other than 1 nothing of it shows.
+TEST(CliBench, BatchRowsMarkdown) {
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -b 3,1 -r 2 -t 1 --no-progress --no-roofline");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_EQ(ls.size(), 8u) << r.out;
+  EXPECT_EQ(cells(ls[2]), (std::vector<std::string>{"model", "size", "params", "threads", "n_batch", "test", "t/s",
+                                                    "t/s per seq", "vs n_batch=1"}));
+  auto num = [](const std::string& c, size_t* sd_pos = nullptr) {
+    const size_t pm = c.find(" ± ");
+    if (sd_pos) *sd_pos = pm;
+    return std::stod(c.substr(0, pm));
+  };
+  const std::vector<std::pair<std::string, int64_t>> want = {{"pp8", 1}, {"pp8", 3}, {"tg4", 1}, {"tg4", 3}};
+  double agg1 = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const auto c = cells(ls[4 + i]);
+    ASSERT_EQ(c.size(), 9u) << ls[4 + i];
+    EXPECT_EQ(c[4], std::to_string(want[i].second)) << ls[4 + i];
+    EXPECT_EQ(c[5], want[i].first) << ls[4 + i];
+    size_t pm = 0;
+    const double agg = num(c[6], &pm), per = num(c[7]);
+    ASSERT_NE(pm, std::string::npos) << c[6];
+    EXPECT_TRUE(std::isfinite(agg) && agg > 0) << c[6];
+    // Both printed with two decimals.
+    EXPECT_NEAR(agg, double(want[i].second) * per, 0.005 * double(want[i].second) + 0.006) << ls[4 + i];
+    if (want[i].second == 1) {
+      agg1 = agg;
+      EXPECT_EQ(c[7], c[6]);
+      EXPECT_EQ(c[8], "1.00x");
+    } else {
+      ASSERT_EQ(c[8].back(), 'x') << c[8];
+      EXPECT_NEAR(std::stod(c[8]), agg / agg1, 0.006 + 0.01 * agg / agg1) << ls[4 + i];
+    }
+  }
+
+  // No batch-1 row to compare with: '-'.
+  const auto r2 = run_k3("bench " + m() + " -p 0 -n 2 -b 2 -r 1 -t 1 --no-progress --no-roofline");
+  ASSERT_EQ(r2.code, 0) << r2.err;
+  const auto ls2 = lines(r2.out);
+  ASSERT_EQ(ls2.size(), 5u) << r2.out;
+  const auto c2 = cells(ls2[4]);
+  ASSERT_EQ(c2.size(), 9u) << ls2[4];
+  EXPECT_EQ(c2[4], "2");
+  EXPECT_EQ(c2[8], "-");
+
+  // -b 1 alone: the table and the json of before.
+  const auto r3 = run_k3("bench " + m() + " -p 4 -n 2 -b 1 -r 1 -t 1 --no-progress --no-roofline");
+  ASSERT_EQ(r3.code, 0) << r3.err;
+  EXPECT_EQ(cells(lines(r3.out)[2]), (std::vector<std::string>{"model", "size", "params", "threads", "test", "t/s"}));
+  const auto r4 = run_k3("bench " + m() + " -p 4 -n 2 --batch 1 -r 1 -t 1 -o json --no-progress --roofline-mib 32");
+  ASSERT_EQ(r4.code, 0) << r4.err;
+  const auto doc4 = nlohmann::json::parse(r4.out);
+  EXPECT_FALSE(doc4["settings"].contains("n_batch"));
+  for (const auto& x : doc4["results"]) {
+    EXPECT_FALSE(x.contains("n_batch")) << x.dump();
+    EXPECT_FALSE(x.contains("per_seq_ts")) << x.dump();
+    EXPECT_FALSE(x["roofline"].contains("bytes_per_step")) << x.dump();
+  }
+}
+
+// json with -b: n_batch, aggregate statistics over N x n tokens, per_seq_ts = avg_ts / N, the
+// ratio to batch 1, and the batched decode traffic (tiny: 8 experts, top-3).
+TEST(CliBench, BatchJsonAndTraffic) {
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -b 1,3 -r 2 -t 1 -o json --no-progress --roofline-mib 32");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["settings"]["n_batch"], (std::vector<int64_t>{1, 3}));
+  const auto& res = doc["results"];
+  ASSERT_EQ(res.size(), 8u);  // 2 depths x {pp8, tg4} x {1, 3}
+  const double bw = doc["roofline"][0]["read_gbs"];
+  size_t i = 0;
+  for (int64_t d : {0, 16}) {
+    const nlohmann::json* one = nullptr;
+    for (bool pp : {true, false})
+      for (int64_t b : {1, 3}) {
+        const auto& x = res[i++];
+        EXPECT_EQ(x["n_batch"].get<int64_t>(), b) << x.dump();
+        EXPECT_EQ(x["n_depth"].get<int64_t>(), d);
+        EXPECT_EQ(x["test"], std::string(pp ? "pp8" : "tg4") + (d ? " @ d16" : ""));
+        check_stats(x, b * (pp ? 8 : 4));
+        const double avg = x["avg_ts"];
+        EXPECT_NEAR(x["per_seq_ts"].get<double>(), avg / double(b), 1e-12 * avg);
+        EXPECT_NEAR(x["per_seq_stddev_ts"].get<double>(), x["stddev_ts"].get<double>() / double(b), 1e-12 * avg);
+        if (b == 1) one = &x;
+        ASSERT_NE(one, nullptr);
+        EXPECT_NEAR(x["aggregate_vs_batch1"].get<double>(), avg / (*one)["avg_ts"].get<double>(), 1e-12 * avg);
+        const auto& rl = x["roofline"];
+        EXPECT_EQ(rl["logit_rows_per_run"].get<int64_t>(), b * (pp ? 1 : 4)) << x.dump();
+        if (pp) {  // the same weight FLOPs per token whatever the batch
+          EXPECT_EQ(rl["weight_flops_per_token"], (*one)["roofline"]["weight_flops_per_token"]);
+          EXPECT_FALSE(rl.contains("bytes_per_step"));
+          continue;
+        }
+        const auto& parts = rl["bytes_per_step_parts"];
+        const double step = rl["bytes_per_step"];
+        EXPECT_EQ(step, parts["trunk"].get<double>() + parts["experts"].get<double>() + parts["kda_state"].get<double>() +
+                            parts["mla_cache"].get<double>()) << x.dump();
+        EXPECT_NEAR(rl["bytes_per_token"].get<double>(), step / double(b), 1e-9 * step);
+        EXPECT_NEAR(rl["ratio_vs_start_probe"].get<double>(), avg * step / double(b) / (bw * 1e9), 1e-9) << x.dump();
+        EXPECT_EQ(rl["experts_per_moe_layer"].get<double>(), b == 1 ? 3.0 : 8.0);  // min(3 x 3, 8)
+        const auto& p1 = (*one)["roofline"]["bytes_per_step_parts"];
+        // Per sequence: KDA state and MLA cache (16 tokens x (32 + 8) fp32 x 4 MLA layers at d16).
+        EXPECT_EQ(parts["kda_state"].get<double>(), double(b) * p1["kda_state"].get<double>());
+        EXPECT_EQ(parts["mla_cache"].get<double>(), double(b) * (d ? 16.0 * (32 + 8) * 4 * 4 : 0.0));
+        // The weights once: 8/3 of the batch-1 expert bytes, trunk + 2 more embedding rows.
+        EXPECT_NEAR(parts["experts"].get<double>(), (b == 1 ? 1.0 : 8.0 / 3) * p1["experts"].get<double>(), 2.0);
+        if (b == 3) {
+          EXPECT_GT(parts["trunk"].get<double>(), p1["trunk"].get<double>());
+        }
+      }
+  }
+}
+
 TEST(CliBench, Help) {
   const auto r = run_k3("bench --help");
   EXPECT_EQ(r.code, 0) << r.err;
@@ -274,6 +389,15 @@ TEST(CliBenchBadInput, Lists) {
   expect_bad(run_k3("bench " + m() + " -t 0"), "-t: 0 is too small");
   expect_bad(run_k3("bench " + m() + " -p 99999999999999999999999"), "-p: 99999999999999999999999 is too large");
   expect_bad(run_k3("bench " + m() + " -p 0 -n 0"), "nothing to run");
+}
+
+TEST(CliBenchBadInput, Batch) {
+  expect_bad(run_k3("bench " + m() + " -b 0"), "-b: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -b x"), "-b: 'x' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -b 1,,2"), "-b: empty item in list '1,,2'");
+  expect_bad(run_k3("bench " + m() + " --batch 1,-2"), "--batch: '-2' is negative");
+  expect_bad(run_k3("bench " + m() + " --batch=99999"), "--batch: 99999 is too large (at most 4096)");
+  expect_bad(run_k3("bench " + m() + " -b"), "-b needs a value");
 }
 
 TEST(CliBenchBadInput, Scalars) {
