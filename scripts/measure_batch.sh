@@ -77,10 +77,14 @@ start=$(date +%s)
 # shellcheck disable=SC2086
 "$k3" bench -m "$model" $args -o json --no-progress >"$tmp"
 wall=$(( $(date +%s) - start ))
+# The header names the overrides the run had, so the file says exactly what wrote it.
 script="bash scripts/measure_batch.sh"
 [[ $device == cuda ]] && script="$script --device cuda"
+for v in OUT_JSON K3 BENCH_ARGS MODEL; do
+  if [[ -n ${!v:-} ]]; then script="$v='${!v}' $script"; fi
+done
 {
-  printf '{\n  "command": "%s",\n' "$script"
+  printf '{\n  "command": "%s",\n' "${script//\"/\\\"}"
   printf '  "machine": "%s",\n  "date": "%s",\n  "load_average_before": "%s",\n  "wall_s": %d,\n  "bench": ' \
     "$machine" "$(date -u +%F)" "$load" "$wall"
   sed '2,$s/^/  /' "$tmp"
