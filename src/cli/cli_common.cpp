@@ -13,10 +13,9 @@
 #include <filesystem>
 #include <random>
 
-#include "config/model_config.h"
 #include "core/error.h"
-#include "io/safetensors.h"
 #include "ops/cpu/isa.h"
+#include "runtime/loader.h"
 #include "runtime/memory.h"
 #ifdef K3_HAVE_CUDA
 #include "ops/cuda/runtime.h"
@@ -72,11 +71,7 @@ std::string gpu_fit_line(size_t need) {
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident) {
   if (device != "cuda") return;
-  GpuOptions o;
-  o.graphs = graphs;
-  o.experts_resident = experts_resident;
-  o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
-  o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
+  const GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident);
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {
@@ -210,93 +205,47 @@ void Progress::finish() {
 LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who, int64_t ctx_tokens) {
   if (f.threads > 0) omp_set_num_threads(f.threads);
   if (!f.cpu_isa.empty()) ops::set_cpu_isa(ops::parse_cpu_isa(f.cpu_isa));  // one-line error if the CPU lacks it
-  LoadedModel lm;
-  lm.dir = resolve_model_dir(f.model);
-  if (!fs::is_directory(lm.dir)) fail("model directory " + lm.dir + " does not exist");
-  const ModelConfig cfg = load_model_config(lm.dir);
-  if (f.ctx > cfg.max_position_embeddings)
-    fail("--ctx " + std::to_string(f.ctx) + " exceeds the model's max_position_embeddings (" +
-         std::to_string(cfg.max_position_embeddings) + ")");
-  if (ctx_tokens > cfg.max_position_embeddings)
-    fail("context of " + std::to_string(ctx_tokens) + " tokens exceeds the model's max_position_embeddings (" +
-         std::to_string(cfg.max_position_embeddings) + ")");
-
-  // Memory check before anything is mapped: weights (resident once read) + state at ctx. Under
-  // --ram-budget the resident weights are the trunk plus the expert cache.
-  uint64_t budget = 0;
-  if (!f.ram_budget.empty()) budget = parse_size(f.ram_budget, "--ram-budget");
-  const bool cuda = f.device == "cuda";
-  if (cuda && f.numerics == "exact")
-    fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
-  if (f.direct_io && !budget) fail("--direct-io needs --ram-budget (it is how streamed experts are read)");
-  uint64_t weight_bytes = 0, resident_bytes = 0;
-  ExpertTensorTotals totals;
-  {
-    auto heads = io::Checkpoint::open_headers(lm.dir);
-    weight_bytes = heads->total_tensor_bytes();
-    resident_bytes = weight_bytes;
-    if (budget) {
-      // Whether the budget holds the trunk plus top_k experts is checked exactly (slot alignment
-      // included) once the model is bound, still before any weight is read.
-      totals = expert_tensor_totals(*heads);
-      const uint64_t cache = budget > totals.trunk_bytes ? budget - totals.trunk_bytes : 0;
-      resident_bytes = totals.trunk_bytes + std::min(cache, totals.expert_bytes);
-    }
-  }
-  const MemoryPlan plan = plan_memory(cfg, resident_bytes, ctx_tokens, f.ubatch);
-  uint64_t limit = 0;
-  std::string limit_src;
-  if (!f.mem_limit.empty()) {
-    limit = parse_size(f.mem_limit, "--mem-limit");
-    limit_src = "--mem-limit";
-  } else if (auto avail = mem_available_bytes()) {
-    limit = *avail;
-    limit_src = "MemAvailable";
-  }
-  if (limit && plan.total() > limit && !cuda)  // on the GPU the state lives in GPU memory (checked there)
-    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
-         std::to_string(ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
-         human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
-         (budget ? "); lower --ctx or --ram-budget" : "); lower --ctx, raise --mem-limit or set --ram-budget"));
-
-  const std::string tok_dir = f.tokenizer.empty() ? lm.dir : f.tokenizer;
-  if (!fs::exists(fs::path(tok_dir) / "tiktoken.model"))
-    fail(tok_dir + " has no tiktoken.model: text commands need the model's tokenizer (pass --tokenizer DIR, or use "
-         "`k3 generate --ids` for token-id runs)");
-  lm.tok = std::make_unique<tok::Tokenizer>(tok::Tokenizer::load_dir(tok_dir));
+  LoadRequest req;
+  req.dir = resolve_model_dir(f.model);
+  req.tokenizer_dir = f.tokenizer;
+  req.ctx_limit = f.ctx;
+  req.ctx_tokens = ctx_tokens;
+  req.ubatch = f.ubatch;
+  req.mem_limit = f.mem_limit;
+  req.ram_budget = f.ram_budget;
+  req.direct_io = f.direct_io;
+  req.cuda = f.device == "cuda";
+  req.numerics = ops::parse_numerics(f.numerics);
+  LoadedCheckpoint lc = load_checkpoint(req);
 
   const auto t0 = std::chrono::steady_clock::now();
-  lm.model = Model::load(lm.dir);
-  if (int64_t(lm.tok->vocab_size()) > lm.model->dims().vocab)
-    fail("the tokenizer in " + tok_dir + " has " + std::to_string(lm.tok->vocab_size()) +
-         " ids but the model's vocabulary is " + std::to_string(lm.model->dims().vocab));
-  if (budget) lm.experts = make_budget_expert_cache(*lm.model, budget, f.direct_io);
-  if (cuda) {
+  if (req.cuda) {
     // The upload reads every weight once; no prefault of the host mapping is needed.
     // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
-    move_to_device(*lm.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, budget == 0);
+    move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0);
   } else if (!f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
-    const auto progress = [&](uint64_t done, uint64_t total) {
+    prefault_weights(lc, [&](uint64_t done, uint64_t total) {
       bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));
-    };
-    if (budget)
-      lm.model->checkpoint().prefault(progress, is_routed_expert_tensor);  // the trunk only
-    else
-      lm.model->checkpoint().prefault(progress);
+    });
     bar.finish();
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = lc.bind_seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!f.quiet) {
     std::string streamed;
-    if (lm.experts)
-      streamed = " (trunk " + human_bytes(totals.trunk_bytes) + " resident; routed experts " +
-                 human_bytes(lm.experts->expert_bytes()) + " streamed through a " +
-                 human_bytes(lm.experts->capacity_bytes()) + " cache, --ram-budget " + human_bytes(budget) +
+    if (lc.experts)
+      streamed = " (trunk " + human_bytes(lc.trunk_bytes) + " resident; routed experts " +
+                 human_bytes(lc.experts->expert_bytes()) + " streamed through a " +
+                 human_bytes(lc.experts->capacity_bytes()) + " cache, --ram-budget " + human_bytes(lc.ram_budget) +
                  (f.direct_io ? ", O_DIRECT)" : ")");
-    std::fprintf(stderr, "%s: loaded %s: %s of weights%s, %zu tensors, in %.2f s\n", who.c_str(), lm.dir.c_str(),
-                 human_bytes(weight_bytes).c_str(), streamed.c_str(), lm.model->checkpoint().tensor_count(), secs);
+    std::fprintf(stderr, "%s: loaded %s: %s of weights%s, %zu tensors, in %.2f s\n", who.c_str(), lc.dir.c_str(),
+                 human_bytes(lc.weight_bytes).c_str(), streamed.c_str(), lc.model->checkpoint().tensor_count(), secs);
   }
+  LoadedModel lm;
+  lm.model = std::move(lc.model);
+  lm.tok = std::move(lc.tok);
+  lm.dir = lc.dir;
+  lm.experts = std::move(lc.experts);
   return lm;
 }
 

@@ -59,8 +59,9 @@ struct LoadedModel {
   ForwardOptions forward(const RunEngineFlags& flags) const;
 };
 
-// Checks memory (weights + state at ctx vs --mem-limit or MemAvailable) before mapping anything,
-// loads, binds and (unless --no-prefault) reads the weights in with a progress bar on stderr
+// runtime/loader.h's load_checkpoint with the flags (checks memory: weights + state at ctx vs
+// --mem-limit or MemAvailable, before mapping anything; loads, binds), then moves the model to the
+// GPU or (unless --no-prefault) reads the weights in with a progress bar on stderr
 // (a TTY gets one updating line; otherwise a few plain lines). The tokenizer comes from the
 // model directory or --tokenizer. `who` prefixes messages ("k3 run").
 // With --ram-budget the weights counted are the trunk plus the expert cache: routed experts are

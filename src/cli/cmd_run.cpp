@@ -15,6 +15,7 @@
 #include "cli/cli_common.h"
 #include "core/error.h"
 #include "runtime/generate.h"
+#include "runtime/loader.h"
 #include "runtime/sampler.h"
 
 namespace fs = std::filesystem;
@@ -24,28 +25,6 @@ namespace k3::cli {
 namespace {
 
 std::string read_all(std::istream& in) { return std::string(std::istreambuf_iterator<char>(in), {}); }
-
-// eos ids from config.json and generation_config.json (an int or a list there).
-std::vector<int32_t> end_tokens(const Model& m, const std::string& dir) {
-  std::vector<int32_t> ids;
-  const auto add = [&](int64_t id) {
-    if (id >= 0 && id < m.dims().vocab && std::find(ids.begin(), ids.end(), int32_t(id)) == ids.end())
-      ids.push_back(int32_t(id));
-  };
-  add(m.config().eos_token_id);
-  std::ifstream f(fs::path(dir) / "generation_config.json");
-  if (f) {
-    const auto j = nlohmann::json::parse(f, nullptr, false);
-    if (j.is_object() && j.contains("eos_token_id")) {
-      const auto& e = j["eos_token_id"];
-      if (e.is_number_integer()) add(e.get<int64_t>());
-      if (e.is_array())
-        for (const auto& x : e)
-          if (x.is_number_integer()) add(x.get<int64_t>());
-    }
-  }
-  return ids;
-}
 
 bool wants_bos(const std::string& tok_dir) {
   std::ifstream f(fs::path(tok_dir) / "tokenizer_config.json");
@@ -159,7 +138,7 @@ int cmd_run(int argc, char** argv) {
       lim.max_tokens = max_tokens;
       lim.max_position = ctx_limit;
       lim.interrupt = &interrupt_flag();
-      if (!ignore_eos) lim.end_tokens = end_tokens(m, dir);
+      if (!ignore_eos) lim.end_tokens = eos_ids_from_dir(m, dir);
       const DecodeResult r = decode(
           m, session, sampler, logits.data(), lim, lm.forward(ef),
           [&](int32_t id) {

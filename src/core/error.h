@@ -1,21 +1,15 @@
-// k3::Error: the one exception type for bad input (files, configs, flags, requests).
-// Its message is a single line that names the problem; front ends print it and exit with
-// exit_code() (2 for bad input). Never used for programming errors (those are asserts).
+// Error helpers: fail() and ProblemList around k3::Error, whose definition is public
+// (include/k3/error.h: a single-line message naming the problem, exit_code() 2 for bad input).
+// Never used for programming errors (those are asserts).
 #pragma once
-#include <stdexcept>
+#include <cstddef>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "k3/error.h"
+
 namespace k3 {
-
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& msg, int exit_code = 2) : std::runtime_error(msg), exit_code_(exit_code) {}
-  int exit_code() const { return exit_code_; }
-
- private:
-  int exit_code_;
-};
 
 [[noreturn]] void fail(const std::string& msg);
 

@@ -1,0 +1,297 @@
+// The public API (include/k3/engine.h) over the library: options checked here, loading through
+// runtime/loader.h, steps through one StatePool and Model::step, text through the tokenizer and
+// chat libraries, sampling through runtime/sampler.h. Must not: carry engine logic of its own
+// (anything a front end shares belongs in runtime/) or let internal types into the public header.
+#include "k3/engine.h"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "chat/chat.h"
+#include "core/error.h"
+#include "model/model.h"
+#include "ops/cpu/isa.h"
+#include "runtime/loader.h"
+#include "runtime/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace k3 {
+
+struct Engine::Impl {
+  EngineOptions opt;
+  LoadedCheckpoint lc;                // model, tokenizer, expert cache
+  std::unique_ptr<StatePool> pool;    // after lc: released before the model
+  ForwardOptions fwd;
+  int64_t max_ctx = 0;
+  int32_t bos = -1, eot = -1;
+  std::vector<int32_t> stops;
+  SamplingParams sampling;
+  std::vector<SeqStep> batch;         // step scratch
+
+  const tok::Tokenizer& tok() const {
+    if (!lc.tok) fail("this engine was loaded without a tokenizer (EngineOptions::need_tokenizer is false)");
+    return *lc.tok;
+  }
+};
+
+namespace {
+
+void check_options(const EngineOptions& o) {
+  if (o.model_dir.empty()) fail("EngineOptions::model_dir is empty: give a checkpoint directory");
+  if (o.device != "cpu" && o.device != "cuda") fail("device must be cpu or cuda, not '" + o.device + "'");
+  if (o.numerics != "fast" && o.numerics != "fp32" && o.numerics != "exact")
+    fail("numerics must be fast, fp32 or exact, not '" + o.numerics + "'");
+  if (o.threads < 0) fail("threads must be >= 0 (0 = leave the OpenMP setting as is), not " + std::to_string(o.threads));
+  if (o.context < 0) fail("context must be >= 0 (0 = the model's, at most 32768), not " + std::to_string(o.context));
+  if (o.step_tokens < 1 || o.step_tokens > (int64_t(1) << 20))
+    fail("step_tokens must be in 1..1048576, not " + std::to_string(o.step_tokens));
+}
+
+LoadOptionNames api_names() {
+  LoadOptionNames n;
+  n.ctx = "context";
+  n.mem_limit = "mem_limit";
+  n.ram_budget = "ram_budget";
+  n.direct_io = "direct_io";
+  n.device_cuda = "device=cuda";
+  n.numerics_exact = "numerics=exact";
+  n.no_tokenizer = "set EngineOptions::tokenizer_dir, or need_tokenizer = false for token ids only";
+  return n;
+}
+
+SamplingParams to_params(const SamplingOptions& o) {
+  SamplingParams p;
+  p.temperature = o.temperature;
+  p.top_k = o.top_k;
+  p.top_p = o.top_p;
+  p.min_p = o.min_p;
+  p.repetition_penalty = o.repetition_penalty;
+  p.presence_penalty = o.presence_penalty;
+  p.frequency_penalty = o.frequency_penalty;
+  p.penalty_last_n = o.penalty_last_n;
+  p.seed = o.seed;
+  return p;
+}
+
+tok::TokenId checked_id(const tok::Tokenizer& t, int32_t id) {
+  if (id < 0 || !t.is_valid_id(tok::TokenId(id)))
+    fail("token id " + std::to_string(id) + " is not in the tokenizer's vocabulary (" + std::to_string(t.vocab_size()) +
+         " ids)");
+  return tok::TokenId(id);
+}
+
+}  // namespace
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
+  check_options(options);
+  auto im = std::make_unique<Impl>();
+  im->opt = options;
+  if (options.threads > 0) omp_set_num_threads(options.threads);
+  const bool cuda = options.device == "cuda";
+
+  LoadRequest req;
+  req.dir = options.model_dir;
+  req.tokenizer_dir = options.tokenizer_dir;
+  req.need_tokenizer = options.need_tokenizer;
+  req.ctx_limit = options.context;
+  req.ctx_tokens = options.context;
+  req.ubatch = options.step_tokens;
+  req.mem_limit = options.mem_limit;
+  req.ram_budget = options.ram_budget;
+  req.direct_io = options.direct_io;
+  req.cuda = cuda;
+  req.numerics = ops::parse_numerics(options.numerics);
+  req.names = api_names();
+  im->lc = load_checkpoint(req);
+  im->max_ctx = im->lc.ctx_tokens;
+  Model& m = *im->lc.model;
+
+  if (cuda) {
+    m.use_gpu(gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0));
+  } else {
+    m.set_max_step_rows(options.step_tokens);
+    if (options.prefault) prefault_weights(im->lc, {});
+  }
+  im->pool = m.new_pool();
+  im->fwd.numerics = req.numerics;
+  im->fwd.experts = im->lc.experts.get();
+  im->sampling = sampling_defaults_from_dir(im->lc.dir);
+  im->sampling.seed = 0;
+
+  const int64_t V = m.dims().vocab;
+  const int64_t bos = m.config().bos_token_id;
+  im->bos = bos >= 0 && bos < V ? int32_t(bos) : -1;
+  im->stops = eos_ids_from_dir(m, im->lc.dir);
+  if (im->lc.tok)
+    if (const auto eot = im->lc.tok->special_id("<|end_of_msg|>"); eot && int64_t(*eot) < V) {
+      im->eot = int32_t(*eot);
+      if (std::find(im->stops.begin(), im->stops.end(), im->eot) == im->stops.end()) im->stops.push_back(im->eot);
+    }
+  return std::unique_ptr<Engine>(new Engine(std::move(im)));
+}
+
+const EngineOptions& Engine::options() const { return impl_->opt; }
+int64_t Engine::vocab_size() const { return impl_->lc.model->dims().vocab; }
+int64_t Engine::max_context() const { return impl_->max_ctx; }
+bool Engine::on_gpu() const { return impl_->lc.model->on_gpu(); }
+
+int32_t Engine::new_sequence() { return impl_->pool->alloc(); }
+void Engine::free_sequence(int32_t seq) { impl_->pool->free(seq); }
+int32_t Engine::fork_sequence(int32_t seq) {
+  impl_->pool->check_live(seq);
+  return impl_->pool->fork(seq);
+}
+void Engine::reset_sequence(int32_t seq) {
+  impl_->pool->check_live(seq);
+  impl_->pool->reset(seq);
+}
+int64_t Engine::position(int32_t seq) const {
+  impl_->pool->check_live(seq);
+  return impl_->pool->position(seq);
+}
+
+void Engine::step(const std::vector<StepInput>& in, std::vector<float>* logits, std::vector<int32_t>* argmax) {
+  Impl& im = *impl_;
+  if (in.empty()) fail("step: no sequences");
+  if (!logits && !argmax) fail("step: give logits, argmax or both");
+  im.batch.clear();
+  int64_t rows = 0;
+  for (const StepInput& s : in) {
+    im.pool->check_live(s.seq);
+    if (s.n <= 0) fail("step: sequence " + std::to_string(s.seq) + " has no tokens (n = " + std::to_string(s.n) + ")");
+    if (!s.ids) fail("step: sequence " + std::to_string(s.seq) + " has n = " + std::to_string(s.n) + " but no ids");
+    if (s.all_logits && !logits) fail("step: sequence " + std::to_string(s.seq) + " asks for all_logits but logits is null");
+    const int64_t end = im.pool->position(s.seq) + s.n;
+    if (end > im.max_ctx)
+      fail("step: sequence " + std::to_string(s.seq) + " would hold " + std::to_string(end) +
+           " tokens, over the context limit of " + std::to_string(im.max_ctx));
+    im.batch.push_back({s.seq, s.ids, s.n, s.all_logits});
+    rows += s.all_logits ? s.n : 1;
+  }
+  if (logits) logits->resize(size_t(rows) * size_t(vocab_size()));
+  if (argmax) argmax->resize(in.size());
+  im.lc.model->step(*im.pool, im.batch, im.fwd, logits ? logits->data() : nullptr, argmax ? argmax->data() : nullptr);
+}
+
+std::vector<int32_t> Engine::tokenize(std::string_view text) const {
+  const std::vector<tok::TokenId> ids = impl_->tok().encode(text);
+  return std::vector<int32_t>(ids.begin(), ids.end());
+}
+
+std::string Engine::detokenize(const std::vector<int32_t>& ids, bool skip_special) const {
+  const tok::Tokenizer& t = impl_->tok();
+  std::vector<tok::TokenId> v;
+  v.reserve(ids.size());
+  for (int32_t id : ids) v.push_back(checked_id(t, id));
+  return t.decode(v, skip_special);
+}
+
+int32_t Engine::bos_id() const { return impl_->bos; }
+int32_t Engine::end_of_turn_id() const { return impl_->eot; }
+std::vector<int32_t> Engine::stop_ids() const { return impl_->stops; }
+
+std::vector<int32_t> Engine::render_chat(const std::vector<ChatMessage>& messages, const ChatRenderOptions& o) const {
+  const tok::Tokenizer& t = impl_->tok();
+  std::vector<chat::Message> msgs(messages.size());
+  for (size_t i = 0; i < messages.size(); ++i) {
+    msgs[i].role = messages[i].role;
+    msgs[i].content = messages[i].content;
+  }
+  chat::RenderOptions ro;
+  ro.thinking = o.thinking;
+  ro.thinking_effort = o.thinking_effort;
+  ro.add_generation_prompt = o.add_generation_prompt;
+  const std::vector<tok::TokenId> ids = chat::segments_ids(t, chat::render(msgs, ro));
+  return std::vector<int32_t>(ids.begin(), ids.end());
+}
+
+SamplingOptions Engine::sampling_defaults() const {
+  const SamplingParams& p = impl_->sampling;
+  SamplingOptions o;
+  o.temperature = p.temperature;
+  o.top_k = p.top_k;
+  o.top_p = p.top_p;
+  o.min_p = p.min_p;
+  o.repetition_penalty = p.repetition_penalty;
+  o.presence_penalty = p.presence_penalty;
+  o.frequency_penalty = p.frequency_penalty;
+  o.penalty_last_n = p.penalty_last_n;
+  o.seed = p.seed;
+  return o;
+}
+
+// ---- TokenSampler
+
+struct TokenSampler::Impl {
+  Sampler s;
+};
+
+TokenSampler::TokenSampler(const SamplingOptions& o, int64_t vocab) : impl_(new Impl{Sampler(to_params(o), vocab)}) {}
+TokenSampler::~TokenSampler() = default;
+TokenSampler::TokenSampler(TokenSampler&&) noexcept = default;
+TokenSampler& TokenSampler::operator=(TokenSampler&&) noexcept = default;
+int32_t TokenSampler::sample(const float* logits) {
+  if (!logits) fail("TokenSampler::sample: logits is null");
+  return impl_->s.sample(logits);
+}
+void TokenSampler::accept(int32_t id) { impl_->s.accept(id); }
+void TokenSampler::reset() { impl_->s.reset(); }
+bool TokenSampler::greedy() const { return impl_->s.plain_greedy(); }
+
+// ---- Detokenizer
+
+struct Detokenizer::Impl {
+  const tok::Tokenizer* tok;
+  tok::StreamDecoder dec;
+};
+
+Detokenizer::Detokenizer(const Engine& e, bool skip_special)
+    : impl_(new Impl{&e.impl_->tok(), tok::StreamDecoder(e.impl_->tok(), skip_special)}) {}
+Detokenizer::~Detokenizer() = default;
+Detokenizer::Detokenizer(Detokenizer&&) noexcept = default;
+Detokenizer& Detokenizer::operator=(Detokenizer&&) noexcept = default;
+std::string Detokenizer::push(int32_t id) { return impl_->dec.push(checked_id(*impl_->tok, id)); }
+std::string Detokenizer::flush() { return impl_->dec.flush(); }
+
+// ---- ChatParser
+
+struct ChatParser::Impl {
+  chat::OutputParser p;
+};
+
+namespace {
+std::vector<ChatEvent> to_events(const std::vector<chat::Event>& ev) {
+  std::vector<ChatEvent> out;
+  out.reserve(ev.size());
+  for (const chat::Event& e : ev) {
+    ChatEvent c;
+    switch (e.kind) {
+      case chat::EventKind::Reasoning: c.kind = ChatEventKind::Reasoning; break;
+      case chat::EventKind::Content: c.kind = ChatEventKind::Content; break;
+      case chat::EventKind::ToolCallStart: c.kind = ChatEventKind::ToolCallStart; break;
+      case chat::EventKind::ToolArgs: c.kind = ChatEventKind::ToolArgs; break;
+      case chat::EventKind::ToolCallEnd: c.kind = ChatEventKind::ToolCallEnd; break;
+    }
+    c.text = e.text;
+    c.call = e.call;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+}  // namespace
+
+ChatParser::ChatParser(bool thinking_prompt) : impl_(new Impl{chat::OutputParser(thinking_prompt)}) {}
+ChatParser::~ChatParser() = default;
+ChatParser::ChatParser(ChatParser&&) noexcept = default;
+ChatParser& ChatParser::operator=(ChatParser&&) noexcept = default;
+std::vector<ChatEvent> ChatParser::feed(std::string_view text) { return to_events(impl_->p.feed(text)); }
+std::vector<ChatEvent> ChatParser::finish() { return to_events(impl_->p.finish()); }
+const std::string& ChatParser::reasoning() const { return impl_->p.result().reasoning; }
+const std::string& ChatParser::content() const { return impl_->p.result().content; }
+bool ChatParser::finished_message() const { return impl_->p.result().finished_message; }
+
+}  // namespace k3

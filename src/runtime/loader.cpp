@@ -1,0 +1,127 @@
+// Checkpoint loading for generation: checks, memory plan, tokenizer, binding, expert cache (see loader.h).
+#include "runtime/loader.h"
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "config/model_config.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "runtime/memory.h"
+
+namespace fs = std::filesystem;
+
+namespace k3 {
+
+LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
+  const LoadOptionNames& nm = r.names;
+  LoadedCheckpoint lc;
+  lc.dir = r.dir;
+  if (!fs::is_directory(lc.dir)) fail("model directory " + lc.dir + " does not exist");
+  const ModelConfig cfg = load_model_config(lc.dir);
+  if (r.ctx_limit > cfg.max_position_embeddings)
+    fail(nm.ctx + " " + std::to_string(r.ctx_limit) + " exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + ")");
+  lc.ctx_tokens = r.ctx_tokens ? r.ctx_tokens : std::min<int64_t>(cfg.max_position_embeddings, 32768);
+  if (lc.ctx_tokens > cfg.max_position_embeddings)
+    fail("context of " + std::to_string(lc.ctx_tokens) + " tokens exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + ")");
+
+  // Memory check before anything is mapped: weights (resident once read) + state at ctx. Under a
+  // RAM budget the resident weights are the trunk plus the expert cache.
+  uint64_t budget = 0;
+  if (!r.ram_budget.empty()) budget = parse_size(r.ram_budget, nm.ram_budget);
+  if (r.cuda && r.numerics == ops::Numerics::Exact)
+    fail(nm.numerics_exact + " (fp64 sums) is CPU-only; with " + nm.device_cuda +
+         " use fp32 (parity mode) or fast (bf16)");
+  if (r.direct_io && !budget) fail(nm.direct_io + " needs " + nm.ram_budget + " (it is how streamed experts are read)");
+  lc.ram_budget = budget;
+  uint64_t resident_bytes = 0;
+  {
+    auto heads = io::Checkpoint::open_headers(lc.dir);
+    lc.weight_bytes = heads->total_tensor_bytes();
+    resident_bytes = lc.weight_bytes;
+    if (budget) {
+      // Whether the budget holds the trunk plus top_k experts is checked exactly (slot alignment
+      // included) once the model is bound, still before any weight is read.
+      const ExpertTensorTotals totals = expert_tensor_totals(*heads);
+      lc.trunk_bytes = totals.trunk_bytes;
+      const uint64_t cache = budget > totals.trunk_bytes ? budget - totals.trunk_bytes : 0;
+      resident_bytes = totals.trunk_bytes + std::min(cache, totals.expert_bytes);
+    }
+  }
+  const MemoryPlan plan = plan_memory(cfg, resident_bytes, lc.ctx_tokens, r.ubatch);
+  uint64_t limit = 0;
+  std::string limit_src;
+  if (!r.mem_limit.empty()) {
+    limit = parse_size(r.mem_limit, nm.mem_limit);
+    limit_src = nm.mem_limit;
+  } else if (auto avail = mem_available_bytes()) {
+    limit = *avail;
+    limit_src = "MemAvailable";
+  }
+  if (limit && plan.total() > limit && !r.cuda)  // on the GPU the state lives in GPU memory (checked there)
+    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
+         std::to_string(lc.ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
+         human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
+         (budget ? "); lower " + nm.ctx + " or " + nm.ram_budget
+                 : "); lower " + nm.ctx + ", raise " + nm.mem_limit + " or set " + nm.ram_budget));
+
+  lc.tokenizer_dir = r.tokenizer_dir.empty() ? lc.dir : r.tokenizer_dir;
+  if (r.need_tokenizer) {
+    if (!fs::exists(fs::path(lc.tokenizer_dir) / "tiktoken.model"))
+      fail(lc.tokenizer_dir + " has no tiktoken.model: " + nm.no_tokenizer);
+    lc.tok = std::make_unique<tok::Tokenizer>(tok::Tokenizer::load_dir(lc.tokenizer_dir));
+  }
+
+  const auto t0 = std::chrono::steady_clock::now();
+  lc.model = Model::load(lc.dir);
+  if (lc.tok && int64_t(lc.tok->vocab_size()) > lc.model->dims().vocab)
+    fail("the tokenizer in " + lc.tokenizer_dir + " has " + std::to_string(lc.tok->vocab_size()) +
+         " ids but the model's vocabulary is " + std::to_string(lc.model->dims().vocab));
+  if (budget) lc.experts = make_budget_expert_cache(*lc.model, budget, r.direct_io);
+  lc.bind_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return lc;
+}
+
+void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint64_t, uint64_t)>& progress) {
+  if (lc.ram_budget)
+    lc.model->checkpoint().prefault(progress, is_routed_expert_tensor);  // the trunk only
+  else
+    lc.model->checkpoint().prefault(progress);
+}
+
+GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident) {
+  GpuOptions o;
+  o.graphs = graphs;
+  o.experts_resident = experts_resident;
+  o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
+  o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
+  return o;
+}
+
+std::vector<int32_t> eos_ids_from_dir(const Model& m, const std::string& dir) {
+  std::vector<int32_t> ids;
+  const auto add = [&](int64_t id) {
+    if (id >= 0 && id < m.dims().vocab && std::find(ids.begin(), ids.end(), int32_t(id)) == ids.end())
+      ids.push_back(int32_t(id));
+  };
+  add(m.config().eos_token_id);
+  std::ifstream f(fs::path(dir) / "generation_config.json");
+  if (f) {
+    const auto j = nlohmann::json::parse(f, nullptr, false);
+    if (j.is_object() && j.contains("eos_token_id")) {
+      const auto& e = j["eos_token_id"];
+      if (e.is_number_integer()) add(e.get<int64_t>());
+      if (e.is_array())
+        for (const auto& x : e)
+          if (x.is_number_integer()) add(x.get<int64_t>());
+    }
+  }
+  return ids;
+}
+
+}  // namespace k3
