@@ -219,7 +219,8 @@ TEST(BatchEquivalenceF32, Reported) {
   o.numerics = k3::ops::Numerics::F32;
   for (const fs::path& dir : {ours("tiny"), nano()}) {
     auto m = k3::Model::load(dir.string());
-    for (int64_t N : {8, 32}) {
+    for (int64_t N : {int64_t(8), dir == nano() ? int64_t(0) : int64_t(32)}) {
+      if (N == 0) continue;  // K3-nano at 32 sequences takes minutes under the sanitizers
       const auto seqs = k3test::mixed_sequences(N, int32_t(m->dims().vocab), uint32_t(N));
       auto pool = m->new_pool();
       const auto batched = k3test::run_batched(*m, seqs, o, *pool);
