@@ -7,7 +7,6 @@
 // Must not: include CUDA headers (only the plain ops/cuda/*.h API) or fall back to the CPU.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -120,7 +119,6 @@ class CudaBackend final : public Backend {
  public:
   CudaBackend(const ModelDims& d, const GpuOptions& o) : d_(d), opt_(o) {
     stream_ = cu::stream_create();
-    if (const char* e = std::getenv("K3_GPU_EXPERT_ROWS")) expert_chunk_ = std::max(0, std::atoi(e));
     const int64_t R = o.tokens_per_call, K = std::max<int64_t>(d.moe.top_k, 1);
     // Routed experts: per-slot gate/up/out, grouping buffers (rows in/out) and row lists.
     moe_floats_ = R * K * (2 * d.moe.inter + 3 * d.moe.latent);
@@ -135,14 +133,6 @@ class CudaBackend final : public Backend {
       int64_t floats = 1;
       for (int64_t r = 1; r <= R; ++r) floats = std::max(floats, cu::mla_paged_work_floats(r, r, ad));
       mla_work_ = cu::DevBuf(size_t(floats) * 4, "MLA workspace");
-    }
-    {
-      int64_t cols = 1;
-      for (int64_t c : {d.hidden, d.kda.dim(), d.mla.heads * d.mla.v, d.mla.q_lora, d.dense_inter, d.shared_inter,
-                        d.moe.latent, d.moe.inter})
-        cols = std::max(cols, c);
-      round_floats_ = std::max(R * cols, R * K * std::max(d.moe.inter, d.moe.latent));
-      round_buf_ = cu::DevBuf(size_t(round_floats_) * 4, "bf16-rounded activations");
     }
     ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
     seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
@@ -225,9 +215,7 @@ class CudaBackend final : public Backend {
     vb_ = cu::VarlenDev{N, R, sd, sd + N + 1, v.n_slots};
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
-    // Recorded steps are kept to GEMV-sized ones (every product in this engine's own kernels):
-    // larger steps reach cuBLAS, whose scratch may still be allocated on first use.
-    if (!opt_.graphs || !replayable || R > cu::kGemvMaxT) return true;
+    if (!opt_.graphs || !replayable) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};
     if (graph_ && key == key_) {
       cu::graph_launch(graph_, stream_);
@@ -259,20 +247,25 @@ class CudaBackend final : public Backend {
   void embed(const WeightMat& E, const int32_t*, int64_t R, float* out) override {
     cu::embed_rows(E, ids_dev_.as<int32_t>(), R, out, stream_);
   }
-  void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t*, int64_t) override {
-    product(W, x, R, y, p_);
+  void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t* groups,
+              int64_t n_groups) override {
+    by_runs(R, groups, n_groups, [&](int64_t r0, int64_t n, cu::Precision p) {
+      cu::matmul(W, x + r0 * W.cols, n, y + r0 * W.rows, p, stream_);
+    });
   }
   void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
                            const bool* fp32) override {
-    // The bf16-rounded copy of x is made once for the weights that read it (GEMV sizes).
-    const float* xr = rounded(x, R * W[0]->cols, R);
-    for (int64_t i = 0; i < n; ++i) {
-      const bool f32 = fp32 && fp32[i];
-      cu::matmul(*W[i], f32 ? x : xr, R, y[i], f32 ? cu::Precision::F32 : p_, stream_);
-    }
+    for (int64_t i = 0; i < n; ++i)
+      by_runs(R, nullptr, 0, [&](int64_t r0, int64_t k, cu::Precision p) {
+        cu::matmul(*W[i], x + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, fp32 && fp32[i] ? cu::Precision::F32 : p,
+                   stream_);
+      });
   }
   void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
-    for (int64_t i = 0; i < n; ++i) product(*W[i], x[i], R, y[i], p_);
+    for (int64_t i = 0; i < n; ++i)
+      by_runs(R, nullptr, 0, [&](int64_t r0, int64_t k, cu::Precision p) {
+        cu::matmul(*W[i], x[i] + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, p, stream_);
+      });
   }
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
     cu::rmsnorm(x, R, n, w, eps, out, stream_);
@@ -347,31 +340,19 @@ class CudaBackend final : public Backend {
 
   void routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
               const float* wt, int64_t R, int64_t K, float* agg) {
-    // Chunks of up to kGemvMaxT rows: every (row, slot) pair runs its expert's GLU as a GEMV with
-    // the expert ids on the device (what a recorded decode step replays); consecutive such
-    // sequences together. A longer chunk groups its slots by expert on the host, one GEMM per
-    // selected expert, as it does alone.
-    const auto run = [&](int64_t r0, int64_t n) {
-      if (n <= 0) return;
-      if (n > cu::kGemvMaxT)
-        routed_grouped(w, latent, situ, z + r0 * latent, idx + r0 * K, wt + r0 * K, n, K, agg + r0 * latent);
-      else
-        routed_gemv(w, latent, situ, z + r0 * latent, idx + r0 * K, wt + r0 * K, n, K, agg + r0 * latent);
-    };
-    if (R != view_.rows) return run(0, R);  // rows that are not the step's: one chunk
-    int64_t small0 = 0;  // start of the pending run of short chunks
-    for (size_t i = 0; i + 1 < view_cu_.size(); ++i) {
-      const int64_t r0 = view_cu_[i], n = view_cu_[i + 1] - r0;
-      if (n <= cu::kGemvMaxT) continue;
-      // A long chunk groups by expert alone; the short ones before it go together as GEMVs.
-      if (r0 > small0) routed_gemv(w, latent, situ, z + small0 * latent, idx + small0 * K, wt + small0 * K,
-                                   r0 - small0, K, agg + small0 * latent);
-      run(r0, n);
-      small0 = r0 + n;
+    // Sequences of up to kGemvMaxT rows: every (row, slot) pair runs its expert's GLU as a GEMV
+    // with the expert ids on the device (what a recorded decode step replays). A longer chunk
+    // groups its slots by expert on the host, one GEMM per selected expert, as it does alone.
+    for (const Run& run : runs(R, nullptr, 0)) {
+      if (!run.big) {
+        routed_gemv(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
+                    agg + run.r0 * latent);
+        continue;
+      }
+      // A long chunk is one sequence (runs() never merges them).
+      routed_grouped(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
+                     agg + run.r0 * latent);
     }
-    if (R > small0)
-      routed_gemv(w, latent, situ, z + small0 * latent, idx + small0 * K, wt + small0 * K, R - small0, K,
-                  agg + small0 * latent);
   }
 
   // Experts from a source (streamed from disk into host memory): the experts the step's rows
@@ -464,46 +445,46 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Fast numerics on the GPU round every matmul's activations to bf16: the tensor-core GEMMs of
-  // more than kGemvMaxT rows do it themselves, and the GEMV-sized products (fp32 kernels) get a
-  // rounded copy. So a row computes the same whether its step has 1 row or 64 (up to the order
-  // of fp32 sums), and a batch of decode rows can take the tensor cores.
-  const float* rounded(const float* x, int64_t n, int64_t rows) {
-    if (p_ != cu::Precision::BF16 || rows > cu::kGemvMaxT) return x;
-    if (n > round_floats_) fail("internal error: activations larger than the rounding buffer");
-    cu::round_bf16(x, n, round_buf_.as<float>(), stream_);
-    return round_buf_.as<float>();
+  // A step's rows by sequence: runs of consecutive sequences of one class. Short chunks (<= kGemvMaxT
+  // rows) compute with fp32 activations alone (GEMV kernels), so together they do too (GEMVs, or the
+  // fp32 GEMM past kGemvMaxT rows); longer chunks use the step's precision (bf16 tensor cores).
+  struct Run {
+    int64_t r0, n;
+    bool big;
+  };
+  const std::vector<Run>& runs(int64_t R, const int32_t* groups, int64_t ng) {
+    runs_.clear();
+    const int32_t one[2] = {0, int32_t(R)};
+    if (!groups) {
+      const bool step = R == view_.rows && !view_cu_.empty();
+      groups = step ? view_cu_.data() : one;
+      ng = step ? int64_t(view_cu_.size()) - 1 : 1;
+    }
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t r0 = groups[g], n = groups[g + 1] - r0;
+      if (n <= 0) continue;
+      const bool big = n > cu::kGemvMaxT;
+      if (!runs_.empty() && !big && !runs_.back().big && runs_.back().r0 + runs_.back().n == r0)
+        runs_.back().n += n;
+      else
+        runs_.push_back({r0, n, big});
+    }
+    return runs_;
   }
-  // Rounds in place (expert inputs the kernels read more than once).
-  void round_all(float* x, int64_t n) {
-    if (p_ == cu::Precision::BF16) cu::round_bf16(x, n, x, stream_);
-  }
-  void product(const WeightMat& W, const float* x, int64_t R, float* y, cu::Precision p) {
-    cu::matmul(W, rounded(x, R * W.cols, R), R, y, p, stream_);
+  template <class Fn>
+  void by_runs(int64_t R, const int32_t* groups, int64_t ng, Fn&& fn) {
+    if (p_ == cu::Precision::F32) return fn(0, R, p_);
+    for (const Run& r : runs(R, groups, ng)) fn(r.r0, r.n, r.big || r.n <= cu::kGemvMaxT ? p_ : cu::Precision::F32);
   }
 
-  // agg[n] = Σ_j wt · GLU_{idx}(z) by per-slot GEMVs (device ids), in pieces of at most
-  // expert_chunk_ rows (K3_GPU_EXPERT_ROWS; 0 = all rows in one call).
+  // agg[n] = Σ_j wt · GLU_{idx}(z) by per-slot GEMVs (device ids).
   void routed_gemv(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                    const float* wt, int64_t n, int64_t K, float* agg) {
-    if (expert_chunk_ > 0 && n > expert_chunk_) {
-      for (int64_t r = 0; r < n; r += expert_chunk_)
-        routed_gemv_rows(w, latent, situ, z + r * latent, idx + r * K, wt + r * K, std::min(expert_chunk_, n - r), K,
-                         agg + r * latent);
-      return;
-    }
-    routed_gemv_rows(w, latent, situ, z, idx, wt, n, K, agg);
-  }
-  void routed_gemv_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
-                        const int32_t* idx, const float* wt, int64_t n, int64_t K, float* agg) {
     const int64_t I = w.experts.front().gate.rows;
     float *hg = moe_buf_.as<float>(), *hu = hg + n * K * I, *ye = hu + n * K * I;
-    const float* zr = p_ == cu::Precision::BF16 ? round_buf_.as<float>() : z;
-    if (p_ == cu::Precision::BF16) cu::round_bf16(z, n * latent, round_buf_.as<float>(), stream_);
-    cu::expert_matmul(w.stacked.gate, I, idx, n * K, zr, K, hg, cu::Precision::F32, stream_);
-    cu::expert_matmul(w.stacked.up, I, idx, n * K, zr, K, hu, cu::Precision::F32, stream_);
+    cu::expert_matmul(w.stacked.gate, I, idx, n * K, z, K, hg, cu::Precision::F32, stream_);
+    cu::expert_matmul(w.stacked.up, I, idx, n * K, z, K, hu, cu::Precision::F32, stream_);
     cu::situ_glu(hg, hu, n * K * I, situ.beta, situ.linear_beta, hg, stream_);
-    round_all(hg, n * K * I);
     cu::expert_matmul(w.stacked.down, latent, idx, n * K, hg, 1, ye, cu::Precision::F32, stream_);
     cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
   }
@@ -535,7 +516,6 @@ class CudaBackend final : public Backend {
     float *hg = moe_buf_.as<float>(), *hu = hg + T * K * I, *ye = hu + T * K * I, *xg = ye + T * K * latent,
           *yg = xg + T * K * latent;
     cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
-    round_all(xg, T * K * latent);  // the GEMV-sized experts read fp32: round as the GEMMs do
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
       if (n == 0) continue;
@@ -543,7 +523,6 @@ class CudaBackend final : public Backend {
       cu::matmul(w.experts[size_t(e)].up, xg + o * latent, n, hu + o * I, p_, stream_);
     }
     cu::situ_glu(hg, hu, T * K * I, situ.beta, situ.linear_beta, hg, stream_);
-    round_all(hg, T * K * I);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
       if (n) cu::matmul(w.experts[size_t(e)].down, hg + o * I, n, yg + o * latent, p_, stream_);
@@ -566,9 +545,8 @@ class CudaBackend final : public Backend {
   ModelDims d_;
   GpuOptions opt_;
   cu::Stream stream_ = nullptr;
-  cu::DevBuf round_buf_, arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
-  int64_t expert_chunk_ = 0;
-  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, round_floats_ = 0;
+  cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
+  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0;
   uint64_t buffers_ = 0;
   int32_t *staging_ = nullptr, *table_pinned_ = nullptr, *rows_pinned_ = nullptr;
   cu::Precision p_ = cu::Precision::BF16;
@@ -576,6 +554,7 @@ class CudaBackend final : public Backend {
   std::vector<int32_t> view_cu_;
   cu::VarlenDev vb_;
   cu::PagedCacheDev pc_;
+  std::vector<Run> runs_;
   cu::DevBuf stage_buf_, remap_;  // streamed experts: staging stacks and remapped ids
   GluWeights stage_, stage_shape_;
   MoeWeights staged_;

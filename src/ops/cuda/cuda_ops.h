@@ -40,9 +40,6 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
                      Stream s);
 void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
               float lower_bound, float* g, Stream s);
-// out = x rounded to bf16 (nearest even) and back to fp32: what the bf16 GEMMs do to activations,
-// for the GEMV-sized products that read fp32 (out may be x).
-void round_bf16(const float* x, int64_t n, float* out, Stream s);
 void sigmoid_inplace(float* x, int64_t n, Stream s);                      // x ← σ(x)
 void sigmoid_gate_mul(float* x, const float* gate, int64_t n, Stream s);  // x ← x · σ(gate)
 void add_inplace(float* y, const float* x, int64_t n, Stream s);          // y ← y + x

@@ -246,12 +246,6 @@ __global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D,
   }
 }
 
-__global__ void round_bf16_kernel(const float* x, int64_t n, float* out) {
-  pdl_enter();
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = __bfloat162float(__float2bfloat16_rn(x[i]));
-}
-
 __global__ void sigmoid_kernel(float* x, int64_t n) {
   pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -673,12 +667,6 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
   if (n <= 0) return;
   launch(kda_gate_kernel, ew_blocks(n), kEwThreads, 0, s, f, T, H, D, A_log, dt_bias, lower_bound, g);
   check_launch("kda_gate");
-}
-
-void round_bf16(const float* x, int64_t n, float* out, Stream s) {
-  if (n <= 0) return;
-  launch(round_bf16_kernel, ew_blocks(n), kEwThreads, 0, s, x, n, out);
-  check_launch("round_bf16");
 }
 
 void sigmoid_inplace(float* x, int64_t n, Stream s) {
