@@ -30,7 +30,7 @@ namespace {
 // issue's bar; the CPU's exact mode holds 1e-5). Paths of the same mode against each other
 // (chunked vs recurrent KDA, prefill + decode vs one pass) are held to the same number.
 constexpr double kFp32Tol = 1e-4;
-// fast (bf16): the activations of every weight product rounded to bf16. Gated on the trained K3-nano
+// fast (bf16): activations rounded to bf16 in GEMMs of > 8 tokens. Gated on the trained K3-nano
 // (measured 2.0e-3 on the H200; the CPU's fast mode measures 1.5e-2 there), where logits have
 // real margins. On the random tiny fixtures bf16 is reported, not gated: their generator only
 // guarantees router top-k gaps of 1e-4, below bf16's 2^-9 rounding, so a rounded hidden state
