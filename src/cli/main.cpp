@@ -1,7 +1,6 @@
 // The `k3` command: one binary, subcommands over libk3 (logits, generate, info, tokenize, ...).
 // Owns: flag parsing, file output, exit codes (0 ok, 2 bad input/usage, 1 internal error).
 // Must not: contain model math; every failure is one line on stderr.
-#include <malloc.h>
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -205,14 +204,6 @@ int cmd_info(const std::string& dir, int64_t ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // A forward pass allocates and frees activation buffers of hundreds of KiB to MiBs in every layer.
-  // glibc maps blocks that large with mmap and returns them on free (or trims the heap), so every
-  // layer faulted in and zeroed fresh pages: 8% of a K3-shaped prefill on one core (perf). Keeping
-  // them in the heap costs at most the largest layer's buffers, which a run needs anyway.
-#ifdef M_MMAP_THRESHOLD
-  mallopt(M_MMAP_THRESHOLD, 256 << 20);
-  mallopt(M_TRIM_THRESHOLD, 512 << 20);
-#endif
   CLI::App app{"k3: inference engine for Kimi K3-architecture models"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("k3 ") + k3::version());

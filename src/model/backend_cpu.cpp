@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <new>
 
 #include "core/error.h"
@@ -50,9 +51,11 @@ class CpuBackend final : public Backend {
   void place(ModelWeights&) override {}  // the mapping is read as it is
 
   bool begin_step(const StepView& v, const int32_t*, StepNumerics n, bool) override {
-    scope_ = std::make_unique<ops::NumericsScope>(to_ops(n));
+    scope_.emplace(to_ops(n));
     step_rows_ = v.rows;
     step_cu_.assign(v.cu_rows, v.cu_rows + v.n_seqs + 1);
+    // Room for every page of the longest sequence, grown ahead (a decode step allocates nothing).
+    if (page_ptrs_.capacity() < size_t(v.max_pages)) page_ptrs_.reserve(std::max<size_t>(2 * size_t(v.max_pages), 64));
     return true;
   }
   void end_step() override { scope_.reset(); }
@@ -289,113 +292,145 @@ class CpuBackend final : public Backend {
     }
   }
 
-  std::unique_ptr<ops::NumericsScope> scope_;
+  std::optional<ops::NumericsScope> scope_;
   std::vector<const float*> page_ptrs_;
   int64_t step_rows_ = 0;
   std::vector<int32_t> step_cu_;
   std::vector<Run> runs_;
+  // The routed-expert buffers of moe_rows, kept between calls (a steady decode step allocates
+  // nothing once the largest step has run).
+  struct MoeScratch {
+    std::vector<int64_t> start, fill, rows, ro, io;
+    std::vector<float> wts, zin, ye, g, u;
+    std::vector<int32_t> selected;
+    std::vector<const GluWeights*> ew;
+    std::vector<const WeightMat*> wv;
+    std::vector<const float*> xv;
+    std::vector<float*> yv;
+  } moe_;
 };
 
 void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
                           const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
                           ExpertSource* source) {
-  using Buf = std::vector<float>;
-  const auto buf = [](int64_t n) { return Buf(static_cast<size_t>(n)); };
-  const int64_t E = int64_t(w.experts.size());
+  MoeScratch& m = moe_;
+  const int64_t E = int64_t(w.experts.size()), RK = R * top_k;
   std::fill(agg, agg + R * latent, 0.0f);
-  // Per selected expert (ascending id): the rows routed to it and their weights.
-  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
-  std::vector<Buf> ws(static_cast<size_t>(E));
+  // Per selected expert (ascending id): the rows routed to it (ascending) and their weights, as
+  // runs of one flat array (a counting sort of the step's R * top_k choices).
+  m.start.assign(size_t(E + 1), 0);
+  for (int64_t i = 0; i < RK; ++i) {
+    const int32_t e = idx[i];
+    if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+    ++m.start[size_t(e) + 1];
+  }
+  m.selected.clear();  // the union, ascending: the accumulation order into agg
+  for (int64_t e = 0; e < E; ++e) {
+    if (m.start[size_t(e) + 1] > 0) m.selected.push_back(int32_t(e));
+    m.start[size_t(e) + 1] += m.start[size_t(e)];
+  }
+  m.fill.assign(m.start.begin(), m.start.end() - 1);
+  m.rows.resize(size_t(RK));
+  m.wts.resize(size_t(RK));
   for (int64_t t = 0; t < R; ++t)
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = idx[t * top_k + j];
-      if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
-      rows[size_t(e)].push_back(t);
-      ws[size_t(e)].push_back(wt[t * top_k + j]);
+      const int64_t at = m.fill[size_t(e)]++;
+      m.rows[size_t(at)] = t;
+      m.wts[size_t(at)] = wt[t * top_k + j];
     }
-  std::vector<int32_t> selected;  // the union, ascending: the accumulation order into agg
-  for (int64_t e = 0; e < E; ++e)
-    if (!rows[size_t(e)].empty()) selected.push_back(int32_t(e));
-  const auto glu = [&](const GluWeights& ew, const float* x, int64_t n, float* out) {
-    const int64_t I = ew.gate.rows;
-    Buf g = buf(n * I), u = buf(n * I);
+  const auto n_rows = [&](int32_t e) { return m.start[size_t(e) + 1] - m.start[size_t(e)]; };
+  // Buffers of a batch of experts (n of them, their weights ew): expert i's rows live at row
+  // offset ro[i] (gathered inputs, outputs) and its intermediate at io[i]; sized once, kept.
+  const auto plan = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    m.ro.assign(size_t(n + 1), 0);
+    m.io.assign(size_t(n + 1), 0);
+    for (int64_t i = 0; i < n; ++i) {
+      m.ro[size_t(i + 1)] = m.ro[size_t(i)] + n_rows(ids[i]);
+      m.io[size_t(i + 1)] = m.io[size_t(i)] + n_rows(ids[i]) * ew[i]->gate.rows;
+    }
+    m.zin.resize(size_t(m.ro.back() * latent));
+    m.ye.resize(size_t(m.ro.back() * latent));
+    m.g.resize(size_t(m.io.back()));
+    m.u.resize(size_t(m.io.back()));
+  };
+  // One expert on the rows routed to it (gathered) into its slice of ye.
+  const auto expert_out = [&](int64_t i, int32_t e, const GluWeights& ew) {
+    const int64_t n = n_rows(e), I = ew.gate.rows;
+    const int64_t* r = m.rows.data() + m.start[size_t(e)];
+    float *zin = m.zin.data() + m.ro[size_t(i)] * latent, *ye = m.ye.data() + m.ro[size_t(i)] * latent;
+    float *g = m.g.data() + m.io[size_t(i)], *u = m.u.data() + m.io[size_t(i)];
+    for (int64_t k = 0; k < n; ++k) std::memcpy(zin + k * latent, z + r[k] * latent, size_t(latent) * 4);
     const WeightMat* wv[] = {&ew.gate, &ew.up};
-    float* yv[] = {g.data(), u.data()};
-    ops::matmul_shared_input(wv, 2, x, n, yv);
-    ops::situ_glu(g.data(), u.data(), n * I, situ.beta, situ.linear_beta, g.data());
-    ops::matmul(ew.down, g.data(), n, out);
+    float* yv[] = {g, u};
+    ops::matmul_shared_input(wv, 2, zin, n, yv);
+    ops::situ_glu(g, u, n * I, situ.beta, situ.linear_beta, g);
+    ops::matmul(ew.down, g, n, ye);
   };
-  // One expert on the rows routed to it (gathered), and its weighted add into agg.
-  const auto expert_out = [&](int32_t e, const GluWeights& ew) {
-    const std::vector<int64_t>& r = rows[size_t(e)];
-    const auto n = int64_t(r.size());
-    Buf zin = buf(n * latent), ye = buf(n * latent);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(zin.data() + i * latent, z + r[size_t(i)] * latent, size_t(latent) * 4);
-    glu(ew, zin.data(), n, ye.data());
-    return ye;
-  };
-  const auto add_expert = [&](int32_t e, const float* ye) {
-    const std::vector<int64_t>& r = rows[size_t(e)];
-    for (size_t i = 0; i < r.size(); ++i)
-      for (int64_t c = 0; c < latent; ++c) agg[r[i] * latent + c] += ws[size_t(e)][i] * ye[i * size_t(latent) + size_t(c)];
+  const auto add_expert = [&](int64_t i, int32_t e) {
+    const int64_t n = n_rows(e), s0 = m.start[size_t(e)];
+    const float* ye = m.ye.data() + m.ro[size_t(i)] * latent;
+    for (int64_t k = 0; k < n; ++k) {
+      const float wk = m.wts[size_t(s0 + k)];
+      float* a = agg + m.rows[size_t(s0 + k)] * latent;
+      for (int64_t c = 0; c < latent; ++c) a[c] += wk * ye[k * latent + c];
+    }
   };
   // One row: every selected expert reads the same z, so the gate/up products of all of them are
   // one shared-input GEMV region and their down products one more (each on its own activation).
   // The rows of all the experts are handed out in chunks, so the threads finish together, and z is
   // quantised once, not once per expert. Same kernels and per-row arithmetic as expert_out.
   const auto run_token = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
-    std::vector<int64_t> off(static_cast<size_t>(n + 1), 0);  // of each expert's intermediate
-    for (int64_t i = 0; i < n; ++i) off[size_t(i + 1)] = off[size_t(i)] + ew[i]->gate.rows;
-    Buf h = buf(off.back()), u = buf(off.back()), ye = buf(n * latent);
-    std::vector<const WeightMat*> wv;
-    std::vector<const float*> xv;
-    std::vector<float*> yv;
+    m.wv.clear(), m.xv.clear(), m.yv.clear();
     for (int64_t i = 0; i < n; ++i) {
-      wv.insert(wv.end(), {&ew[i]->gate, &ew[i]->up});
-      yv.insert(yv.end(), {h.data() + off[size_t(i)], u.data() + off[size_t(i)]});
+      m.wv.push_back(&ew[i]->gate), m.wv.push_back(&ew[i]->up);
+      m.yv.push_back(m.g.data() + m.io[size_t(i)]), m.yv.push_back(m.u.data() + m.io[size_t(i)]);
     }
-    ops::matmul_shared_input(wv.data(), 2 * n, z, 1, yv.data());
-    ops::situ_glu(h.data(), u.data(), off.back(), situ.beta, situ.linear_beta, h.data());
-    wv.clear(), yv.clear();
+    ops::matmul_shared_input(m.wv.data(), 2 * n, z, 1, m.yv.data());
+    ops::situ_glu(m.g.data(), m.u.data(), m.io[size_t(n)], situ.beta, situ.linear_beta, m.g.data());
+    m.wv.clear(), m.yv.clear();
     for (int64_t i = 0; i < n; ++i) {
-      wv.push_back(&ew[i]->down);
-      xv.push_back(h.data() + off[size_t(i)]);
-      yv.push_back(ye.data() + i * latent);
+      m.wv.push_back(&ew[i]->down);
+      m.xv.push_back(m.g.data() + m.io[size_t(i)]);
+      m.yv.push_back(m.ye.data() + i * latent);
     }
-    ops::matmul_many(wv.data(), xv.data(), n, 1, yv.data());
-    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye.data() + i * latent);
+    ops::matmul_many(m.wv.data(), m.xv.data(), n, 1, m.yv.data());
+    for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
   // A batch of experts runs either one after another (each expert's matmuls split across the
   // threads) or, when there are enough experts to keep every thread busy, whole experts in
   // parallel (their matmuls then run single-threaded inside: OpenMP nesting is off). Outputs are
   // always added into agg in ascending expert order, so both ways give bit-identical results.
   const auto run_batch = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
+    plan(ids, n, ew);
     if (R == 1) return run_token(ids, n, ew);
     if (n < 2 * int64_t(omp_get_max_threads()) || omp_in_parallel()) {
-      for (int64_t i = 0; i < n; ++i) add_expert(ids[i], expert_out(ids[i], *ew[i]).data());
+      for (int64_t i = 0; i < n; ++i) {
+        expert_out(i, ids[i], *ew[i]);
+        add_expert(i, ids[i]);
+      }
       return;
     }
-    std::vector<Buf> ye(static_cast<size_t>(n));
     const ops::Numerics numerics = ops::current_numerics();  // thread-local: hand it to the workers
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
       const ops::NumericsScope scope(numerics);
-      ye[size_t(i)] = expert_out(ids[i], *ew[i]);
+      expert_out(i, ids[i], *ew[i]);
     }
-    for (int64_t i = 0; i < n; ++i) add_expert(ids[i], ye[size_t(i)].data());
+    for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
+  const auto nsel = int64_t(m.selected.size());
   if (!source) {
-    std::vector<const GluWeights*> all;
-    for (int32_t e : selected) all.push_back(&w.experts[size_t(e)]);
-    run_batch(selected.data(), int64_t(selected.size()), all.data());
+    m.ew.clear();
+    for (int32_t e : m.selected) m.ew.push_back(&w.experts[size_t(e)]);
+    run_batch(m.selected.data(), nsel, m.ew.data());
   } else {
-    const auto nsel = int64_t(selected.size());
     const int64_t batch = std::max<int64_t>(1, source->max_batch());
-    std::vector<const GluWeights*> got(static_cast<size_t>(std::min(batch, nsel)));
+    m.ew.resize(size_t(std::min(batch, nsel)));
     for (int64_t b = 0; b < nsel; b += batch) {
       const int64_t n = std::min(batch, nsel - b);
-      source->fetch(w.layer, selected.data() + b, n, got.data());
-      run_batch(selected.data() + b, n, got.data());
+      source->fetch(w.layer, m.selected.data() + b, n, m.ew.data());
+      run_batch(m.selected.data() + b, n, m.ew.data());
     }
   }
 }

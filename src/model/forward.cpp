@@ -99,12 +99,15 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
              " is outside the vocabulary [0, " + std::to_string(V) + ")");
   }
   // The output rows of each sequence (all its tokens, or its last), in order.
-  std::vector<int64_t> out0(size_t(N) + 1, 0);
+  StepIndex& x = ix_;
+  std::vector<int64_t>& out0 = x.out0;
+  out0.assign(size_t(N) + 1, 0);
   for (int64_t i = 0; i < N; ++i) out0[size_t(i) + 1] = out0[size_t(i)] + (seqs[size_t(i)].all_logits ? seqs[size_t(i)].n : 1);
   // Pieces of at most max_rows_ rows: every sequence contributes what is left of it, in order.
-  std::vector<int64_t> done(size_t(N), 0);
-  std::vector<SeqStep> piece;
-  std::vector<int64_t> src;
+  std::vector<int64_t>& done = x.done;
+  done.assign(size_t(N), 0);
+  std::vector<SeqStep>& piece = x.piece;
+  std::vector<int64_t>& src = x.src;
   for (;;) {
     piece.clear();
     src.clear();
@@ -119,9 +122,9 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
     }
     if (piece.empty()) break;
     // Output rows of this piece: (row in piece, logits row or -1, argmax index or -1).
-    std::vector<int64_t> first(piece.size());
-    std::vector<int32_t> sel;
-    std::vector<int64_t> dst, am;
+    std::vector<int32_t>& sel = x.sel;
+    std::vector<int64_t>&dst = x.dst, &am = x.am;
+    sel.clear(), dst.clear(), am.clear();
     int64_t row = 0;
     for (size_t p = 0; p < piece.size(); ++p) {
       const int64_t i = src[p], n = piece[p].n;
@@ -148,8 +151,10 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   const int64_t N = int64_t(seqs.size()), H = d.hidden, V = d.vocab;
   Backend& be = *backend_;
   // The step's sequences: rows, slots, positions and the block table of each.
-  std::vector<int32_t> cu(size_t(N) + 1, 0), slots(static_cast<size_t>(N)), ids;
-  std::vector<int64_t> pos0(static_cast<size_t>(N));
+  StepIndex& x = ix_;
+  std::vector<int32_t>&cu = x.cu, &slots = x.slots, &ids = x.ids;
+  std::vector<int64_t>& pos0 = x.pos0;
+  cu.assign(size_t(N) + 1, 0), slots.resize(size_t(N)), pos0.resize(size_t(N)), ids.clear();
   int64_t max_pages = 0, max_rows = 0;
   for (int64_t i = 0; i < N; ++i) {
     const SeqStep& s = seqs[size_t(i)];
@@ -161,7 +166,10 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
     max_rows = std::max(max_rows, s.n);
     ids.insert(ids.end(), s.ids, s.ids + s.n);
   }
-  std::vector<int32_t> table(size_t(N * std::max<int64_t>(max_pages, 1)), 0);
+  std::vector<int32_t>& table = x.table;
+  // Block-table rows reserved ahead (doubling), so a step that opens a page allocates nothing.
+  if (table.capacity() < size_t(N * max_pages)) table.reserve(size_t(N * std::max<int64_t>(2 * max_pages, 64)));
+  table.assign(size_t(N * std::max<int64_t>(max_pages, 1)), 0);
   for (int64_t i = 0; i < N; ++i) {
     const auto& pg = pool.pages(seqs[size_t(i)].slot);
     std::copy(pg.begin(), pg.end(), table.begin() + i * max_pages);
@@ -175,13 +183,15 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   const StepCtx c{be, view, work, R};
   const int64_t nsel = int64_t(sel.size());
   // The selected rows by sequence (all its rows, or its last one), for shape-dependent numerics.
-  std::vector<int32_t> sel_groups{0};
+  std::vector<int32_t>& sel_groups = x.sel_groups;
+  sel_groups.assign(1, 0);
   for (int64_t r = 0, i = 0; r < nsel; ++r) {
     while (sel[size_t(r)] >= cu[size_t(i) + 1]) ++i;
     if (r + 1 == nsel || sel[size_t(r) + 1] >= cu[size_t(i) + 1]) sel_groups.push_back(int32_t(r + 1));
   }
   // Fixed buffers first, so a replayed step finds them where it recorded them.
-  std::vector<float*> spare(size_t(depth_slots(d)));
+  std::vector<float*>& spare = x.spare;
+  spare.resize(size_t(depth_slots(d)));
   for (float*& p : spare) p = work.take(R * H);
   float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
         *hs = work.take(R * H), *ls = work.take(R * V);
@@ -209,8 +219,8 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   }
   for (int64_t i = 0; i < N; ++i) pool.advance(seqs[size_t(i)].slot, seqs[size_t(i)].n);
   if (argmax) {
-    std::vector<int32_t> picks(static_cast<size_t>(nsel));
-    std::vector<int32_t> rows;
+    std::vector<int32_t>&picks = x.picks, &rows = x.rows;
+    picks.resize(size_t(nsel)), rows.clear();
     for (int64_t r = 0; r < nsel; ++r)
       if (am[size_t(r)] >= 0) rows.push_back(int32_t(r));
     // Only the last rows are needed; they are the common case of one row per sequence.

@@ -160,6 +160,11 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
 }
 
 // ---------------------------------------------------------------- AttnRes
+void BlockList::push_back(const float* p) {
+  if (n == kMaxBlocks) fail("Block AttnRes: more than 63 block snapshots are not supported");
+  at[n++] = p;
+}
+
 void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& st, int64_t hidden, float eps,
                   float* out) {
   const float* src[64];

@@ -85,8 +85,20 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
 
 // Per-row depth state of Block AttnRes (§3.3): block snapshots and the running partial sum, each an
 // [R, hidden] array in the workspace.
+// The snapshots of a step (at most kMaxBlocks: a fixed array, so a step allocates nothing).
+struct BlockList {
+  static constexpr size_t kMaxBlocks = 63;
+  const float* at[kMaxBlocks] = {};
+  size_t n = 0;
+  bool empty() const { return n == 0; }
+  size_t size() const { return n; }
+  void push_back(const float* p);  // k3::Error past kMaxBlocks
+  const float* operator[](size_t i) const { return at[i]; }
+  const float* const* begin() const { return at; }
+  const float* const* end() const { return at + n; }
+};
 struct DepthState {
-  std::vector<const float*> blocks;
+  BlockList blocks;
   float* partial = nullptr;
   bool partial_empty = true;  // ∅ just after a snapshot
 };

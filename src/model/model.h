@@ -162,6 +162,15 @@ class Model {
   int64_t max_rows_ = 512;                  // rows of one step (workspace plan)
   StatePoolOptions session_pool_opts_;      // the sessions' pool (GPU: pages for initial_context)
   mutable std::unique_ptr<Workspace> work_;
+  // The host-side index arrays of a step (rows, slots, block tables, selected rows), kept between
+  // steps so that a steady decode step allocates nothing.
+  struct StepIndex {
+    std::vector<int64_t> out0, done, src, dst, am, pos0;
+    std::vector<SeqStep> piece;
+    std::vector<int32_t> sel, cu, slots, ids, table, sel_groups, picks, rows;
+    std::vector<float*> spare;
+  };
+  mutable StepIndex ix_;
   mutable std::unique_ptr<StatePool> sessions_;
   uint64_t backend_generation_ = 0;         // bumped by use_gpu: older sessions refuse to run
 };

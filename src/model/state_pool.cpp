@@ -93,7 +93,13 @@ int32_t StatePool::alloc() {
   if (free_slots_.empty()) grow_slots();
   const int32_t s = free_slots_.back();
   free_slots_.pop_back();
-  slots_[size_t(s)] = Slot{true, 0, {}};
+  // The block table keeps its capacity across free and reuse, and starts with room for
+  // kReservedPages pages, so a decode step that opens a page allocates nothing.
+  Slot& sl = slots_[size_t(s)];
+  sl.live = true;
+  sl.pos = 0;
+  sl.pages.clear();
+  sl.pages.reserve(kReservedPages);
   zero_state(s);
   return s;
 }
@@ -106,7 +112,9 @@ void StatePool::free(int32_t slot) {
   check_live(slot);
   Slot& s = slots_[size_t(slot)];
   for (int32_t p : s.pages) unref(p);
-  s = Slot{};
+  s.live = false;
+  s.pos = 0;
+  s.pages.clear();  // keeps its capacity for the slot's next user
   free_slots_.push_back(slot);
 }
 

@@ -72,6 +72,7 @@ class StatePool {
   uint64_t bytes() const;      // backend memory the pool holds now
 
  private:
+  static constexpr size_t kReservedPages = 64;  // block-table entries reserved per slot (4096 tokens at 64)
   struct Slot {
     bool live = false;
     int64_t pos = 0;

@@ -206,6 +206,24 @@ Sampler::Sampler(const SamplingParams& p, int64_t vocab) : p_(p), vocab_(vocab),
   validate_sampling(p);
   if (vocab < 1 || vocab > std::numeric_limits<int32_t>::max())
     fail("sampler: vocab must be in [1, 2147483647], got " + std::to_string(vocab));
+  // sample()'s buffers hold at most the vocabulary; a window of n tokens holds at most n distinct
+  // ones. Reserved here, so neither sample() (after its first call) nor accept() allocates.
+  scratch_.kept.reserve(size_t(vocab));
+  scratch_.order.reserve(size_t(vocab));
+  if (p.penalty_last_n > 0) {
+    window_.reserve(size_t(p.penalty_last_n));
+    counts_.reserve(size_t(p.penalty_last_n));
+  }
+}
+
+void Sampler::count(int32_t token, int32_t delta) {
+  const auto it = std::lower_bound(counts_.begin(), counts_.end(), token,
+                                   [](const std::pair<int32_t, int32_t>& e, int32_t t) { return e.first < t; });
+  if (it != counts_.end() && it->first == token) {
+    if ((it->second += delta) == 0) counts_.erase(it);
+  } else if (delta > 0) {
+    counts_.insert(it, {token, delta});
+  }
 }
 
 void Sampler::accept(int32_t token) {
@@ -214,7 +232,7 @@ void Sampler::accept(int32_t token) {
          std::to_string(vocab_) + ")");
   const int32_t n = p_.penalty_last_n;
   if (n == 0) return;  // penalties off: keep no history at all
-  ++counts_[token];
+  count(token, 1);
   if (n < 0) return;  // -1: the whole history counts; the counts alone are enough
   if (window_.size() < static_cast<size_t>(n)) {
     window_.push_back(token);
@@ -222,7 +240,7 @@ void Sampler::accept(int32_t token) {
   }
   // Full ring: the oldest token leaves the window as the new one enters.
   const int32_t old = window_[head_];
-  if (--counts_[old] == 0) counts_.erase(old);
+  count(old, -1);
   window_[head_] = token;
   head_ = (head_ + 1) % window_.size();
 }
@@ -245,7 +263,7 @@ void Sampler::penalize(const float* logits, std::vector<double>& v) const {
   }
   const double rp = p_.repetition_penalty, presence = p_.presence_penalty, frequency = p_.frequency_penalty;
   if (rp == 1.0 && presence == 0.0 && frequency == 0.0) return;
-  // Each distinct token is changed once from its own raw logit, so the map's order is irrelevant.
+  // Each distinct token is changed once from its own raw logit, so the order is irrelevant.
   for (const auto& [tok, count] : counts_) {
     double x = v[static_cast<size_t>(tok)];
     if (rp != 1.0) x = x > 0 ? x / rp : x * rp;

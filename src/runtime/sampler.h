@@ -6,7 +6,6 @@
 #pragma once
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -128,7 +127,9 @@ class Sampler {
   Rng rng_;
   std::vector<int32_t> window_;  // last n accepted tokens (ring, oldest at head_); unused for -1 and 0
   size_t head_ = 0;
-  std::unordered_map<int32_t, int32_t> counts_;  // token -> occurrences in the window (-1: all history)
+  // (token, occurrences in the window; -1: all history), ascending by token, counts > 0.
+  std::vector<std::pair<int32_t, int32_t>> counts_;
+  void count(int32_t token, int32_t delta);
   Scratch scratch_;
 };
 

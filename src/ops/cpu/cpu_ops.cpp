@@ -13,6 +13,7 @@
 
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
+#include "ops/cpu/scratch.h"
 #include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
 #include "core/error.h"
@@ -84,18 +85,19 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
     if (T == 1) return kern->short_conv_step(x, C, w, K, state, 0, C, out);
     // Transposed weights [K, C] and history [K-1, C] so the kernel runs along channels.
     const int64_t P = K - 1;
-    std::vector<float> wT(static_cast<size_t>(K * C)), hist(static_cast<size_t>(std::max<int64_t>(P, 1) * C));
+    float* const wT = cpu::scratch<float>(cpu::ScratchId::ConvWeightsT, K * C);
+    float* const hist = cpu::scratch<float>(cpu::ScratchId::ConvHistory, std::max<int64_t>(P, 1) * C);
     for (int64_t c = 0; c < C; ++c)
-      for (int64_t j = 0; j < K; ++j) wT[size_t(j * C + c)] = w[c * K + j];
+      for (int64_t j = 0; j < K; ++j) wT[j * C + c] = w[c * K + j];
     for (int64_t c = 0; c < C; ++c)
-      for (int64_t j = 0; j < P; ++j) hist[size_t(j * C + c)] = state[c * P + j];
+      for (int64_t j = 0; j < P; ++j) hist[j * C + c] = state[c * P + j];
     for_blocks(C, std::max<int64_t>(64, kElemBlock / std::max<int64_t>(T * K, 1)) / 64 * 64, T * K,
-               [&](int64_t c0, int64_t c1) { kern->short_conv_silu(x, T, C, wT.data(), K, hist.data(), c0, c1, out); });
+               [&](int64_t c0, int64_t c1) { kern->short_conv_silu(x, T, C, wT, K, hist, c0, c1, out); });
     // The new state: the last K-1 inputs of the window [hist | x], oldest first.
     for (int64_t c = 0; c < C; ++c)
       for (int64_t j = 0; j < P; ++j) {
         const int64_t idx = T + j;
-        state[c * P + j] = idx < P ? hist[size_t(idx * C + c)] : x[(idx - P) * C + c];
+        state[c * P + j] = idx < P ? hist[idx * C + c] : x[(idx - P) * C + c];
       }
     return;
   }
@@ -119,10 +121,10 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
 void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
               float lower_bound, float* g) {
   if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
-    std::vector<float> a(static_cast<size_t>(H));
-    for (int64_t h = 0; h < H; ++h) a[size_t(h)] = std::exp(A_log[h]);
+    float* const a = cpu::scratch<float>(cpu::ScratchId::KdaGateA, H);
+    for (int64_t h = 0; h < H; ++h) a[h] = std::exp(A_log[h]);
     return for_blocks(T * H, kElemBlock / std::max<int64_t>(D, 1), D * 8, [&](int64_t r0, int64_t r1) {
-      kern->kda_gate(f, r0, r1, H, D, a.data(), dt_bias, lower_bound, g);
+      kern->kda_gate(f, r0, r1, H, D, a, dt_bias, lower_bound, g);
     });
   }
   for (int64_t t = 0; t < T; ++t)
@@ -170,16 +172,17 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
   const int64_t sp = std::max<int64_t>(1, (S + np - 1) / np);
   np = std::max<int64_t>(1, (S + sp - 1) / sp);
   const int64_t items = n_groups * np;
-  std::vector<float> pacc, pm, pz;
+  float *pacc = nullptr, *pm = nullptr, *pz = nullptr;
   if (np > 1) {
-    pacc.resize(static_cast<size_t>(items * max_rows * vdim));
-    pm.resize(static_cast<size_t>(items * max_rows));
-    pz.resize(static_cast<size_t>(items * max_rows));
+    pacc = cpu::scratch<float>(cpu::ScratchId::AttnPartAcc, items * max_rows * vdim);
+    pm = cpu::scratch<float>(cpu::ScratchId::AttnPartM, items * max_rows);
+    pz = cpu::scratch<float>(cpu::ScratchId::AttnPartZ, items * max_rows);
   }
 #pragma omp parallel if (items > 1 && work >= kParallelMin)
   {
-    std::vector<float> scratch(static_cast<size_t>(max_rows * (K3_ATT_BLOCK + 4))), m(static_cast<size_t>(max_rows)),
-        z(static_cast<size_t>(max_rows));
+    float* const scratch = cpu::scratch<float>(cpu::ScratchId::AttnBlock, max_rows * (K3_ATT_BLOCK + 4));
+    float* const m = cpu::scratch<float>(cpu::ScratchId::AttnM, max_rows);
+    float* const z = cpu::scratch<float>(cpu::ScratchId::AttnZ, max_rows);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t gi = it / np, p = it % np;
@@ -187,22 +190,22 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
       setup(gi, a);
       a.s0 = p * sp;
       a.s1 = std::min(S, a.s0 + sp);
-      a.scratch = scratch.data();
+      a.scratch = scratch;
       if (np == 1) {
-        a.m = m.data();
-        a.z = z.data();
+        a.m = m;
+        a.z = z;
         a.acc = dst(gi);
         a.ldacc = ldo;
         kern.attend_part(a);
         for (int64_t r = 0; r < a.rows; ++r) {
-          const float inv = z[size_t(r)] > 0 ? 1.0f / z[size_t(r)] : 0.0f;
+          const float inv = z[r] > 0 ? 1.0f / z[r] : 0.0f;
           float* o = a.acc + r * ldo;
           for (int64_t j = 0; j < vdim; ++j) o[j] *= inv;
         }
       } else {
-        a.m = pm.data() + it * max_rows;
-        a.z = pz.data() + it * max_rows;
-        a.acc = pacc.data() + it * max_rows * vdim;
+        a.m = pm + it * max_rows;
+        a.z = pz + it * max_rows;
+        a.acc = pacc + it * max_rows * vdim;
         a.ldacc = vdim;
         kern.attend_part(a);
       }
@@ -215,19 +218,19 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
         float* out = dst(gi);
         for (int64_t r = 0; r < a.rows; ++r) {
           float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < np; ++p) mx = std::max(mx, pm[size_t((gi * np + p) * max_rows + r)]);
+          for (int64_t p = 0; p < np; ++p) mx = std::max(mx, pm[(gi * np + p) * max_rows + r]);
           double zt = 0;
           for (int64_t p = 0; p < np; ++p) {
-            const size_t i = size_t((gi * np + p) * max_rows + r);
+            const int64_t i = (gi * np + p) * max_rows + r;
             if (pz[i] > 0) zt += double(pz[i]) * std::exp(double(pm[i]) - mx);
           }
           float* o = out + r * ldo;
           std::fill(o, o + vdim, 0.0f);
           for (int64_t p = 0; p < np; ++p) {
-            const size_t i = size_t((gi * np + p) * max_rows + r);
+            const int64_t i = (gi * np + p) * max_rows + r;
             if (!(pz[i] > 0)) continue;
             const float wgt = float(std::exp(double(pm[i]) - mx) / zt);
-            const float* src = pacc.data() + size_t((gi * np + p) * max_rows + r) * size_t(vdim);
+            const float* src = pacc + ((gi * np + p) * max_rows + r) * vdim;
             for (int64_t j = 0; j < vdim; ++j) o[j] += wgt * src[j];
           }
         }
@@ -239,8 +242,8 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
 void mla_expanded_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, const float* k_nope, const float* k_r,
                        const float* v, int64_t S, int64_t pos0, const MlaAttnDims& d, float* out) {
   const int64_t dq = d.nope + d.rope, TG = kExpandedTokenGroup, ntg = (T + TG - 1) / TG;
-  std::vector<int64_t> lim(static_cast<size_t>(T));
-  for (int64_t t = 0; t < T; ++t) lim[size_t(t)] = std::min(S, pos0 + t + 1);
+  int64_t* const lim = cpu::scratch<int64_t>(cpu::ScratchId::MlaLimits, T);
+  for (int64_t t = 0; t < T; ++t) lim[t] = std::min(S, pos0 + t + 1);
   auto setup = [&](int64_t gi, cpu::AttendPart& a) {
     const int64_t h = gi / ntg, t0 = (gi % ntg) * TG;
     a.rows = std::min(TG, T - t0);
@@ -257,7 +260,7 @@ void mla_expanded_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
     a.val = v + h * d.v;
     a.ldv = d.heads * d.v;
     a.vdim = d.v;
-    a.lim = lim.data() + t0;
+    a.lim = lim + t0;
     a.scale = d.scale;
   };
   auto dst = [&](int64_t gi) { return out + ((gi % ntg) * TG * d.heads + gi / ntg) * d.v; };
@@ -288,28 +291,29 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
   const int64_t HG = kAbsorbedHeadGroup, nhg = (H + HG - 1) / HG;
   // Tokens in blocks whose latent queries / contexts ([Tb, H, L] each) stay within ~16 MB.
   const int64_t TB = std::clamp<int64_t>((int64_t(1) << 22) / std::max<int64_t>(H * L, 1), 1, std::max<int64_t>(T, 1));
-  std::vector<float> Qt(static_cast<size_t>(std::min(TB, T) * H * L)), Ch(Qt.size());
-  std::vector<int64_t> lim(static_cast<size_t>(std::min(TB, T) * HG));
+  float* const Qt = cpu::scratch<float>(cpu::ScratchId::MlaQt, std::min(TB, T) * H * L);
+  float* const Ch = cpu::scratch<float>(cpu::ScratchId::MlaCh, std::min(TB, T) * H * L);
+  int64_t* const lim = cpu::scratch<int64_t>(cpu::ScratchId::MlaLimits, std::min(TB, T) * HG);
   const bool par_heads = H > 1 && H * per_head * L >= (int64_t(1) << 16);
   for (int64_t tb0 = 0; tb0 < T; tb0 += TB) {
     const int64_t Tb = std::min(TB, T - tb0);
     // A: q̃[t,h] = W_UK_hᵀ q_nope[t,h]; W_UK_h decoded once for the block's tokens.
 #pragma omp parallel if (par_heads)
     {
-      std::vector<float> W(static_cast<size_t>(d.nope * L));
+      float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.nope * L);
 #pragma omp for schedule(static)
       for (int64_t h = 0; h < H; ++h) {
-        decode_rows(kern, kv_b, h * per_head, d.nope, W.data());
-        kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W.data(), L, Qt.data() + h * L, H * L, 0, nullptr);
+        decode_rows(kern, kv_b, h * per_head, d.nope, W);
+        kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W, L, Qt + h * L, H * L, 0, nullptr);
       }
     }
     // B: softmax attention of each token's heads over the shared latent cache, in latent space.
     for (int64_t t = 0; t < Tb; ++t)
-      for (int64_t r = 0; r < HG; ++r) lim[size_t(t * HG + r)] = std::min(S, pos0 + tb0 + t + 1);
+      for (int64_t r = 0; r < HG; ++r) lim[t * HG + r] = std::min(S, pos0 + tb0 + t + 1);
     auto setup = [&](int64_t gi, cpu::AttendPart& a) {
       const int64_t t = gi / nhg, h0 = (gi % nhg) * HG;
       a.rows = std::min(HG, H - h0);
-      a.q1 = Qt.data() + (t * H + h0) * L;
+      a.q1 = Qt + (t * H + h0) * L;
       a.ldq1 = L;
       a.k1dim = L;
       a.q2 = q + ((tb0 + t) * H + h0) * dq + d.nope;
@@ -329,10 +333,10 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
         a.ldv = L;
       }
       a.vdim = L;
-      a.lim = lim.data() + t * HG;
+      a.lim = lim + t * HG;
       a.scale = d.scale;
     };
-    auto dst = [&](int64_t gi) { return Ch.data() + ((gi / nhg) * H + (gi % nhg) * HG) * L; };
+    auto dst = [&](int64_t gi) { return Ch + ((gi / nhg) * H + (gi % nhg) * HG) * L; };
     attend_groups(kern, Tb * nhg, HG, S, L, Tb * S * H * (2 * L + d.rope), setup, dst, L);
     // C: a[t,h] = W_UV_h ĉ[t,h]; W_UV_h decoded once for the block's tokens. One token (decode):
     // a GEMV straight from the stored rows (fp32 products: the numerics are per thread, so each
@@ -341,17 +345,17 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
 #pragma omp parallel for schedule(static) if (par_heads)
       for (int64_t h = 0; h < H; ++h) {
         const NumericsScope f32(Numerics::F32);
-        matmul(rows_of(kv_b, h * per_head + d.nope, d.v), Ch.data() + h * L, 1, out + (tb0 * H + h) * d.v);
+        matmul(rows_of(kv_b, h * per_head + d.nope, d.v), Ch + h * L, 1, out + (tb0 * H + h) * d.v);
       }
       continue;
     }
 #pragma omp parallel if (par_heads)
     {
-      std::vector<float> W(static_cast<size_t>(d.v * L));
+      float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.v * L);
 #pragma omp for schedule(static)
       for (int64_t h = 0; h < H; ++h) {
-        decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W.data());
-        kern.gemm_nt(Tb, d.v, L, Ch.data() + h * L, H * L, W.data(), L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
+        decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W);
+        kern.gemm_nt(Tb, d.v, L, Ch + h * L, H * L, W, L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
       }
     }
   }
@@ -440,21 +444,22 @@ void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cac
 
 void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,
                  int32_t* idx, float* w) {
-  std::vector<float> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
+  float* const s = cpu::scratch<float>(cpu::ScratchId::RouterScores, E);
+  float* const sel = cpu::scratch<float>(cpu::ScratchId::RouterSelect, E);
   for (int64_t e = 0; e < E; ++e) {
-    s[size_t(e)] = sigmoidf(logits[e]);
-    sel[size_t(e)] = s[size_t(e)] + (bias ? bias[e] : 0.0f);  // bias steers selection only
+    s[e] = sigmoidf(logits[e]);
+    sel[e] = s[e] + (bias ? bias[e] : 0.0f);  // bias steers selection only
   }
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  std::iota(order.begin(), order.end(), 0);
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-    return sel[size_t(a)] > sel[size_t(b)] || (sel[size_t(a)] == sel[size_t(b)] && a < b);
+  int32_t* const order = cpu::scratch<int32_t>(cpu::ScratchId::RouterOrder, E);
+  std::iota(order, order + E, 0);
+  std::partial_sort(order, order + k, order + E, [&](int32_t a, int32_t b) {
+    return sel[a] > sel[b] || (sel[a] == sel[b] && a < b);
   });
   double sum = 0;
-  for (int64_t j = 0; j < k; ++j) sum += s[size_t(order[size_t(j)])];
+  for (int64_t j = 0; j < k; ++j) sum += s[order[j]];
   for (int64_t j = 0; j < k; ++j) {
-    idx[j] = order[size_t(j)];
-    const double sj = s[size_t(order[size_t(j)])];  // weights from the UNBIASED scores
+    idx[j] = order[j];
+    const double sj = s[order[j]];  // weights from the UNBIASED scores
     w[j] = float((renorm ? sj / (sum + 1e-20) : sj) * scale);
   }
 }

@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
+#include "ops/cpu/scratch.h"
 #include "ops/cpu/scalar_dot.h"
 #include "ops/ops.h"
 
@@ -295,20 +296,20 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     }
     return;
   }
-  std::vector<float> rounded;
   if (fast) {
-    rounded = round_to_bf16(X, T * cols);
-    X = rounded.data();
+    float* const rounded = cpu::scratch<float>(cpu::ScratchId::GemmRounded, T * cols);
+    for (int64_t i = 0; i < T * cols; ++i) rounded[i] = bf16_to_f32(f32_to_bf16(X[i]));
+    X = rounded;
   }
 #pragma omp parallel if (par)
   {
-    std::vector<float> scratch(static_cast<size_t>(4 * cols));
+    float* const scratch = cpu::scratch<float>(cpu::ScratchId::GemmRows, 4 * cols);
     for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
       const int64_t tb = std::min(kTokenBlock, T - t0);
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < nrb; ++b)
         K.gemm_f32(W, X + t0 * cols, tb, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock), Y + t0 * rows, rows,
-                   scratch.data());
+                   scratch);
     }
   }
 }

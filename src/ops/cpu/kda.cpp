@@ -9,6 +9,7 @@
 
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
+#include "ops/cpu/scratch.h"
 #include "ops/ops.h"
 
 namespace k3::ops {
@@ -159,10 +160,10 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
   // fp32 state updated in place, two passes over it per token (see attn_kernels.inc).
 #pragma omp parallel if (H > 1 && T * H * Dk * Dv >= kHeadParallelMin)
   {
-    std::vector<float> scratch(static_cast<size_t>(K3_KDA_REC_SCRATCH(Dk, Dv)));
+    float* const scratch = cpu::scratch_zeroed<float>(cpu::ScratchId::KdaHead, K3_KDA_REC_SCRATCH(Dk, Dv));
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; ++h)
-      K->kda_recurrent_head(q, k, v, g, beta, T, H, Dk, Dv, h, S + h * Dk * Dv, o, scratch.data());
+      K->kda_recurrent_head(q, k, v, g, beta, T, H, Dk, Dv, h, S + h * Dk * Dv, o, scratch);
   }
 }
 
@@ -175,10 +176,10 @@ void kda_chunked(const float* q, const float* k, const float* v, const float* g,
   const int64_t cmax = chunk <= 0 ? K3_KDA_MAX_CHUNK : std::min<int64_t>(chunk, K3_KDA_MAX_CHUNK);
 #pragma omp parallel if (H > 1 && T * H * Dk * Dv >= kHeadParallelMin)
   {
-    std::vector<float> scratch(static_cast<size_t>(K3_KDA_CHUNK_SCRATCH(Dk, Dv)));
+    float* const scratch = cpu::scratch_zeroed<float>(cpu::ScratchId::KdaHead, K3_KDA_CHUNK_SCRATCH(Dk, Dv));
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; ++h)
-      K->kda_chunked_head(q, k, v, g, beta, T, H, Dk, Dv, h, cmax, S + h * Dk * Dv, o, scratch.data());
+      K->kda_chunked_head(q, k, v, g, beta, T, H, Dk, Dv, h, cmax, S + h * Dk * Dv, o, scratch);
   }
 }
 
