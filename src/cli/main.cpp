@@ -158,6 +158,11 @@ int cmd_info(const std::string& dir, int64_t ctx) {
   const k3::ModelConfig cfg = k3::load_model_config(dir);
   std::string report = k3::format_arch_report(cfg, ctx);
   std::printf("%s", report.c_str());
+  const std::vector<std::string> unsupported = k3::unsupported_features(cfg);
+  if (!unsupported.empty()) {
+    std::printf("engine support: this engine cannot run this family member (the counts above assume K3's tensors)\n");
+    for (const std::string& u : unsupported) std::printf("  %s\n", u.c_str());
+  }
   // Weights on disk, from safetensors headers only (works on a config + index without shards).
   auto ck = k3::io::Checkpoint::open_headers(dir);
   if (ck->tensor_count() == 0 && ck->missing_shards().empty()) {

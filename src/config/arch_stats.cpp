@@ -206,17 +206,21 @@ std::string format_arch_report(const ModelConfig& c, int64_t ctx_tokens) {
   std::string r;
   r += "architecture: " + c.model_type + (c.model_type == "kimi_linear" ? "" : " (text model kimi_linear)") +
        (c.source.empty() ? "" : ", config " + c.source) + "\n";
+  r += row("family", c.family_summary());
   r += row("layers", std::to_string(c.num_hidden_layers) + ": " + std::to_string(a.n_kda_layers) + " KDA, " +
                          std::to_string(a.n_mla_layers) + " MLA; " + std::to_string(a.n_dense_layers) + " dense FFN, " +
                          std::to_string(a.n_moe_layers) + " MoE");
-  r += row("layer map", layer_map_string(c) + "  (K = KDA, M = MLA, groups = AttnRes blocks of " +
-                            std::to_string(c.attn_res_block_size) + ")");
+  r += row("layer map", layer_map_string(c) + (c.residual == ResidualKind::BlockAttnRes
+                                                   ? "  (K = KDA, M = MLA, groups = AttnRes blocks of " +
+                                                         std::to_string(c.attn_res_block_size) + ")"
+                                                   : "  (K = KDA, M = MLA; plain residual sum, no AttnRes blocks)"));
   r += row("MLA layers (0-based)", join_layers(mla_layers_zero_based(c)));
   r += row("AttnRes snapshots", join_layers(attn_res_snapshot_layers(c)));
   r += row("hidden / vocab", std::to_string(c.hidden_size) + " / " + std::to_string(c.vocab_size));
   r += row("KDA", std::to_string(c.kda_num_heads) + " heads x " + std::to_string(c.kda_head_dim) + " (" +
                       std::to_string(c.kda_dim()) + "), short conv " + std::to_string(c.short_conv_kernel_size) +
-                      ", gate lower bound " + fmt("%g", c.gate_lower_bound));
+                      (c.kda_gate_bounded ? ", gate lower bound " + fmt("%g", c.gate_lower_bound)
+                                          : std::string(", unbounded decay gate")));
   r += row("MLA", std::to_string(c.num_attention_heads) + " heads, q_lora " + std::to_string(c.q_lora_rank) +
                       ", kv_lora " + std::to_string(c.kv_lora_rank) + ", qk " + std::to_string(c.qk_nope_head_dim) +
                       "+" + std::to_string(c.qk_rope_head_dim) + " (NoPE), v " + std::to_string(c.v_head_dim) +
@@ -227,7 +231,9 @@ std::string format_arch_report(const ModelConfig& c, int64_t ctx_tokens) {
                       ", expert width " + std::to_string(c.moe_intermediate_size) + ", latent " +
                       std::to_string(c.routed_expert_hidden_size) + ", " + std::to_string(c.num_shared_experts) +
                       " shared (fused width " + std::to_string(c.shared_intermediate()) + ")");
-  r += row("activation", "SiTU-GLU beta " + fmt("%g", c.situ_beta) + " / " + fmt("%g", c.situ_linear_beta));
+  r += row("activation", c.activation == FfnActivation::SiTU
+                             ? "SiTU-GLU beta " + fmt("%g", c.situ_beta) + " / " + fmt("%g", c.situ_linear_beta)
+                             : "hidden_act \"" + c.hidden_act + "\" (GLU)");
   r += "parameters\n";
   r += row("KDA attention block", format_thousands(a.kda_attention));
   r += row("MLA attention block", format_thousands(a.mla_attention));

@@ -1,8 +1,11 @@
 // Strict config.json reader for ModelConfig (spec k3-architecture.md §1, §6.4).
-// Owns: JSON parsing, key lookup with one-line named problems, range and support checks, and the
-// one-based layer-list validation. Every problem is collected and thrown once (k3::ProblemList).
-// Must not: fill in defaults for keys the engine uses, silently accept unsupported features, or
-// read anything except config.json (checkpoint headers belong to io/model).
+// Owns: JSON parsing, key lookup with one-line named problems, range and consistency checks, the
+// family flags, and the one-based layer-list validation, in one parser per section (trunk, FFN,
+// MoE, expert selection, MLA, AttnRes, KDA, special tokens). Every problem is collected and thrown
+// once (k3::ProblemList).
+// Must not: fill in defaults for keys the engine uses (an absent family key is a flag, documented in
+// model_config.h), refuse a well-formed family member (check_supported in model/kimi_k3.cpp does),
+// or read anything except config.json (checkpoint headers belong to io/model).
 #include "config/model_config.h"
 
 #include <algorithm>
@@ -234,10 +237,264 @@ void read_token_id(Fields& f, const char* key, int64_t& out, bool& present) {
   }
 }
 
+// The state the section parsers share: the wrapper and text-config fields, the config being
+// filled and whether the layer count is known (range and coverage checks need it).
+struct Sections {
+  ModelConfig& c;
+  ProblemList& p;
+  Fields& top;  // the wrapper (the root object in both forms)
+  Fields& t;    // the text config (text_config, or the root of the flat form)
+  bool nested;  // t is text_config, not the root
+  bool n_known = false;
+
+  // A required positive integer up to `hi`.
+  void pos(const char* key, int64_t& out, int64_t hi = kMaxDim) {
+    if (t.get_int(key, out)) require_range(p, t.name(key), out, 1, hi);
+  }
+  // A required number that must be > 0.
+  void positive_num(const char* key, double& out, bool required = true) {
+    if (t.get_num(key, out, required) && !(out > 0)) p.add(t.name(key) + " = " + fmt_double(out) + " must be > 0");
+  }
+};
+
+// Detects the form (nested kimi_k3 or flat kimi_linear) and returns the text-config object.
+const json& find_text_config(const json& root, Fields& top, ModelConfig& c, ProblemList& p, const std::string& label,
+                             std::string& prefix) {
+  if (!top.get_str("model_type", c.model_type)) p.throw_if_any(label);
+  if (c.model_type == "kimi_linear") return root;
+  if (c.model_type != "kimi_k3") {
+    throw Error(label + ": unsupported model_type \"" + c.model_type +
+                "\" (expected \"kimi_k3\" with a text_config, or a flat \"kimi_linear\" config)");
+  }
+  const json* text = top.get_object("text_config");
+  if (!text) p.throw_if_any(label);
+  prefix = "text_config.";
+  Fields tf(*text, prefix, p);
+  std::string inner_type;
+  if (tf.get_str("model_type", inner_type) && inner_type != "kimi_linear") {
+    p.add("unsupported text_config.model_type \"" + inner_type + "\" (expected \"kimi_linear\")");
+  }
+  return *text;
+}
+
+// tie_word_embeddings may sit in the wrapper, the text config, or both; any `true` ties.
+void parse_tie_word_embeddings(Sections& s) {
+  bool tie_text = false, tie_top = false;
+  const bool in_text = s.t.has("tie_word_embeddings");
+  const bool in_top = s.nested && s.top.has("tie_word_embeddings");
+  if (!in_text && !in_top) {
+    s.p.add("missing key " + s.t.name("tie_word_embeddings"));
+    return;
+  }
+  if (in_text) s.t.get_bool("tie_word_embeddings", tie_text);
+  if (in_top) s.top.get_bool("tie_word_embeddings", tie_top);
+  s.c.tie_word_embeddings = tie_text || tie_top;
+}
+
+void parse_trunk(Sections& s) {
+  ModelConfig& c = s.c;
+  s.pos("hidden_size", c.hidden_size);
+  if (s.t.get_int("num_hidden_layers", c.num_hidden_layers)) {
+    require_range(s.p, s.t.name("num_hidden_layers"), c.num_hidden_layers, 1, kMaxLayers);
+    s.n_known = c.num_hidden_layers >= 1 && c.num_hidden_layers <= kMaxLayers;
+  }
+  s.pos("vocab_size", c.vocab_size);
+  if (s.t.get_num("rms_norm_eps", c.rms_norm_eps) && !(c.rms_norm_eps > 0 && c.rms_norm_eps < 1)) {
+    s.p.add(s.t.name("rms_norm_eps") + " = " + fmt_double(c.rms_norm_eps) + " must be in (0, 1)");
+  }
+  parse_tie_word_embeddings(s);
+  // Kimi Linear states its context as model_max_length only; max_position_embeddings wins when both are given.
+  const bool alt = !s.t.has("max_position_embeddings") && s.t.has("model_max_length");
+  s.pos(alt ? "model_max_length" : "max_position_embeddings", c.max_position_embeddings, kMaxPositions);
+}
+
+// hidden_act selects the GLU activation; SiTU needs its two caps.
+void parse_ffn(Sections& s) {
+  ModelConfig& c = s.c;
+  const bool act_ok = s.t.get_str("hidden_act", c.hidden_act);
+  c.activation = c.hidden_act == "situ"   ? FfnActivation::SiTU
+                 : c.hidden_act == "silu" ? FfnActivation::SiLU
+                                          : FfnActivation::Other;
+  const bool situ_keys = !act_ok || c.activation == FfnActivation::SiTU;  // unknown member: K3's keys
+  s.positive_num("activation_situ_beta", c.situ_beta, situ_keys);
+  s.positive_num("activation_situ_linear_beta", c.situ_linear_beta, situ_keys);
+  s.pos("intermediate_size", c.intermediate_size);
+  if (s.t.get_int("first_k_dense_replace", c.first_k_dense_replace)) {
+    if (c.first_k_dense_replace < 0) {
+      s.p.add(s.t.name("first_k_dense_replace") + " = " + std::to_string(c.first_k_dense_replace) + " must be >= 0");
+    } else if (s.n_known && c.first_k_dense_replace > c.num_hidden_layers) {
+      s.p.add(s.t.name("first_k_dense_replace") + " = " + std::to_string(c.first_k_dense_replace) +
+              " exceeds num_hidden_layers " + std::to_string(c.num_hidden_layers));
+    }
+  }
+  if (s.t.get_int("moe_layer_freq", c.moe_layer_freq)) {
+    require_range(s.p, s.t.name("moe_layer_freq"), c.moe_layer_freq, 1, kMaxLayers);
+  }
+}
+
+// Experts, the latent projection (present: Stable LatentMoE; absent: experts in the hidden space)
+// and the router's activation.
+void parse_moe(Sections& s) {
+  ModelConfig& c = s.c;
+  const bool experts_ok = s.t.get_int("num_experts", c.num_experts);
+  if (experts_ok) require_range(s.p, s.t.name("num_experts"), c.num_experts, 1, kMaxDim);
+  if (s.t.get_int("num_experts_per_token", c.num_experts_per_token)) {
+    if (c.num_experts_per_token < 1) {
+      s.p.add(s.t.name("num_experts_per_token") + " = " + std::to_string(c.num_experts_per_token) + " must be >= 1");
+    } else if (experts_ok && c.num_experts >= 1 && c.num_experts_per_token > c.num_experts) {
+      s.p.add(s.t.name("num_experts_per_token") + " = " + std::to_string(c.num_experts_per_token) +
+              " exceeds num_experts " + std::to_string(c.num_experts));
+    }
+  }
+  if (s.t.get_int("num_shared_experts", c.num_shared_experts)) {
+    require_range(s.p, s.t.name("num_shared_experts"), c.num_shared_experts, 0, 1024);
+  }
+  s.pos("moe_intermediate_size", c.moe_intermediate_size);
+  c.moe_kind = s.t.has("routed_expert_hidden_size") ? MoeKind::Latent : MoeKind::Hidden;
+  if (c.moe_kind == MoeKind::Latent) s.pos("routed_expert_hidden_size", c.routed_expert_hidden_size);
+  c.latent_moe_use_norm = false;  // stays false for Hidden experts without the key
+  s.t.get_bool("latent_moe_use_norm", c.latent_moe_use_norm, c.moe_kind == MoeKind::Latent);
+  s.t.get_bool("moe_renormalize", c.moe_renormalize);
+  if (s.t.get_str("moe_router_activation_func", c.router_activation_name)) {
+    const std::string& fn = c.router_activation_name;
+    c.router_activation = fn == "sigmoid"   ? RouterActivation::Sigmoid
+                          : fn == "softmax" ? RouterActivation::Softmax
+                                            : RouterActivation::Other;
+  }
+  s.positive_num("routed_scaling_factor", c.routed_scaling_factor);
+}
+
+// Optional selection keys: absent means the plain bias-corrected top-k over one group.
+void parse_expert_selection(Sections& s) {
+  ModelConfig& c = s.c;
+  s.t.get_str("topk_method", c.topk_method, false);
+  s.t.get_bool("use_grouped_topk", c.use_grouped_topk, false);
+  const bool experts_known = c.num_experts >= 1 && c.num_experts <= kMaxDim;
+  if (s.t.get_int("num_expert_group", c.num_expert_group, false)) {
+    const std::string nm = s.t.name("num_expert_group");
+    if (c.num_expert_group < 1) {
+      s.p.add(nm + " = " + std::to_string(c.num_expert_group) + " must be >= 1");
+    } else if (experts_known && c.num_experts % c.num_expert_group != 0) {
+      s.p.add(nm + " = " + std::to_string(c.num_expert_group) + " does not divide num_experts " +
+              std::to_string(c.num_experts));
+    }
+  }
+  if (s.t.get_int("topk_group", c.topk_group, false)) {
+    const std::string nm = s.t.name("topk_group");
+    if (c.topk_group < 1) {
+      s.p.add(nm + " = " + std::to_string(c.topk_group) + " must be >= 1");
+    } else if (c.num_expert_group >= 1 && c.topk_group > c.num_expert_group) {
+      s.p.add(nm + " = " + std::to_string(c.topk_group) + " exceeds num_expert_group " +
+              std::to_string(c.num_expert_group));
+    }
+  }
+}
+
+// MLA: q_lora_rank null is a member without the query LoRA; the output gate is absent unless stated.
+void parse_mla(Sections& s) {
+  ModelConfig& c = s.c;
+  s.pos("num_attention_heads", c.num_attention_heads);
+  const json* q = s.t.find("q_lora_rank");
+  c.mla_q_lora = !(q && q->is_null());
+  if (c.mla_q_lora) s.pos("q_lora_rank", c.q_lora_rank);
+  s.pos("kv_lora_rank", c.kv_lora_rank);
+  s.pos("qk_nope_head_dim", c.qk_nope_head_dim);
+  // The "rope" slot is present but never rotated in K3 (§3.6); zero width would be a coherent variant.
+  if (s.t.get_int("qk_rope_head_dim", c.qk_rope_head_dim)) {
+    require_range(s.p, s.t.name("qk_rope_head_dim"), c.qk_rope_head_dim, 0, kMaxDim);
+  }
+  s.pos("v_head_dim", c.v_head_dim);
+  s.t.get_bool("mla_use_nope", c.mla_use_nope);
+  c.mla_use_output_gate = false;
+  s.t.get_bool("mla_use_output_gate", c.mla_use_output_gate, false);
+}
+
+// Block AttnRes when attn_res_block_size is given, else the plain residual sum.
+void parse_attn_res(Sections& s) {
+  ModelConfig& c = s.c;
+  c.residual = s.t.has("attn_res_block_size") ? ResidualKind::BlockAttnRes : ResidualKind::PlainSum;
+  if (c.residual == ResidualKind::BlockAttnRes) s.pos("attn_res_block_size", c.attn_res_block_size, kMaxLayers);
+}
+
+void parse_kda(Sections& s, const std::string& prefix) {
+  ModelConfig& c = s.c;
+  const json* lin = s.t.get_object("linear_attn_config");
+  if (!lin) return;
+  const std::string lp = prefix + "linear_attn_config.";
+  Fields l(*lin, lp, s.p);
+  ProblemList& p = s.p;
+  const bool full_ok = l.get_int_list("full_attn_layers", c.full_attn_layers);
+  const bool kda_ok = l.get_int_list("kda_layers", c.kda_layers);
+  if (full_ok && kda_ok) validate_layer_lists(p, lp, c.full_attn_layers, c.kda_layers, c.num_hidden_layers, s.n_known);
+  if (l.get_int("num_heads", c.kda_num_heads)) require_range(p, l.name("num_heads"), c.kda_num_heads, 1, kMaxDim);
+  if (l.get_int("head_dim", c.kda_head_dim)) require_range(p, l.name("head_dim"), c.kda_head_dim, 1, kMaxDim);
+  if (l.get_int("short_conv_kernel_size", c.short_conv_kernel_size)) {
+    require_range(p, l.name("short_conv_kernel_size"), c.short_conv_kernel_size, 1, 1024);
+  }
+  // Optional family keys: absent = the unbounded decay gate and the low-rank output gate.
+  c.kda_gate_bounded = l.has("gate_lower_bound");
+  if (l.get_num("gate_lower_bound", c.gate_lower_bound, false) && !(c.gate_lower_bound < 0)) {
+    p.add(l.name("gate_lower_bound") + " = " + fmt_double(c.gate_lower_bound) + " must be < 0");
+  }
+  c.use_full_rank_gate = false;
+  l.get_bool("use_full_rank_gate", c.use_full_rank_gate, false);
+}
+
+// Special tokens: wrapper level wins; a text_config copy must agree.
+void parse_special_tokens(Sections& s) {
+  ModelConfig& c = s.c;
+  struct Tok {
+    const char* key;
+    int64_t* out;
+  };
+  const Tok toks[3] = {
+      {"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id}, {"pad_token_id", &c.pad_token_id}};
+  for (const Tok& tk : toks) {
+    int64_t v_top = -1, v_text = -1;
+    bool p_top = false, p_text = false;
+    read_token_id(s.top, tk.key, v_top, p_top);
+    if (s.nested) read_token_id(s.t, tk.key, v_text, p_text);
+    if (p_top && p_text && v_top != v_text) {
+      s.p.add(std::string(tk.key) + " " + std::to_string(v_top) + " disagrees with " + s.t.name(tk.key) + " " +
+              std::to_string(v_text));
+      continue;
+    }
+    if (!p_top && !p_text) continue;
+    const int64_t v = p_top ? v_top : v_text;
+    const std::string nm = p_top ? std::string(tk.key) : s.t.name(tk.key);
+    if (v < 0 || (c.vocab_size > 0 && v >= c.vocab_size)) {
+      s.p.add(nm + " = " + std::to_string(v) + " is outside 0.." + std::to_string(c.vocab_size - 1));
+      continue;
+    }
+    *tk.out = v;
+  }
+}
+
 }  // namespace
 
 bool ModelConfig::is_kda(int64_t layer) const {
   return std::find(kda_layers.begin(), kda_layers.end(), layer + 1) != kda_layers.end();
+}
+
+std::string ModelConfig::family_summary() const {
+  std::string s = activation == FfnActivation::SiTU
+                      ? "SiTU-GLU (beta " + fmt_double(situ_beta) + " / " + fmt_double(situ_linear_beta) + ")"
+                      : "\"" + hidden_act + "\"-GLU";
+  s += residual == ResidualKind::BlockAttnRes
+           ? ", Block AttnRes (blocks of " + std::to_string(attn_res_block_size) + ")"
+           : ", plain residual sum";
+  s += moe_kind == MoeKind::Latent
+           ? ", latent MoE (" + std::to_string(routed_expert_hidden_size) + (latent_moe_use_norm ? ", normed)" : ")")
+           : ", MoE in the hidden space";
+  s += ", router " + router_activation_name + (topk_method.empty() ? "" : " " + topk_method);
+  if (num_expert_group != 1)
+    s += ", top-" + std::to_string(topk_group) + " of " + std::to_string(num_expert_group) + " groups";
+  s += std::string(mla_use_nope ? ", MLA NoPE" : ", MLA RoPE") + (mla_q_lora ? "" : " without q LoRA") +
+       (mla_use_output_gate ? ", gated" : "");
+  s += std::string(", KDA ") + (kda_gate_bounded ? "bounded" : "unbounded") + " decay, " +
+       (use_full_rank_gate ? "full-rank" : "low-rank") + " output gate";
+  if (tie_word_embeddings) s += ", tied embeddings";
+  return s;
 }
 
 ModelConfig parse_model_config(const std::string& json_text, const std::string& label) {
@@ -254,210 +511,19 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   ProblemList p;
   ModelConfig c;
   c.source = label;
-
   Fields top(root, "", p);
-  if (!top.get_str("model_type", c.model_type)) p.throw_if_any(label);
-
-  const json* text = nullptr;
   std::string prefix;
-  if (c.model_type == "kimi_k3") {
-    text = top.get_object("text_config");
-    if (!text) p.throw_if_any(label);
-    prefix = "text_config.";
-    Fields tf(*text, prefix, p);
-    std::string inner_type;
-    if (tf.get_str("model_type", inner_type) && inner_type != "kimi_linear") {
-      p.add("unsupported text_config.model_type \"" + inner_type + "\" (expected \"kimi_linear\")");
-    }
-  } else if (c.model_type == "kimi_linear") {
-    text = &root;
-  } else {
-    throw Error(label + ": unsupported model_type \"" + c.model_type +
-                "\" (expected \"kimi_k3\" with a text_config, or a flat \"kimi_linear\" config)");
-  }
-
-  Fields t(*text, prefix, p);
-  auto pos = [&](const char* key, int64_t& out, int64_t hi = kMaxDim) {
-    if (t.get_int(key, out)) require_range(p, t.name(key), out, 1, hi);
-  };
-
-  // --- trunk
-  pos("hidden_size", c.hidden_size);
-  bool n_known = false;  // layer-list range/coverage checks need a valid layer count
-  if (t.get_int("num_hidden_layers", c.num_hidden_layers)) {
-    require_range(p, t.name("num_hidden_layers"), c.num_hidden_layers, 1, kMaxLayers);
-    n_known = c.num_hidden_layers >= 1 && c.num_hidden_layers <= kMaxLayers;
-  }
-  pos("vocab_size", c.vocab_size);
-  if (t.get_num("rms_norm_eps", c.rms_norm_eps) && !(c.rms_norm_eps > 0 && c.rms_norm_eps < 1)) {
-    p.add(t.name("rms_norm_eps") + " = " + fmt_double(c.rms_norm_eps) + " must be in (0, 1)");
-  }
-  // tie_word_embeddings may sit in the wrapper, the text config, or both; any `true` is unsupported.
-  {
-    bool tie_text = false, tie_top = false;
-    const bool in_text = t.has("tie_word_embeddings");
-    const bool in_top = text != &root && top.has("tie_word_embeddings");
-    if (!in_text && !in_top) {
-      p.add("missing key " + t.name("tie_word_embeddings"));
-    } else {
-      bool ok = true;
-      if (in_text) ok = t.get_bool("tie_word_embeddings", tie_text) && ok;
-      if (in_top) ok = top.get_bool("tie_word_embeddings", tie_top) && ok;
-      c.tie_word_embeddings = tie_text || tie_top;
-      if (ok && c.tie_word_embeddings) {
-        p.add("tie_word_embeddings true is not supported (K3 ships a separate lm_head)");
-      }
-    }
-  }
-  pos("max_position_embeddings", c.max_position_embeddings, kMaxPositions);
-
-  // --- FFN
-  {
-    std::string act;
-    if (t.get_str("hidden_act", act) && act != "situ") {
-      p.add("unsupported " + t.name("hidden_act") + " \"" + act + "\" (only \"situ\" is implemented)");
-    }
-  }
-  if (t.get_num("activation_situ_beta", c.situ_beta) && !(c.situ_beta > 0)) {
-    p.add(t.name("activation_situ_beta") + " = " + fmt_double(c.situ_beta) + " must be > 0");
-  }
-  if (t.get_num("activation_situ_linear_beta", c.situ_linear_beta) && !(c.situ_linear_beta > 0)) {
-    p.add(t.name("activation_situ_linear_beta") + " = " + fmt_double(c.situ_linear_beta) + " must be > 0");
-  }
-  pos("intermediate_size", c.intermediate_size);
-  if (t.get_int("first_k_dense_replace", c.first_k_dense_replace)) {
-    if (c.first_k_dense_replace < 0) {
-      p.add(t.name("first_k_dense_replace") + " = " + std::to_string(c.first_k_dense_replace) + " must be >= 0");
-    } else if (n_known && c.first_k_dense_replace > c.num_hidden_layers) {
-      p.add(t.name("first_k_dense_replace") + " = " + std::to_string(c.first_k_dense_replace) +
-            " exceeds num_hidden_layers " + std::to_string(c.num_hidden_layers));
-    }
-  }
-  if (t.get_int("moe_layer_freq", c.moe_layer_freq) && c.moe_layer_freq != 1) {
-    p.add("unsupported " + t.name("moe_layer_freq") + " = " + std::to_string(c.moe_layer_freq) +
-          " (only 1: every layer after first_k_dense_replace is MoE)");
-  }
-
-  // --- Stable LatentMoE
-  const bool experts_ok = t.get_int("num_experts", c.num_experts);
-  if (experts_ok) require_range(p, t.name("num_experts"), c.num_experts, 1, kMaxDim);
-  if (t.get_int("num_experts_per_token", c.num_experts_per_token)) {
-    if (c.num_experts_per_token < 1) {
-      p.add(t.name("num_experts_per_token") + " = " + std::to_string(c.num_experts_per_token) + " must be >= 1");
-    } else if (experts_ok && c.num_experts >= 1 && c.num_experts_per_token > c.num_experts) {
-      p.add(t.name("num_experts_per_token") + " = " + std::to_string(c.num_experts_per_token) +
-            " exceeds num_experts " + std::to_string(c.num_experts));
-    }
-  }
-  if (t.get_int("num_shared_experts", c.num_shared_experts)) {
-    require_range(p, t.name("num_shared_experts"), c.num_shared_experts, 0, 1024);
-  }
-  pos("moe_intermediate_size", c.moe_intermediate_size);
-  pos("routed_expert_hidden_size", c.routed_expert_hidden_size);
-  t.get_bool("latent_moe_use_norm", c.latent_moe_use_norm);
-  t.get_bool("moe_renormalize", c.moe_renormalize);
-  {
-    std::string fn;
-    if (t.get_str("moe_router_activation_func", fn) && fn != "sigmoid") {
-      p.add("unsupported " + t.name("moe_router_activation_func") + " \"" + fn + "\" (only \"sigmoid\" is implemented)");
-    }
-  }
-  if (t.get_num("routed_scaling_factor", c.routed_scaling_factor) && !(c.routed_scaling_factor > 0)) {
-    p.add(t.name("routed_scaling_factor") + " = " + fmt_double(c.routed_scaling_factor) + " must be > 0");
-  }
-  {
-    // Optional (absent means the plain sigmoid top-k, which is what noaux_tc with one group is).
-    std::string method;
-    if (t.get_str("topk_method", method, false) && method != "noaux_tc") {
-      p.add("unsupported " + t.name("topk_method") + " \"" + method + "\" (only \"noaux_tc\" is implemented)");
-    }
-    int64_t groups = 1, topk_group = 1;
-    if (t.get_int("num_expert_group", groups, false) && groups != 1) {
-      p.add("unsupported " + t.name("num_expert_group") + " = " + std::to_string(groups) +
-            " (grouped top-k is not implemented; need 1)");
-    }
-    if (t.get_int("topk_group", topk_group, false) && topk_group != 1) {
-      p.add("unsupported " + t.name("topk_group") + " = " + std::to_string(topk_group) +
-            " (grouped top-k is not implemented; need 1)");
-    }
-  }
-
-  // --- gated MLA (NoPE)
-  pos("num_attention_heads", c.num_attention_heads);
-  {
-    const json* q = t.find("q_lora_rank");
-    if (q && q->is_null()) {
-      p.add(t.name("q_lora_rank") + " is null (MLA without a query LoRA is not supported)");
-    } else {
-      pos("q_lora_rank", c.q_lora_rank);
-    }
-  }
-  pos("kv_lora_rank", c.kv_lora_rank);
-  pos("qk_nope_head_dim", c.qk_nope_head_dim);
-  // The "rope" slot is present but never rotated (§3.6); zero width would be a coherent variant.
-  if (t.get_int("qk_rope_head_dim", c.qk_rope_head_dim)) {
-    require_range(p, t.name("qk_rope_head_dim"), c.qk_rope_head_dim, 0, kMaxDim);
-  }
-  pos("v_head_dim", c.v_head_dim);
-  {
-    bool nope = false;
-    if (t.get_bool("mla_use_nope", nope) && !nope) {
-      p.add("unsupported " + t.name("mla_use_nope") + " false (RoPE in MLA is not implemented)");
-    }
-  }
-  t.get_bool("mla_use_output_gate", c.mla_use_output_gate);
-
-  // --- Block AttnRes
-  pos("attn_res_block_size", c.attn_res_block_size, kMaxLayers);
-
-  // --- KDA
-  if (const json* lin = t.get_object("linear_attn_config")) {
-    const std::string lp = prefix + "linear_attn_config.";
-    Fields l(*lin, lp, p);
-    const bool full_ok = l.get_int_list("full_attn_layers", c.full_attn_layers);
-    const bool kda_ok = l.get_int_list("kda_layers", c.kda_layers);
-    if (full_ok && kda_ok) validate_layer_lists(p, lp, c.full_attn_layers, c.kda_layers, c.num_hidden_layers, n_known);
-    if (l.get_int("num_heads", c.kda_num_heads)) require_range(p, l.name("num_heads"), c.kda_num_heads, 1, kMaxDim);
-    if (l.get_int("head_dim", c.kda_head_dim)) require_range(p, l.name("head_dim"), c.kda_head_dim, 1, kMaxDim);
-    if (l.get_int("short_conv_kernel_size", c.short_conv_kernel_size)) {
-      require_range(p, l.name("short_conv_kernel_size"), c.short_conv_kernel_size, 1, 1024);
-    }
-    if (l.get_num("gate_lower_bound", c.gate_lower_bound) && !(c.gate_lower_bound < 0)) {
-      p.add(l.name("gate_lower_bound") + " = " + fmt_double(c.gate_lower_bound) + " must be < 0");
-    }
-    if (l.get_bool("use_full_rank_gate", c.use_full_rank_gate) && !c.use_full_rank_gate) {
-      p.add("unsupported " + l.name("use_full_rank_gate") + " false (low-rank KDA output gate is not implemented)");
-    }
-  }
-
-  // --- special tokens: wrapper level wins; a text_config copy must agree.
-  {
-    struct Tok {
-      const char* key;
-      int64_t* out;
-    };
-    const Tok toks[3] = {{"bos_token_id", &c.bos_token_id}, {"eos_token_id", &c.eos_token_id}, {"pad_token_id", &c.pad_token_id}};
-    for (const Tok& tk : toks) {
-      int64_t v_top = -1, v_text = -1;
-      bool p_top = false, p_text = false;
-      read_token_id(top, tk.key, v_top, p_top);
-      if (text != &root) read_token_id(t, tk.key, v_text, p_text);
-      if (p_top && p_text && v_top != v_text) {
-        p.add(std::string(tk.key) + " " + std::to_string(v_top) + " disagrees with " + t.name(tk.key) + " " +
-              std::to_string(v_text));
-        continue;
-      }
-      if (!p_top && !p_text) continue;
-      const int64_t v = p_top ? v_top : v_text;
-      const std::string nm = p_top ? std::string(tk.key) : t.name(tk.key);
-      if (v < 0 || (c.vocab_size > 0 && v >= c.vocab_size)) {
-        p.add(nm + " = " + std::to_string(v) + " is outside 0.." + std::to_string(c.vocab_size - 1));
-        continue;
-      }
-      *tk.out = v;
-    }
-  }
-
+  const json& text = find_text_config(root, top, c, p, label, prefix);
+  Fields t(text, prefix, p);
+  Sections s{c, p, top, t, &text != &root};
+  parse_trunk(s);
+  parse_ffn(s);
+  parse_moe(s);
+  parse_expert_selection(s);
+  parse_mla(s);
+  parse_attn_res(s);
+  parse_kda(s, prefix);
+  parse_special_tokens(s);
   p.throw_if_any(label);
   return c;
 }

@@ -1,5 +1,6 @@
-// The Kimi K3 family's binding: config -> dims, and the checkpoint's tensors (names, shapes and dtypes
-// of spec §2, checked strictly) -> the model's weight views. A second family gets a file like this.
+// The Kimi K3 family's binding: which family members this engine runs (check_supported: the one place
+// that refuses a config's features), config -> dims, and the checkpoint's tensors (names, shapes and
+// dtypes of spec §2, checked strictly) -> the model's weight views. A second family gets a file like this.
 // Must not: compute (the forward is model/forward.cpp) or keep file handles beyond the mapping.
 #include <algorithm>
 #include <cstring>
@@ -38,6 +39,66 @@ ModelDims ModelDims::from_config(const ModelConfig& c) {
   d.dense_inter = c.first_k_dense_replace > 0 ? c.intermediate_size : 0;
   d.shared_inter = c.num_shared_experts > 0 ? c.shared_intermediate() : 0;
   return d;
+}
+
+// ---------------------------------------------------------------- family support
+namespace {
+
+struct Refusal {
+  std::string flag;  // "hidden_act \"silu\"": the key and its value
+  std::string text;  // the whole sentence
+};
+
+std::vector<Refusal> refusals(const ModelConfig& c) {
+  std::vector<Refusal> out;
+  const auto refuse = [&](bool cond, const std::string& flag, const std::string& meaning, const std::string& impl) {
+    if (!cond) return;
+    out.push_back({flag, flag + (meaning.empty() ? "" : " (" + meaning + ")") +
+                             " is not implemented by this engine (it implements " + impl + ")"});
+  };
+  const auto q = [](const std::string& v) { return "\"" + v + "\""; };
+  refuse(c.tie_word_embeddings, "tie_word_embeddings true", "", "the separate lm_head K3 ships");
+  refuse(c.activation != FfnActivation::SiTU, "hidden_act " + q(c.hidden_act), "", "the SiTU-GLU of K3, \"situ\"");
+  refuse(c.moe_layer_freq != 1, "moe_layer_freq " + std::to_string(c.moe_layer_freq), "",
+         "1: every layer from first_k_dense_replace on is MoE");
+  refuse(c.moe_kind != MoeKind::Latent, "routed_expert_hidden_size absent", "experts in the hidden space",
+         "the latent MoE of K3");
+  refuse(c.router_activation != RouterActivation::Sigmoid, "moe_router_activation_func " + q(c.router_activation_name),
+         "", "\"sigmoid\"");
+  refuse(!c.topk_method.empty() && c.topk_method != "noaux_tc", "topk_method " + q(c.topk_method), "",
+         "\"noaux_tc\", the bias-corrected top-k");
+  refuse(c.num_expert_group != 1, "num_expert_group " + std::to_string(c.num_expert_group), "grouped top-k",
+         "one group");
+  refuse(!c.mla_use_nope, "mla_use_nope false", "RoPE in MLA", "the NoPE MLA of K3");
+  refuse(!c.mla_q_lora, "q_lora_rank null", "MLA without a query LoRA", "the query LoRA of K3");
+  refuse(c.residual != ResidualKind::BlockAttnRes, "attn_res_block_size absent", "the plain residual sum",
+         "the Block AttnRes of K3");
+  refuse(!c.kda_gate_bounded, "linear_attn_config.gate_lower_bound absent", "the unbounded KDA decay gate",
+         "the bounded gate of K3");
+  refuse(!c.use_full_rank_gate, "linear_attn_config.use_full_rank_gate false", "the low-rank KDA output gate",
+         "the full-rank g_proj of K3");
+  refuse(c.short_conv_kernel_size < 1 || c.short_conv_kernel_size > 16,
+         "linear_attn_config.short_conv_kernel_size " + std::to_string(c.short_conv_kernel_size), "", "1..16");
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> unsupported_features(const ModelConfig& c) {
+  std::vector<std::string> v;
+  for (const Refusal& r : refusals(c)) v.push_back(r.text);
+  return v;
+}
+
+void check_supported(const ModelConfig& c) {
+  const std::vector<Refusal> r = refusals(c);
+  if (r.empty()) return;
+  std::string msg = c.source + ": " + r[0].text;
+  if (r.size() > 1) {
+    msg += "; " + std::to_string(r.size() - 1) + " more:";
+    for (size_t i = 1; i < r.size(); ++i) msg += (i > 1 ? ", " : " ") + r[i].flag;
+  }
+  fail(msg);
 }
 
 bool is_routed_expert_tensor(std::string_view name) {
@@ -205,12 +266,12 @@ GluWeights bind_glu(Binder& b, const std::string& p, int64_t inter, int64_t in) 
 std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
   std::unique_ptr<Model> m(new Model());
   m->cfg_ = load_model_config(dir);
+  check_supported(m->cfg_);
   m->dims_ = ModelDims::from_config(m->cfg_);
   m->ckpt_ = io::Checkpoint::open(dir);
   const ModelConfig& c = m->cfg_;
   const ModelDims& d = m->dims_;
   const int64_t H = d.hidden;
-  if (d.kda.conv_k < 1 || d.kda.conv_k > 16) fail(c.source + ": short_conv_kernel_size must be in 1..16");
 
   ProblemList problems;
   Binder b(*m->ckpt_, problems, m->vec_store_);

@@ -75,6 +75,14 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
 // The same from the config and the checkpoint's tensor bytes (k3 info: no weights bound).
 GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const GpuOptions& o, int64_t context);
 
+// The features of a K3-family config this engine does not implement (one sentence each: "<flag>
+// <value> (<meaning>) is not implemented by this engine (<what it implements>)"); empty for K3.
+// The one place that refuses family members (model/kimi_k3.cpp); config/ only parses the flags.
+std::vector<std::string> unsupported_features(const ModelConfig& c);
+// Throws k3::Error "<config path>: <first sentence>[; N more: <flags>]" (one line) unless the config
+// is runnable. Model::load and the checkpoint loader call it before sizing or binding anything.
+void check_supported(const ModelConfig& c);
+
 // True for the tensors of routed experts ("...block_sparse_moe.experts.N.w1/w2/w3...", plain or
 // MXFP4), the part of a checkpoint that --ram-budget streams instead of keeping resident.
 bool is_routed_expert_tensor(std::string_view name);

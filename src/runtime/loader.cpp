@@ -10,6 +10,7 @@
 #include "config/model_config.h"
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "model/model.h"
 #include "runtime/memory.h"
 
 namespace fs = std::filesystem;
@@ -22,6 +23,7 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
   lc.dir = r.dir;
   if (!fs::is_directory(lc.dir)) fail("model directory " + lc.dir + " does not exist");
   const ModelConfig cfg = load_model_config(lc.dir);
+  check_supported(cfg);  // before anything is sized for a family member this engine cannot run
   if (r.ctx_limit > cfg.max_position_embeddings)
     fail(nm.ctx + " " + std::to_string(r.ctx_limit) + " exceeds the model's max_position_embeddings (" +
          std::to_string(cfg.max_position_embeddings) + ")");

@@ -191,7 +191,20 @@ TEST(CliBadInput, ConfigProblems) {
   {
     ScratchModel s("cfg_act");
     s.edit_config([](nlohmann::json& j) { j["text_config"]["hidden_act"] = "gelu"; });
-    expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"), "gelu");
+    expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"),
+               "config.json: hidden_act \"gelu\" is not implemented by this engine");
+  }
+  {
+    // A family member without Block AttnRes: `k3 info` describes it, running it is refused in one line.
+    ScratchModel s("cfg_plain_residual");
+    s.edit_config([](nlohmann::json& j) { j["text_config"].erase("attn_res_block_size"); });
+    const auto info = run_k3("info " + s.m());
+    ASSERT_EQ(info.code, 0) << info.err;
+    EXPECT_NE(info.out.find("plain residual sum"), std::string::npos) << info.out;
+    EXPECT_NE(info.out.find("engine support: this engine cannot run this family member"), std::string::npos)
+        << info.out;
+    expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"),
+               "config.json: attn_res_block_size absent (the plain residual sum) is not implemented by this engine");
   }
   {
     ScratchModel s("cfg_layers");

@@ -1,5 +1,6 @@
 // Tests for the strict config reader (src/config/model_config.*): the released nested K3 config,
-// the flat kimi_linear form, the third-party tiny config, and every rejection path with its message.
+// the flat kimi_linear form, the third-party tiny config, a Kimi Linear 48B-A3B config (a family
+// member: its flags parse, the model binding refuses it in one line), and every rejection path.
 // Must not: rely on values computed by the code under test; expectations come from the spec (§1).
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include "common/error_util.h"
 #include "config/model_config.h"
 #include "core/error.h"
+#include "model/model.h"
 
 using nlohmann::json;
 
@@ -94,20 +96,99 @@ void expect_same_text_model(const k3::ModelConfig& a, const k3::ModelConfig& b) 
   EXPECT_EQ(a.bos_token_id, b.bos_token_id);
   EXPECT_EQ(a.eos_token_id, b.eos_token_id);
   EXPECT_EQ(a.pad_token_id, b.pad_token_id);
+  EXPECT_EQ(a.hidden_act, b.hidden_act);
+  EXPECT_EQ(a.activation, b.activation);
+  EXPECT_EQ(a.residual, b.residual);
+  EXPECT_EQ(a.moe_kind, b.moe_kind);
+  EXPECT_EQ(a.router_activation_name, b.router_activation_name);
+  EXPECT_EQ(a.router_activation, b.router_activation);
+  EXPECT_EQ(a.topk_method, b.topk_method);
+  EXPECT_EQ(a.use_grouped_topk, b.use_grouped_topk);
+  EXPECT_EQ(a.num_expert_group, b.num_expert_group);
+  EXPECT_EQ(a.topk_group, b.topk_group);
+  EXPECT_EQ(a.mla_use_nope, b.mla_use_nope);
+  EXPECT_EQ(a.mla_q_lora, b.mla_q_lora);
+  EXPECT_EQ(a.kda_gate_bounded, b.kda_gate_bounded);
 }
 
-// Every text_config key the engine requires (spec §1.2), relative to text_config.
+// The refusal of a parsed config by the model binding (k3::check_supported), or "" when it is runnable.
+std::string refusal_of(const k3::ModelConfig& c) {
+  try {
+    k3::check_supported(c);
+  } catch (const k3::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Kimi Linear 48B-A3B-Instruct's config.json (the flat kimi_linear form), written from its published
+// keys and values: SiLU, no query LoRA, no Block AttnRes / latent MoE / MLA output gate keys, a
+// linear_attn_config without gate_lower_bound or use_full_rank_gate, model_max_length for the context.
+json kimi_linear_48b() {
+  json full = json::array(), kda = json::array();
+  for (int l = 1; l <= 27; ++l) (l % 4 == 0 || l == 27 ? full : kda).push_back(l);
+  return json{{"architectures", {"KimiLinearForCausalLM"}},
+              {"model_type", "kimi_linear"},
+              {"bos_token_id", 163584},
+              {"eos_token_id", 163586},
+              {"pad_token_id", 163839},
+              {"dtype", "bfloat16"},
+              {"vocab_size", 163840},
+              {"hidden_size", 2304},
+              {"head_dim", 72},
+              {"intermediate_size", 9216},
+              {"num_hidden_layers", 27},
+              {"num_attention_heads", 32},
+              {"num_key_value_heads", 32},
+              {"hidden_act", "silu"},
+              {"initializer_range", 0.02},
+              {"rms_norm_eps", 1e-5},
+              {"model_max_length", 1048576},
+              {"rope_theta", 10000.0},
+              {"rope_scaling", nullptr},
+              {"tie_word_embeddings", false},
+              {"use_cache", true},
+              {"first_k_dense_replace", 1},
+              {"moe_layer_freq", 1},
+              {"num_experts", 256},
+              {"num_experts_per_token", 8},
+              {"num_shared_experts", 1},
+              {"moe_intermediate_size", 1024},
+              {"moe_renormalize", true},
+              {"moe_router_activation_func", "sigmoid"},
+              {"routed_scaling_factor", 2.446},
+              {"use_grouped_topk", true},
+              {"num_expert_group", 1},
+              {"topk_group", 1},
+              {"q_lora_rank", nullptr},
+              {"kv_lora_rank", 512},
+              {"qk_nope_head_dim", 128},
+              {"qk_rope_head_dim", 64},
+              {"v_head_dim", 128},
+              {"mla_use_nope", true},
+              {"num_nextn_predict_layers", 0},
+              {"linear_attn_config",
+               {{"full_attn_layers", full},
+                {"kda_layers", kda},
+                {"head_dim", 128},
+                {"num_heads", 32},
+                {"short_conv_kernel_size", 4}}}};
+}
+
+// Every text_config key the engine requires of the released config (spec §1.2), relative to text_config.
+// (latent_moe_use_norm only with routed_expert_hidden_size, the SiTU caps only with hidden_act "situ";
+// the family keys whose absence is a flag are in FamilyKeysAbsentAreFlags.)
+// clang-format off
 const std::vector<std::string> kRequiredTextKeys = {
     "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "rms_norm_eps", "max_position_embeddings",
     "hidden_act", "activation_situ_beta", "activation_situ_linear_beta", "intermediate_size",
     "first_k_dense_replace", "moe_layer_freq", "num_experts", "num_experts_per_token", "num_shared_experts",
-    "moe_intermediate_size", "routed_expert_hidden_size", "latent_moe_use_norm", "moe_renormalize",
-    "moe_router_activation_func", "routed_scaling_factor", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_use_nope", "mla_use_output_gate",
-    "attn_res_block_size"};
+    "moe_intermediate_size", "latent_moe_use_norm", "moe_renormalize", "moe_router_activation_func",
+    "routed_scaling_factor", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "mla_use_nope"};
+// clang-format on
 const std::vector<std::string> kRequiredLinearKeys = {"full_attn_layers", "kda_layers", "num_heads", "head_dim",
-                                                      "short_conv_kernel_size", "gate_lower_bound",
-                                                      "use_full_rank_gate"};
+                                                      "short_conv_kernel_size"};
 
 }  // namespace
 
@@ -155,6 +236,22 @@ TEST(ModelConfig, RealReleasedConfigValues) {
   EXPECT_EQ(c.bos_token_id, 163584);
   EXPECT_EQ(c.eos_token_id, 163586);
   EXPECT_EQ(c.pad_token_id, 163839);
+  // The family flags of K3 itself, which the engine runs.
+  EXPECT_EQ(c.hidden_act, "situ");
+  EXPECT_EQ(c.activation, k3::FfnActivation::SiTU);
+  EXPECT_EQ(c.residual, k3::ResidualKind::BlockAttnRes);
+  EXPECT_EQ(c.moe_kind, k3::MoeKind::Latent);
+  EXPECT_EQ(c.router_activation_name, "sigmoid");
+  EXPECT_EQ(c.router_activation, k3::RouterActivation::Sigmoid);
+  EXPECT_EQ(c.topk_method, "noaux_tc");
+  EXPECT_TRUE(c.use_grouped_topk);
+  EXPECT_EQ(c.num_expert_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_TRUE(c.mla_use_nope);
+  EXPECT_TRUE(c.mla_q_lora);
+  EXPECT_TRUE(c.kda_gate_bounded);
+  EXPECT_TRUE(k3::unsupported_features(c).empty());
+  EXPECT_EQ(refusal_of(c), "");
 }
 
 TEST(ModelConfig, RealConfigLayerPredicates) {
@@ -420,47 +517,263 @@ TEST(ModelConfig, LayerListDuplicateOverlapUncovered) {
   EXPECT_HAS(msg, "85-87, 89-91 are in neither");
 }
 
-TEST(ModelConfig, UnsupportedValues) {
+// A feature this engine does not implement parses into its flag; the model binding refuses it in
+// one line that names the flag and its value.
+TEST(ModelConfig, UnsupportedFeaturesParseAndAreRefusedByTheBinding) {
   struct Case {
     const char* key;
     json value;
-    std::string expect;
+    std::string refusal;  // after "cfg.json: "
   };
   const std::vector<Case> cases = {
-      {"hidden_act", "silu", "unsupported text_config.hidden_act \"silu\" (only \"situ\" is implemented)"},
+      {"hidden_act", "silu",
+       "hidden_act \"silu\" is not implemented by this engine (it implements the SiTU-GLU of "
+       "K3, \"situ\")"},
+      {"hidden_act", "gelu",
+       "hidden_act \"gelu\" is not implemented by this engine (it implements the SiTU-GLU of "
+       "K3, \"situ\")"},
       {"moe_router_activation_func", "softmax",
-       "unsupported text_config.moe_router_activation_func \"softmax\" (only \"sigmoid\" is implemented)"},
-      {"topk_method", "greedy", "unsupported text_config.topk_method \"greedy\" (only \"noaux_tc\" is implemented)"},
+       "moe_router_activation_func \"softmax\" is not implemented by this engine (it implements \"sigmoid\")"},
+      {"topk_method", "greedy",
+       "topk_method \"greedy\" is not implemented by this engine (it implements \"noaux_tc\", the bias-corrected "
+       "top-k)"},
       {"num_expert_group", 8,
-       "unsupported text_config.num_expert_group = 8 (grouped top-k is not implemented; need 1)"},
-      {"topk_group", 4, "unsupported text_config.topk_group = 4 (grouped top-k is not implemented; need 1)"},
-      {"mla_use_nope", false, "unsupported text_config.mla_use_nope false (RoPE in MLA is not implemented)"},
-      {"q_lora_rank", nullptr, "text_config.q_lora_rank is null (MLA without a query LoRA is not supported)"},
-      {"tie_word_embeddings", true, "tie_word_embeddings true is not supported (K3 ships a separate lm_head)"},
+       "num_expert_group 8 (grouped top-k) is not implemented by this engine (it implements one group)"},
+      {"mla_use_nope", false,
+       "mla_use_nope false (RoPE in MLA) is not implemented by this engine (it implements the NoPE MLA of K3)"},
+      {"q_lora_rank", nullptr,
+       "q_lora_rank null (MLA without a query LoRA) is not implemented by this engine (it implements the query "
+       "LoRA of K3)"},
+      {"tie_word_embeddings", true,
+       "tie_word_embeddings true is not implemented by this engine (it implements the separate lm_head K3 ships)"},
       {"moe_layer_freq", 2,
-       "unsupported text_config.moe_layer_freq = 2 (only 1: every layer after first_k_dense_replace is MoE)"},
-      {"model_type", "deepseek_v3", "unsupported text_config.model_type \"deepseek_v3\" (expected \"kimi_linear\")"},
+       "moe_layer_freq 2 is not implemented by this engine (it implements 1: every layer from "
+       "first_k_dense_replace on is MoE)"},
   };
   for (const auto& cs : cases) {
     json j = real_json();
     j["text_config"][cs.key] = cs.value;
-    EXPECT_EQ(error_of(j), "cfg.json: 1 problem: " + cs.expect) << cs.key;
+    const k3::ModelConfig c = parse(j);  // a well-formed family member parses
+    EXPECT_EQ(refusal_of(c), "cfg.json: " + cs.refusal) << cs.key;
+    ASSERT_EQ(k3::unsupported_features(c).size(), 1u) << cs.key;
+    EXPECT_EQ(k3::unsupported_features(c)[0], cs.refusal);
   }
   json j = real_json();
+  j["text_config"]["hidden_act"] = "silu";
+  k3::ModelConfig c = parse(j);
+  EXPECT_EQ(c.activation, k3::FfnActivation::SiLU);
+  EXPECT_DOUBLE_EQ(c.situ_beta, 4.0);  // present caps are still read (and checked)
+  j["text_config"]["moe_router_activation_func"] = "softmax";
+  EXPECT_EQ(parse(j).router_activation, k3::RouterActivation::Softmax);
+  j = real_json();
+  j["text_config"]["q_lora_rank"] = nullptr;
+  c = parse(j);
+  EXPECT_FALSE(c.mla_q_lora);
+  EXPECT_EQ(c.q_lora_rank, 0);
+  j = real_json();
   j["text_config"]["linear_attn_config"]["use_full_rank_gate"] = false;
-  EXPECT_EQ(error_of(j),
-            "cfg.json: 1 problem: unsupported text_config.linear_attn_config.use_full_rank_gate false (low-rank KDA "
-            "output gate is not implemented)");
+  EXPECT_EQ(refusal_of(parse(j)),
+            "cfg.json: linear_attn_config.use_full_rank_gate false (the low-rank KDA output gate) is not implemented "
+            "by this engine (it implements the full-rank g_proj of K3)");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["short_conv_kernel_size"] = 17;
+  EXPECT_EQ(refusal_of(parse(j)),
+            "cfg.json: linear_attn_config.short_conv_kernel_size 17 is not implemented by this engine (it "
+            "implements 1..16)");
   j = real_json();
   j["tie_word_embeddings"] = true;  // wrapper level only
-  EXPECT_HAS(error_of(j), "tie_word_embeddings true is not supported");
+  EXPECT_TRUE(parse(j).tie_word_embeddings);
+  EXPECT_HAS(refusal_of(parse(j)), "tie_word_embeddings true is not implemented by this engine");
+  // Two features: the first sentence, then the other flags by name, still one line.
+  j = real_json();
+  j["text_config"]["hidden_act"] = "silu";
+  j["text_config"]["mla_use_nope"] = false;
+  j["text_config"].erase("attn_res_block_size");
+  const std::string msg = refusal_of(parse(j));
+  EXPECT_EQ(msg,
+            "cfg.json: hidden_act \"silu\" is not implemented by this engine (it implements the SiTU-GLU of K3, "
+            "\"situ\"); 2 more: mla_use_nope false, attn_res_block_size absent");
   // Grouped top-k keys are optional; absent means ungrouped.
   j = real_json();
   j["text_config"].erase("topk_method");
   j["text_config"].erase("num_expert_group");
   j["text_config"].erase("topk_group");
   j["text_config"].erase("use_grouped_topk");
-  EXPECT_EQ(parse(j).num_experts, 896);
+  c = parse(j);
+  EXPECT_EQ(c.num_experts, 896);
+  EXPECT_EQ(c.topk_method, "");
+  EXPECT_EQ(c.num_expert_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_FALSE(c.use_grouped_topk);
+  EXPECT_EQ(refusal_of(c), "");
+}
+
+// A family key left out selects the member without the feature (not a "missing key").
+TEST(ModelConfig, FamilyKeysAbsentAreFlags) {
+  json j = real_json();
+  j["text_config"].erase("attn_res_block_size");
+  k3::ModelConfig c = parse(j);
+  EXPECT_EQ(c.residual, k3::ResidualKind::PlainSum);
+  EXPECT_EQ(c.attn_res_block_size, 0);
+  EXPECT_EQ(refusal_of(c),
+            "cfg.json: attn_res_block_size absent (the plain residual sum) is not implemented by this engine (it "
+            "implements the Block AttnRes of K3)");
+
+  j = real_json();
+  j["text_config"].erase("routed_expert_hidden_size");
+  j["text_config"].erase("latent_moe_use_norm");
+  c = parse(j);
+  EXPECT_EQ(c.moe_kind, k3::MoeKind::Hidden);
+  EXPECT_EQ(c.routed_expert_hidden_size, 0);
+  EXPECT_FALSE(c.latent_moe_use_norm);
+  EXPECT_EQ(refusal_of(c),
+            "cfg.json: routed_expert_hidden_size absent (experts in the hidden space) is not implemented by this "
+            "engine (it implements the latent MoE of K3)");
+
+  j = real_json();
+  j["text_config"].erase("mla_use_output_gate");
+  c = parse(j);
+  EXPECT_FALSE(c.mla_use_output_gate);
+  EXPECT_EQ(refusal_of(c), "");  // an ungated MLA is implemented
+
+  j = real_json();
+  j["text_config"]["linear_attn_config"].erase("gate_lower_bound");
+  c = parse(j);
+  EXPECT_FALSE(c.kda_gate_bounded);
+  EXPECT_EQ(refusal_of(c),
+            "cfg.json: linear_attn_config.gate_lower_bound absent (the unbounded KDA decay gate) is not implemented "
+            "by this engine (it implements the bounded gate of K3)");
+
+  j = real_json();
+  j["text_config"]["linear_attn_config"].erase("use_full_rank_gate");
+  c = parse(j);
+  EXPECT_FALSE(c.use_full_rank_gate);
+  EXPECT_HAS(refusal_of(c), "linear_attn_config.use_full_rank_gate false (the low-rank KDA output gate)");
+
+  // SiLU needs no caps; model_max_length stands in for an absent max_position_embeddings.
+  j = real_json();
+  j["text_config"]["hidden_act"] = "silu";
+  j["text_config"].erase("activation_situ_beta");
+  j["text_config"].erase("activation_situ_linear_beta");
+  j["text_config"].erase("max_position_embeddings");
+  j["text_config"]["model_max_length"] = 65536;
+  c = parse(j);
+  EXPECT_EQ(c.situ_beta, 0.0);
+  EXPECT_EQ(c.situ_linear_beta, 0.0);
+  EXPECT_EQ(c.max_position_embeddings, 65536);
+  j["text_config"]["max_position_embeddings"] = 4096;  // both given: max_position_embeddings wins
+  EXPECT_EQ(parse(j).max_position_embeddings, 4096);
+}
+
+// Family keys that are present must still be well formed.
+TEST(ModelConfig, FamilyKeysMalformed) {
+  const auto with = [](const char* key, const json& v) {
+    json j = real_json();
+    j["text_config"][key] = v;
+    return j;
+  };
+  EXPECT_EQ(error_of(with("attn_res_block_size", 0)),
+            "cfg.json: 1 problem: text_config.attn_res_block_size = 0 is outside 1..65536");
+  EXPECT_EQ(error_of(with("attn_res_block_size", nullptr)),
+            "cfg.json: 1 problem: text_config.attn_res_block_size must be an integer, got null");
+  EXPECT_HAS(error_of(with("routed_expert_hidden_size", -1)), "text_config.routed_expert_hidden_size = -1 is outside");
+  EXPECT_EQ(error_of(with("mla_use_output_gate", "yes")),
+            "cfg.json: 1 problem: text_config.mla_use_output_gate must be a boolean, got \"yes\"");
+  EXPECT_EQ(error_of(with("use_grouped_topk", 1)),
+            "cfg.json: 1 problem: text_config.use_grouped_topk must be a boolean, got 1");
+  EXPECT_EQ(error_of(with("topk_method", 3)), "cfg.json: 1 problem: text_config.topk_method must be a string, got 3");
+  EXPECT_EQ(error_of(with("moe_router_activation_func", false)),
+            "cfg.json: 1 problem: text_config.moe_router_activation_func must be a string, got false");
+  EXPECT_EQ(error_of(with("q_lora_rank", "1536")),
+            "cfg.json: 1 problem: text_config.q_lora_rank must be an integer, got \"1536\"");
+  EXPECT_EQ(error_of(with("moe_layer_freq", 0)),
+            "cfg.json: 1 problem: text_config.moe_layer_freq = 0 is outside 1..65536");
+  EXPECT_EQ(error_of(with("num_expert_group", 0)),
+            "cfg.json: 1 problem: text_config.num_expert_group = 0 must be >= 1");
+  EXPECT_EQ(error_of(with("num_expert_group", 3)),
+            "cfg.json: 1 problem: text_config.num_expert_group = 3 does not divide num_experts 896");
+  EXPECT_EQ(error_of(with("topk_group", 4)),
+            "cfg.json: 1 problem: text_config.topk_group = 4 exceeds num_expert_group 1");
+  EXPECT_EQ(error_of(with("topk_group", 0)), "cfg.json: 1 problem: text_config.topk_group = 0 must be >= 1");
+  EXPECT_EQ(error_of(with("activation_situ_beta", 0.0)),
+            "cfg.json: 1 problem: text_config.activation_situ_beta = 0 must be > 0");
+  json j = with("hidden_act", "silu");
+  j["text_config"]["activation_situ_linear_beta"] = -1.0;  // optional for SiLU, but checked when present
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.activation_situ_linear_beta = -1 must be > 0");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["gate_lower_bound"] = "low";
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 1 problem: text_config.linear_attn_config.gate_lower_bound must be a number, got \"low\"");
+  j = real_json();
+  j["text_config"]["linear_attn_config"]["use_full_rank_gate"] = nullptr;
+  EXPECT_EQ(error_of(j),
+            "cfg.json: 1 problem: text_config.linear_attn_config.use_full_rank_gate must be a boolean, got null");
+  j = real_json();
+  j["text_config"].erase("latent_moe_use_norm");  // required with the latent MoE
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: missing key text_config.latent_moe_use_norm");
+  j = real_json();
+  j["text_config"].erase("max_position_embeddings");
+  j["text_config"]["model_max_length"] = 0;
+  EXPECT_EQ(error_of(j), "cfg.json: 1 problem: text_config.model_max_length = 0 is outside 1..1099511627776");
+}
+
+// The sibling Kimi Linear 48B-A3B: its flat config parses into the family flags, and building a
+// model from it fails at the binding with one line naming the first unimplemented flag.
+TEST(ModelConfig, KimiLinear48BConfigParsesAndIsRefusedInOneLine) {
+  const k3::ModelConfig c = parse(kimi_linear_48b());
+  EXPECT_EQ(c.model_type, "kimi_linear");
+  EXPECT_EQ(c.hidden_size, 2304);
+  EXPECT_EQ(c.num_hidden_layers, 27);
+  EXPECT_EQ(c.vocab_size, 163840);
+  EXPECT_EQ(c.max_position_embeddings, 1048576);  // from model_max_length
+  EXPECT_EQ(c.intermediate_size, 9216);
+  EXPECT_EQ(c.num_experts, 256);
+  EXPECT_EQ(c.num_experts_per_token, 8);
+  EXPECT_EQ(c.num_shared_experts, 1);
+  EXPECT_EQ(c.moe_intermediate_size, 1024);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.446);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.kda_num_heads, 32);
+  EXPECT_EQ(c.kda_head_dim, 128);
+  EXPECT_EQ(c.short_conv_kernel_size, 4);
+  EXPECT_EQ(c.kda_layers.size(), 20u);
+  EXPECT_TRUE(c.is_mla(26));  // one-based 27, the last layer
+  EXPECT_TRUE(c.is_mla(23));
+  EXPECT_TRUE(c.is_kda(24));
+  EXPECT_EQ(c.eos_token_id, 163586);
+  // Its family flags.
+  EXPECT_EQ(c.activation, k3::FfnActivation::SiLU);
+  EXPECT_EQ(c.hidden_act, "silu");
+  EXPECT_EQ(c.residual, k3::ResidualKind::PlainSum);
+  EXPECT_EQ(c.moe_kind, k3::MoeKind::Hidden);
+  EXPECT_EQ(c.router_activation, k3::RouterActivation::Sigmoid);
+  EXPECT_EQ(c.topk_method, "");
+  EXPECT_TRUE(c.use_grouped_topk);
+  EXPECT_EQ(c.num_expert_group, 1);
+  EXPECT_TRUE(c.mla_use_nope);
+  EXPECT_FALSE(c.mla_q_lora);
+  EXPECT_FALSE(c.mla_use_output_gate);
+  EXPECT_FALSE(c.kda_gate_bounded);
+  EXPECT_FALSE(c.use_full_rank_gate);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(k3::unsupported_features(c).size(), 6u);
+  const std::string want =
+      "hidden_act \"silu\" is not implemented by this engine (it implements the SiTU-GLU of K3, \"situ\"); 5 more: "
+      "routed_expert_hidden_size absent, q_lora_rank null, attn_res_block_size absent, "
+      "linear_attn_config.gate_lower_bound absent, linear_attn_config.use_full_rank_gate false";
+  EXPECT_EQ(refusal_of(c), "cfg.json: " + want);
+
+  // Building the model from a directory holding it: the same one line, before any checkpoint is read.
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("k3_kimi_linear_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << kimi_linear_48b().dump(2);
+  const std::string msg =
+      k3test::error_of_call([&] { k3::Model::load(dir.string()); }, "Model::load accepted Kimi Linear");
+  EXPECT_EQ(msg, (dir / "config.json").string() + ": " + want);
+  EXPECT_EQ(msg.find('\n'), std::string::npos);
+  fs::remove_all(dir);
 }
 
 TEST(ModelConfig, UnknownModelType) {
