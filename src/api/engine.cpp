@@ -60,19 +60,23 @@ LoadOptionNames api_names() {
   return n;
 }
 
-SamplingParams to_params(const SamplingOptions& o) {
-  SamplingParams p;
-  p.temperature = o.temperature;
-  p.top_k = o.top_k;
-  p.top_p = o.top_p;
-  p.min_p = o.min_p;
-  p.repetition_penalty = o.repetition_penalty;
-  p.presence_penalty = o.presence_penalty;
-  p.frequency_penalty = o.frequency_penalty;
-  p.penalty_last_n = o.penalty_last_n;
-  p.seed = o.seed;
-  return p;
+// The public SamplingOptions and the runtime's SamplingParams have the same fields: one copy for
+// both directions.
+template <class To, class From>
+To convert_sampling(const From& f) {
+  To t;
+  t.temperature = f.temperature;
+  t.top_k = f.top_k;
+  t.top_p = f.top_p;
+  t.min_p = f.min_p;
+  t.repetition_penalty = f.repetition_penalty;
+  t.presence_penalty = f.presence_penalty;
+  t.frequency_penalty = f.frequency_penalty;
+  t.penalty_last_n = f.penalty_last_n;
+  t.seed = f.seed;
+  return t;
 }
+SamplingParams to_params(const SamplingOptions& o) { return convert_sampling<SamplingParams>(o); }
 
 tok::TokenId checked_id(const tok::Tokenizer& t, int32_t id) {
   if (id < 0 || !t.is_valid_id(tok::TokenId(id)))
@@ -209,20 +213,7 @@ std::vector<int32_t> Engine::render_chat(const std::vector<ChatMessage>& message
   return std::vector<int32_t>(ids.begin(), ids.end());
 }
 
-SamplingOptions Engine::sampling_defaults() const {
-  const SamplingParams& p = impl_->sampling;
-  SamplingOptions o;
-  o.temperature = p.temperature;
-  o.top_k = p.top_k;
-  o.top_p = p.top_p;
-  o.min_p = p.min_p;
-  o.repetition_penalty = p.repetition_penalty;
-  o.presence_penalty = p.presence_penalty;
-  o.frequency_penalty = p.frequency_penalty;
-  o.penalty_last_n = p.penalty_last_n;
-  o.seed = p.seed;
-  return o;
-}
+SamplingOptions Engine::sampling_defaults() const { return convert_sampling<SamplingOptions>(impl_->sampling); }
 
 // ---- TokenSampler
 

@@ -19,7 +19,7 @@
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
-#include "cuda/kda_inputs.h"
+#include "common/kda_inputs.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"

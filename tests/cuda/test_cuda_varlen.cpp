@@ -23,7 +23,7 @@
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "core/error.h"
-#include "cuda/kda_inputs.h"
+#include "common/kda_inputs.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/ops.h"
 

@@ -26,6 +26,11 @@ constexpr int64_t kGemvMaxT = 8;
 // Y[T, W.rows] = X[T, W.cols] · Wᵀ. W is a device view (data/scales in GPU memory) in any WFormat;
 // MXFP4 is decoded inside the kernel (packed nibbles + E8M0 scales, never expanded in memory).
 void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p, Stream s);
+// Decode rows of many sequences together: the GEMV kernels (fp32 activations, weights read once)
+// for T <= kGemvMaxT, or T == kGemvWideT on non-MXFP4 weights (gemv_wide_ok); k3::Error otherwise.
+constexpr int64_t kGemvWideT = 16;
+bool gemv_wide_ok(const WeightMat& W);
+void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s);
 // Routed experts stacked along rows: W = [E * R, C] (expert e owns rows [e*R, (e+1)*R)).
 // Y[n, R] = W_{ids[n]} · X[n / x_div] for n in [0, N). ids (device, int32) are read by the kernel,
 // so a graph replays with whatever the router wrote.

@@ -500,9 +500,13 @@ __global__ void __launch_bounds__(kGemvThreads)
 // activation loads: warps run different row counts, so no block barriers inside). The extra block
 // row e == E turns ids outside [0, E) into NaN rows instead of reading outside W.
 constexpr int kGroupRows = 256;
-// Up to this many slots the per-slot kernel is used: decode (T <= kGemvMaxT tokens x top_k) routes
-// each token to distinct experts, so grouping would only pad batches; beyond it, prefill.
-constexpr int64_t kExpertPerTokenMaxN = 128;
+// Up to this many slots (the grid's limit) the per-slot kernel is used. The grouped kernel reads
+// each weight once per kGemvMaxT slots but every warp loads its slots' activations from L1 for
+// every two rows, which bounds it far below the memory roof: on the H200, 256 decode slots (32
+// sequences x top-8, gpu-bench) took 1.4 ms per expert product grouped and the per-slot kernel,
+// reading an expert once per slot, several times less. Long chunks group on the host instead
+// (one GEMM per selected expert).
+constexpr int64_t kExpertPerTokenMaxN = 65535;
 template <WFormat F, bool VEC>
 __global__ void __launch_bounds__(kGemvThreads)
     expert_group_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E,
@@ -805,6 +809,14 @@ void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stre
   }
 }
 
+template <WFormat F>
+void launch_gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  if constexpr (F != WFormat::MXFP4) {
+    if (T == kGemvWideT) return launch_gemv_t<F, int(kGemvWideT)>(W, X, Y, s);
+  }
+  launch_gemv_f<F>(W, X, T, Y, s);
+}
+
 template <bool ROUND_X>
 void launch_simt(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
   const dim3 grid(unsigned((W.rows + kSimtTile - 1) / kSimtTile), unsigned((T + kSimtTile - 1) / kSimtTile));
@@ -920,6 +932,23 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   }
   // F16 / F32 weights (bf16 tensor cores would round them) and unaligned BF16 / MXFP4 views.
   launch_simt<true>(W, X, T, Y, s);
+}
+
+bool gemv_wide_ok(const WeightMat& W) { return W.fmt != WFormat::MXFP4; }
+
+void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  check_weight(W, "gemv_rows");
+  if (T <= 0 || W.rows == 0) return;
+  if (T > kGemvMaxT && !(T == kGemvWideT && gemv_wide_ok(W)))
+    failf("gemv_rows: %lld rows (at most %lld, or %lld on non-MXFP4 weights)", (long long)T, (long long)kGemvMaxT,
+          (long long)kGemvWideT);
+  if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
+  switch (W.fmt) {
+    case WFormat::F32: return launch_gemv_rows<WFormat::F32>(W, X, T, Y, s);
+    case WFormat::F16: return launch_gemv_rows<WFormat::F16>(W, X, T, Y, s);
+    case WFormat::BF16: return launch_gemv_rows<WFormat::BF16>(W, X, T, Y, s);
+    case WFormat::MXFP4: return launch_gemv_rows<WFormat::MXFP4>(W, X, T, Y, s);
+  }
 }
 
 void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,

@@ -1,5 +1,5 @@
-// Random KDA inputs shaped as the model produces them, shared by the CUDA KDA tests
-// (test_cuda_ops.cpp, test_cuda_varlen.cpp). Owns: nothing the engine uses; test-only.
+// Random KDA inputs shaped as the model produces them, shared by the KDA op tests (CPU:
+// test_ops_twins.cpp, test_ops_levels.cpp; CUDA: test_cuda_ops.cpp, test_cuda_varlen.cpp). Test-only.
 #pragma once
 #include <cmath>
 #include <cstdint>
