@@ -49,10 +49,14 @@ int main(int argc, char** argv) {
     expanded.mla_algo = k3::MlaAlgo::Expanded;
     const auto a = run(chunked, T), b = run(rec, T), c = run(expanded, T), d = run(chunked, 1), e = run(rec, 1);
     std::printf("%s (T=%zu, vocab %zu), rel-L2 over all logits\n", dir.c_str(), T, V);
-    std::printf("  vs fp64 reference: full pass chunked KDA + absorbed MLA %.2e | recurrent KDA %.2e | expanded MLA %.2e | prefill 1 + decode %.2e\n",
-                rel_l2(a, ref), rel_l2(b, ref), rel_l2(c, ref), rel_l2(d, ref));
-    std::printf("  between paths:     chunked vs recurrent %.2e | absorbed vs expanded %.2e | incremental vs full pass (recurrent) %.2e\n",
-                rel_l2(a, b), rel_l2(c, a), rel_l2(e, b));
+    std::printf(
+        "  vs fp64 reference: full pass chunked KDA + absorbed MLA %.2e | recurrent KDA %.2e | expanded MLA %.2e | "
+        "prefill 1 + decode %.2e\n",
+        rel_l2(a, ref), rel_l2(b, ref), rel_l2(c, ref), rel_l2(d, ref));
+    std::printf(
+        "  between paths:     chunked vs recurrent %.2e | absorbed vs expanded %.2e | incremental vs full pass "
+        "(recurrent) %.2e\n",
+        rel_l2(a, b), rel_l2(c, a), rel_l2(e, b));
   } catch (const k3::Error& e) {
     std::fprintf(stderr, "k3_gate_report: error: %s\n", e.what());
     return e.exit_code();

@@ -32,9 +32,12 @@ int main(int argc, char** argv) {
   std::string level;
   int only = -1;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc) level = argv[++i];
-    else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc) only = std::atoi(argv[++i]);
-    else min_s = std::atof(argv[i]);
+    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc)
+      level = argv[++i];
+    else if (std::strcmp(argv[i], "--case") == 0 && i + 1 < argc)
+      only = std::atoi(argv[++i]);
+    else
+      min_s = std::atof(argv[i]);
   }
   if (!level.empty()) {
     const k3::ops::CpuIsa want = level == "avx2" ? k3::ops::CpuIsa::Avx2 : k3::ops::CpuIsa::Avx512;

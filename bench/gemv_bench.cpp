@@ -11,9 +11,9 @@
 #include <omp.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -55,8 +55,10 @@ int main(int argc, char** argv) {
   double min_s = 2.0;
   std::string level;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc) level = argv[++i];
-    else min_s = std::atof(argv[i]);
+    if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc)
+      level = argv[++i];
+    else
+      min_s = std::atof(argv[i]);
   }
   if (!level.empty()) {
     const k3::ops::CpuIsa want = level == "scalar" ? k3::ops::CpuIsa::Scalar

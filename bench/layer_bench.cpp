@@ -10,10 +10,10 @@
 
 #include <algorithm>
 #include <chrono>
-#include <deque>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -115,12 +115,18 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--config") config_dir = next();
-    else if (a == "--expert-pool") pool_n = std::stoll(next());
-    else if (a == "--depth") depth = std::stoll(next());
-    else if (a == "--prefill") prefill = std::stoll(next());
-    else if (a == "-r") reps = std::stoll(next());
-    else if (a == "--numerics") numerics = next();
+    if (a == "--config")
+      config_dir = next();
+    else if (a == "--expert-pool")
+      pool_n = std::stoll(next());
+    else if (a == "--depth")
+      depth = std::stoll(next());
+    else if (a == "--prefill")
+      prefill = std::stoll(next());
+    else if (a == "-r")
+      reps = std::stoll(next());
+    else if (a == "--numerics")
+      numerics = next();
     else {
       std::fprintf(stderr,
                    "usage: k3_layer_bench [--config DIR] [--expert-pool N] [--depth N] [--prefill N] [-r N] "
@@ -133,12 +139,13 @@ int main(int argc, char** argv) {
     const k3::ModelDims d = k3::ModelDims::from_config(cfg);
     const int64_t H = d.hidden;
     std::fprintf(stderr, "k3_layer_bench: %s: hidden %lld, %lld experts top-%lld, latent %lld; building weights...\n",
-                 config_dir.c_str(), (long long)H, (long long)d.moe.experts, (long long)d.moe.top_k, (long long)d.moe.latent);
+                 config_dir.c_str(), (long long)H, (long long)d.moe.experts, (long long)d.moe.top_k,
+                 (long long)d.moe.latent);
     Arena A;
     std::vector<k3::GluWeights> pool;
     for (int64_t e = 0; e < pool_n; ++e)
-      pool.push_back({A.mxfp4(d.moe.inter, d.moe.latent), A.mxfp4(d.moe.inter, d.moe.latent),
-                      A.mxfp4(d.moe.latent, d.moe.inter)});
+      pool.push_back(
+          {A.mxfp4(d.moe.inter, d.moe.latent), A.mxfp4(d.moe.inter, d.moe.latent), A.mxfp4(d.moe.latent, d.moe.inter)});
 
     auto norms = [&](k3::LayerWeights& w) {
       w.input_norm = A.vec(H, 1.0f, 0.1f);
@@ -208,11 +215,12 @@ int main(int argc, char** argv) {
         run.pool.write_kda(run.slot, L, S, conv);
       } else {
         run.pool.set_position(run.slot, depth);
-        run.pool.write_mla(run.slot, L, A.floats(depth * d.mla.kv_lora, 0.0f, 1.0f), A.floats(depth * d.mla.rope, 0.0f, 1.0f));
+        run.pool.write_mla(run.slot, L, A.floats(depth * d.mla.kv_lora, 0.0f, 1.0f),
+                           A.floats(depth * d.mla.rope, 0.0f, 1.0f));
       }
       const auto num = opt.numerics == k3::ops::Numerics::Exact ? k3::StepNumerics::Exact
                        : opt.numerics == k3::ops::Numerics::F32 ? k3::StepNumerics::F32
-                                                                 : k3::StepNumerics::Fast;
+                                                                : k3::StepNumerics::Fast;
       // Depth state: `blocks` snapshots and the partial sum, plus a spare for a snapshot.
       std::vector<std::vector<float>> bufs;
       for (int64_t b = 0; b <= blocks + 1; ++b) bufs.push_back(A.floats(T * H, 0.0f, 1.0f));
@@ -227,9 +235,12 @@ int main(int argc, char** argv) {
         ds.partial = spare[size_t(blocks)];
         ds.partial_empty = false;
         const double t0 = now_s();
-        run.step(s, T, [&](const k3::StepCtx& c) {
-          k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a.data(), xn.data(), y.data(), opt);
-        }, num);
+        run.step(
+            s, T,
+            [&](const k3::StepCtx& c) {
+              k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a.data(), xn.data(), y.data(), opt);
+            },
+            num);
         if (r > 0) times.push_back(now_s() - t0);  // the first run warms caches/pages up
         run.pool.free(s);
       }
@@ -262,13 +273,13 @@ int main(int argc, char** argv) {
           b += k3::weight_bytes(*m);
         b += 2 * 4 * uint64_t(d.kda.heads * d.kda.head_dim * d.kda.head_dim);
       } else {
-        for (const auto* m : {&w.mla.q_a_proj, &w.mla.q_b_proj, &w.mla.kv_a_proj, &w.mla.kv_b_proj, &w.mla.g_proj,
-                              &w.mla.o_proj})
+        for (const auto* m :
+             {&w.mla.q_a_proj, &w.mla.q_b_proj, &w.mla.kv_a_proj, &w.mla.kv_b_proj, &w.mla.g_proj, &w.mla.o_proj})
           b += k3::weight_bytes(*m);
         b += uint64_t(depth * (d.mla.kv_lora + d.mla.rope) * 4);
       }
-      for (const auto* m : {&w.moe.gate, &w.moe.down_lat, &w.moe.up_lat, &w.moe.shared.gate, &w.moe.shared.up,
-                            &w.moe.shared.down})
+      for (const auto* m :
+           {&w.moe.gate, &w.moe.down_lat, &w.moe.up_lat, &w.moe.shared.gate, &w.moe.shared.up, &w.moe.shared.down})
         b += k3::weight_bytes(*m);
       b += uint64_t(d.moe.top_k) * (k3::weight_bytes(pool[0].gate) * 3);
       return b;
@@ -289,20 +300,26 @@ int main(int argc, char** argv) {
                      {"read_gbs_after", read_after},
                      {"peak_gflops", roof.peak_gflops},
                      {"peak_kind", roof.peak_kind}};
-    j["kda_layer"] = {{"decode_ms", kda_dec * 1e3}, {"decode_bytes", kda_b},
-                      {"decode_gbs", double(kda_b) / kda_dec / 1e9}, {"prefill_ms_per_token", kda_pre * 1e3}};
-    j["mla_layer"] = {{"decode_ms", mla_dec * 1e3}, {"decode_bytes", mla_b},
-                      {"decode_gbs", double(mla_b) / mla_dec / 1e9}, {"prefill_ms_per_token", mla_pre * 1e3}};
+    j["kda_layer"] = {{"decode_ms", kda_dec * 1e3},
+                      {"decode_bytes", kda_b},
+                      {"decode_gbs", double(kda_b) / kda_dec / 1e9},
+                      {"prefill_ms_per_token", kda_pre * 1e3}};
+    j["mla_layer"] = {{"decode_ms", mla_dec * 1e3},
+                      {"decode_bytes", mla_b},
+                      {"decode_gbs", double(mla_b) / mla_dec / 1e9},
+                      {"prefill_ms_per_token", mla_pre * 1e3}};
     j["lm_head_ms"] = head * 1e3;
     j["layers"] = {{"kda", n_kda}, {"mla", n_mla}};
     j["extrapolated"] = {{"decode_s_per_token", decode_s},
                          {"decode_bytes_per_token", total_b},
                          {"decode_fraction_of_read_bw", double(total_b) / decode_s / (read_gbs * 1e9)},
                          {"prefill_s_per_token", prefill_s},
-                         {"note", "all weights resident in RAM (the 1.45 TB of experts would have to come from "
-                                  "disk on a real machine of this size: add expert bytes / disk bandwidth)"}};
-    j["peer_kimi_k3_in_c"] = {{"source", "FareedKhan-dev/kimi-k3-in-c docs/data/speed-2026-08.md via "
-                                         "performance-anchors.md 6.3"},
+                         {"note",
+                          "all weights resident in RAM (the 1.45 TB of experts would have to come from "
+                          "disk on a real machine of this size: add expert bytes / disk bandwidth)"}};
+    j["peer_kimi_k3_in_c"] = {{"source",
+                               "FareedKhan-dev/kimi-k3-in-c docs/data/speed-2026-08.md via "
+                               "performance-anchors.md 6.3"},
                               {"machine", "EPYC 7763, 124 vCPU, AVX2, NVMe 3.2-4.6 GB/s"},
                               {"s_per_token_128GB_plus", 5.59},
                               {"s_per_token_8GB", 26.5},

@@ -94,8 +94,8 @@ int main(int argc, char** argv) {
     const char* ln = k3::ops::cpu_isa_name(level);
     for (Kda* c : {&dec96, &dec16}) {
       const double s = time_per_call(min_s, [&] {
-        k3::ops::kda_recurrent(c->q.data(), c->k.data(), c->v.data(), c->g.data(), c->beta.data(), 1, c->H, c->D,
-                               c->D, c->S.data(), c->o.data());
+        k3::ops::kda_recurrent(c->q.data(), c->k.data(), c->v.data(), c->g.data(), c->beta.data(), 1, c->H, c->D, c->D,
+                               c->S.data(), c->o.data());
       });
       const std::string name = "kda_recurrent T=1 H=" + std::to_string(c->H) + " D=128";
       row(name.c_str(), ln, s, 2.0 * double(c->H * c->D * c->D) * 4 / s / 1e9, "GB/s (state r+w)");

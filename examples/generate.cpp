@@ -29,7 +29,8 @@ int main(int argc, char** argv) try {
   for (size_t i = 0; i < prompts.size(); ++i) {
     k3::SamplingOptions so = engine->sampling_defaults();
     so.seed = i + 1;
-    seqs.push_back({engine->new_sequence(), engine->tokenize(prompts[i]), {}, k3::TokenSampler(so, engine->vocab_size())});
+    seqs.push_back(
+        {engine->new_sequence(), engine->tokenize(prompts[i]), {}, k3::TokenSampler(so, engine->vocab_size())});
     for (int32_t t : seqs.back().feed) seqs.back().sampler.accept(t);
   }
   std::vector<float> logits;

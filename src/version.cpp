@@ -2,4 +2,4 @@
 #include "k3/version.h"
 namespace k3 {
 const char* version() { return "0.1.0"; }
-}
+}  // namespace k3

@@ -22,21 +22,21 @@
 namespace k3 {
 
 struct EngineOptions {
-  std::string model_dir;            // config.json + safetensors (+ tiktoken.model, tokenizer_config.json)
-  std::string device = "cpu";       // cpu | cuda (an NVIDIA GPU; needs a build with the CUDA backend)
-  std::string numerics = "fast";    // fast | fp32 | exact (exact: fp64 sums, reference grade, CPU only)
-  std::string ram_budget;           // "" or a size ("24G"): keep weights within it by streaming routed
-                                    // experts from disk (CPU only; same output)
-  bool direct_io = false;           // with ram_budget: read experts with O_DIRECT
-  int threads = 0;                  // CPU threads (process-wide OpenMP setting); 0 = leave as is
-  std::string mem_limit;            // refuse to load above this size ("" = the machine's MemAvailable)
-  int64_t context = 0;              // longest sequence in tokens; 0 = min(max_position_embeddings, 32768).
-                                    // The load-time memory check counts one sequence of this length.
-  int64_t step_tokens = 512;        // rows of one forward piece (longer steps run in pieces); 1..1048576
-  std::string tokenizer_dir;        // "" = model_dir
-  bool need_tokenizer = true;       // false: load without a tokenizer (token ids only; text calls throw)
-  bool prefault = true;             // CPU: read the weights in at load time (else on first use)
-  bool cuda_graphs = true;          // cuda: replay decode steps as CUDA graphs
+  std::string model_dir;          // config.json + safetensors (+ tiktoken.model, tokenizer_config.json)
+  std::string device = "cpu";     // cpu | cuda (an NVIDIA GPU; needs a build with the CUDA backend)
+  std::string numerics = "fast";  // fast | fp32 | exact (exact: fp64 sums, reference grade, CPU only)
+  std::string ram_budget;         // "" or a size ("24G"): keep weights within it by streaming routed
+                                  // experts from disk (CPU only; same output)
+  bool direct_io = false;         // with ram_budget: read experts with O_DIRECT
+  int threads = 0;                // CPU threads (process-wide OpenMP setting); 0 = leave as is
+  std::string mem_limit;          // refuse to load above this size ("" = the machine's MemAvailable)
+  int64_t context = 0;            // longest sequence in tokens; 0 = min(max_position_embeddings, 32768).
+                                  // The load-time memory check counts one sequence of this length.
+  int64_t step_tokens = 512;      // rows of one forward piece (longer steps run in pieces); 1..1048576
+  std::string tokenizer_dir;      // "" = model_dir
+  bool need_tokenizer = true;     // false: load without a tokenizer (token ids only; text calls throw)
+  bool prefault = true;           // CPU: read the weights in at load time (else on first use)
+  bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
 };
 
 // One sequence's part of a step: n tokens appended to sequence seq. ids must stay valid during step.
@@ -56,7 +56,7 @@ struct SamplingOptions {
   float repetition_penalty = 1.0f;  // 1 = off; > 0
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
-  int32_t penalty_last_n = 64;      // window of accepted tokens; -1 = all, 0 = off
+  int32_t penalty_last_n = 64;  // window of accepted tokens; -1 = all, 0 = off
   uint64_t seed = 0;
 };
 
@@ -84,11 +84,11 @@ class Engine {
   bool on_gpu() const;
 
   // ---- sequences (scheduler thread)
-  int32_t new_sequence();                 // empty
-  void free_sequence(int32_t seq);        // k3::Error for a sequence that is not live
-  int32_t fork_sequence(int32_t seq);     // a copy of seq (cache pages shared until written)
-  void reset_sequence(int32_t seq);       // back to empty
-  int64_t position(int32_t seq) const;    // tokens the sequence holds
+  int32_t new_sequence();               // empty
+  void free_sequence(int32_t seq);      // k3::Error for a sequence that is not live
+  int32_t fork_sequence(int32_t seq);   // a copy of seq (cache pages shared until written)
+  void reset_sequence(int32_t seq);     // back to empty
+  int64_t position(int32_t seq) const;  // tokens the sequence holds
 
   // One step of many distinct live sequences. logits (when given) is resized to the output rows,
   // sequence by sequence in input order (n rows with all_logits, else 1), times vocab_size(); argmax
@@ -98,7 +98,7 @@ class Engine {
   void step(const std::vector<StepInput>& in, std::vector<float>* logits, std::vector<int32_t>* argmax);
 
   // ---- tokenizer (const; any thread)
-  std::vector<int32_t> tokenize(std::string_view text) const;               // special-token text stays text
+  std::vector<int32_t> tokenize(std::string_view text) const;  // special-token text stays text
   std::string detokenize(const std::vector<int32_t>& ids, bool skip_special = false) const;
   int32_t bos_id() const;                 // -1 when the model has none
   int32_t end_of_turn_id() const;         // <|end_of_msg|>, -1 when the tokenizer has none
@@ -170,7 +170,7 @@ class ChatParser {
   std::vector<ChatEvent> finish();
   const std::string& reasoning() const;  // everything parsed so far
   const std::string& content() const;
-  bool finished_message() const;         // the end of the assistant message was seen
+  bool finished_message() const;  // the end of the assistant message was seen
 
  private:
   struct Impl;

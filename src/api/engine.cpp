@@ -20,14 +20,14 @@ namespace k3 {
 
 struct Engine::Impl {
   EngineOptions opt;
-  LoadedCheckpoint lc;                // model, tokenizer, expert cache
-  std::unique_ptr<StatePool> pool;    // after lc: released before the model
+  LoadedCheckpoint lc;              // model, tokenizer, expert cache
+  std::unique_ptr<StatePool> pool;  // after lc: released before the model
   ForwardOptions fwd;
   int64_t max_ctx = 0;
   int32_t bos = -1, eot = -1;
   std::vector<int32_t> stops;
   SamplingParams sampling;
-  std::vector<SeqStep> batch;         // step scratch
+  std::vector<SeqStep> batch;  // step scratch
 
   const tok::Tokenizer& tok() const {
     if (!lc.tok) fail("this engine was loaded without a tokenizer (EngineOptions::need_tokenizer is false)");
@@ -42,7 +42,8 @@ void check_options(const EngineOptions& o) {
   if (o.device != "cpu" && o.device != "cuda") fail("device must be cpu or cuda, not '" + o.device + "'");
   if (o.numerics != "fast" && o.numerics != "fp32" && o.numerics != "exact")
     fail("numerics must be fast, fp32 or exact, not '" + o.numerics + "'");
-  if (o.threads < 0) fail("threads must be >= 0 (0 = leave the OpenMP setting as is), not " + std::to_string(o.threads));
+  if (o.threads < 0)
+    fail("threads must be >= 0 (0 = leave the OpenMP setting as is), not " + std::to_string(o.threads));
   if (o.context < 0) fail("context must be >= 0 (0 = the model's, at most 32768), not " + std::to_string(o.context));
   if (o.step_tokens < 1 || o.step_tokens > (int64_t(1) << 20))
     fail("step_tokens must be in 1..1048576, not " + std::to_string(o.step_tokens));
@@ -168,7 +169,8 @@ void Engine::step(const std::vector<StepInput>& in, std::vector<float>* logits, 
     im.pool->check_live(s.seq);
     if (s.n <= 0) fail("step: sequence " + std::to_string(s.seq) + " has no tokens (n = " + std::to_string(s.n) + ")");
     if (!s.ids) fail("step: sequence " + std::to_string(s.seq) + " has n = " + std::to_string(s.n) + " but no ids");
-    if (s.all_logits && !logits) fail("step: sequence " + std::to_string(s.seq) + " asks for all_logits but logits is null");
+    if (s.all_logits && !logits)
+      fail("step: sequence " + std::to_string(s.seq) + " asks for all_logits but logits is null");
     const int64_t end = im.pool->position(s.seq) + s.n;
     if (end > im.max_ctx)
       fail("step: sequence " + std::to_string(s.seq) + " would hold " + std::to_string(end) +
@@ -261,11 +263,21 @@ std::vector<ChatEvent> to_events(const std::vector<chat::Event>& ev) {
   for (const chat::Event& e : ev) {
     ChatEvent c;
     switch (e.kind) {
-      case chat::EventKind::Reasoning: c.kind = ChatEventKind::Reasoning; break;
-      case chat::EventKind::Content: c.kind = ChatEventKind::Content; break;
-      case chat::EventKind::ToolCallStart: c.kind = ChatEventKind::ToolCallStart; break;
-      case chat::EventKind::ToolArgs: c.kind = ChatEventKind::ToolArgs; break;
-      case chat::EventKind::ToolCallEnd: c.kind = ChatEventKind::ToolCallEnd; break;
+      case chat::EventKind::Reasoning:
+        c.kind = ChatEventKind::Reasoning;
+        break;
+      case chat::EventKind::Content:
+        c.kind = ChatEventKind::Content;
+        break;
+      case chat::EventKind::ToolCallStart:
+        c.kind = ChatEventKind::ToolCallStart;
+        break;
+      case chat::EventKind::ToolArgs:
+        c.kind = ChatEventKind::ToolArgs;
+        break;
+      case chat::EventKind::ToolCallEnd:
+        c.kind = ChatEventKind::ToolCallEnd;
+        break;
     }
     c.text = e.text;
     c.call = e.call;

@@ -16,7 +16,7 @@
 namespace k3::chat {
 
 struct ToolCall {
-  std::string id;                  // OpenAI call id (kept internal; the prompt uses index)
+  std::string id;  // OpenAI call id (kept internal; the prompt uses index)
   std::string name;
   nlohmann::ordered_json arguments;  // usually an object; other JSON values use a json body
 };
@@ -24,7 +24,7 @@ struct ToolCall {
 struct Message {
   std::string role;  // system | user | assistant | tool
   std::string content;
-  std::string reasoning;            // assistant
+  std::string reasoning;             // assistant
   std::vector<ToolCall> tool_calls;  // assistant
   std::string tool_call_id;          // tool
   std::string name;                  // tool: function name (optional when tool_call_id resolves)
@@ -33,7 +33,7 @@ struct Message {
 struct RenderOptions {
   nlohmann::json tools = nlohmann::json::array();  // OpenAI tool declarations
   std::string thinking_effort;  // "" (no effort message), low, medium, high, max, or none (= non-thinking)
-  bool thinking = true;          // generation prompt opens think (true) or response (false)
+  bool thinking = true;         // generation prompt opens think (true) or response (false)
   bool add_generation_prompt = true;
   bool tool_choice_required = false;
 };

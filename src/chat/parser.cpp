@@ -19,11 +19,21 @@ std::string json_escape(std::string_view s) {
   for (char ch : s) {
     const auto c = static_cast<unsigned char>(ch);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           static const char* hex = "0123456789abcdef";
@@ -98,11 +108,21 @@ OutputParser::OutputParser(bool thinking_prompt) : state_(thinking_prompt ? Stat
 
 void OutputParser::push(std::vector<Event>& ev, EventKind k, std::string text) {
   switch (k) {
-    case EventKind::Reasoning: result_.reasoning += text; break;
-    case EventKind::Content: result_.content += text; break;
-    case EventKind::ToolCallStart: result_.calls.push_back({text, "", false}); break;
-    case EventKind::ToolArgs: result_.calls[static_cast<size_t>(call_)].arguments += text; break;
-    case EventKind::ToolCallEnd: result_.calls[static_cast<size_t>(call_)].complete = true; break;
+    case EventKind::Reasoning:
+      result_.reasoning += text;
+      break;
+    case EventKind::Content:
+      result_.content += text;
+      break;
+    case EventKind::ToolCallStart:
+      result_.calls.push_back({text, "", false});
+      break;
+    case EventKind::ToolArgs:
+      result_.calls[static_cast<size_t>(call_)].arguments += text;
+      break;
+    case EventKind::ToolCallEnd:
+      result_.calls[static_cast<size_t>(call_)].complete = true;
+      break;
   }
   ev.push_back({k, std::move(text), k == EventKind::Reasoning || k == EventKind::Content ? -1 : call_});
 }
@@ -114,7 +134,9 @@ void OutputParser::emit_text(std::string_view t, std::vector<Event>& ev) {
       for (char c : t) saw_reasoning_text_ |= !is_ws(c);
       push(ev, EventKind::Reasoning, std::string(t));
       break;
-    case State::Content: push(ev, EventKind::Content, std::string(t)); break;
+    case State::Content:
+      push(ev, EventKind::Content, std::string(t));
+      break;
     case State::Between: {
       size_t k = 0;
       while (k < t.size() && is_ws(t[k])) ++k;
@@ -127,13 +149,18 @@ void OutputParser::emit_text(std::string_view t, std::vector<Event>& ev) {
       break;
     }
     case State::Arg:
-      if (arg_streaming_) push(ev, EventKind::ToolArgs, json_escape(t));
-      else arg_value_.append(t);
+      if (arg_streaming_)
+        push(ev, EventKind::ToolArgs, json_escape(t));
+      else
+        arg_value_.append(t);
       break;
-    case State::JsonBody: push(ev, EventKind::ToolArgs, std::string(t)); break;
+    case State::JsonBody:
+      push(ev, EventKind::ToolArgs, std::string(t));
+      break;
     case State::Tools:
     case State::Call:
-    case State::Done: break;  // text between structural markers is not content
+    case State::Done:
+      break;  // text between structural markers is not content
   }
 }
 
@@ -147,8 +174,10 @@ void OutputParser::begin_call(const std::string& name, std::vector<Event>& ev) {
 }
 
 void OutputParser::finish_arg(std::vector<Event>& ev) {
-  if (arg_streaming_) push(ev, EventKind::ToolArgs, "\"");
-  else push(ev, EventKind::ToolArgs, coerce_value(arg_type_, arg_value_));
+  if (arg_streaming_)
+    push(ev, EventKind::ToolArgs, "\"");
+  else
+    push(ev, EventKind::ToolArgs, coerce_value(arg_type_, arg_value_));
   arg_streaming_ = false;
   arg_value_.clear();
   ++args_in_call_;

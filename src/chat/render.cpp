@@ -93,9 +93,12 @@ void render_assistant(Out& o, const Message& m) {
 std::string escape_attr(const std::string& v) {
   std::string out;
   for (char c : v) {
-    if (c == '&') out += "&amp;";
-    else if (c == '"') out += "&quot;";
-    else out += c;
+    if (c == '&')
+      out += "&amp;";
+    else if (c == '"')
+      out += "&quot;";
+    else
+      out += c;
   }
   return out;
 }
@@ -160,7 +163,9 @@ std::vector<Segment> render(const std::vector<Message>& msgs, const RenderOption
               found = true;
             }
           }
-          if (!found) throw Error("chat: tool message " + std::to_string(i) + " answers unknown tool_call_id '" + t.tool_call_id + "'");
+          if (!found)
+            throw Error("chat: tool message " + std::to_string(i) + " answers unknown tool_call_id '" + t.tool_call_id +
+                        "'");
         }
         run.emplace_back(idx, &t);
       }
@@ -206,8 +211,10 @@ std::string segments_review_text(const std::vector<Segment>& segs) {
 std::vector<tok::TokenId> segments_ids(const tok::Tokenizer& tok, const std::vector<Segment>& segs) {
   std::vector<tok::TokenId> ids;
   for (const auto& g : segs) {
-    if (g.special) ids.push_back(tok.require_special(g.text));
-    else tok.encode_append(g.text, ids);
+    if (g.special)
+      ids.push_back(tok.require_special(g.text));
+    else
+      tok.encode_append(g.text, ids);
   }
   return ids;
 }

@@ -7,9 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <ctime>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <random>
 
@@ -27,16 +27,20 @@ namespace k3::cli {
 
 void RunEngineFlags::add(CLI::App* app) {
   app->add_option("-m,--model", model, "checkpoint directory (default: $K3_MODEL, else the bundled K3-nano)");
-  app->add_option("--tokenizer", tokenizer, "directory with tiktoken.model + tokenizer_config.json (default: the model directory)");
+  app->add_option("--tokenizer", tokenizer,
+                  "directory with tiktoken.model + tokenizer_config.json (default: the model directory)");
   app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
   app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
   app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
-  app->add_option("--ubatch", ubatch, "prefill piece size in tokens (bounds activation memory)")->check(CLI::Range(1, 1 << 20));
+  app->add_option("--ubatch", ubatch, "prefill piece size in tokens (bounds activation memory)")
+      ->check(CLI::Range(1, 1 << 20));
   app->add_option("--ctx", ctx, "context limit in tokens (default: the model's max_position_embeddings)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
   app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
-  app->add_option("--mem-limit", mem_limit, "refuse to load when the model needs more than SIZE (default: MemAvailable)");
-  app->add_flag("--no-prefault", no_prefault, "do not read the weights in at load time (first tokens then fault pages in)");
+  app->add_option("--mem-limit", mem_limit,
+                  "refuse to load when the model needs more than SIZE (default: MemAvailable)");
+  app->add_flag("--no-prefault", no_prefault,
+                "do not read the weights in at load time (first tokens then fault pages in)");
   app->add_option("--ram-budget", ram_budget,
                   "keep weights within SIZE of RAM: the trunk stays resident, routed experts are read from disk into "
                   "an LRU cache of the rest (runs models larger than RAM; same output)")
@@ -76,7 +80,8 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   m.use_gpu(o);
   if (!quiet) {
     const GpuMemoryPlan p = gpu_memory_plan(m, o, o.initial_context);
-    std::fprintf(stderr, "%s: on the GPU: %s of weights + %s workspace + %s state (%lld tokens reserved, grows), in %.2f s%s\n",
+    std::fprintf(stderr,
+                 "%s: on the GPU: %s of weights + %s workspace + %s state (%lld tokens reserved, grows), in %.2f s%s\n",
                  who.c_str(), human_bytes(p.weights).c_str(), human_bytes(p.workspace).c_str(),
                  human_bytes(p.state_fixed + p.state_per_token * size_t(p.context)).c_str(), (long long)p.context,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
@@ -94,12 +99,14 @@ ForwardOptions RunEngineFlags::forward() const {
 }
 
 void SamplingFlags::add(CLI::App* app) {
-  temp = app->add_option("--temp,--temperature", v_temp, "temperature; 0 = greedy (default 1, or generation_config.json)");
+  temp =
+      app->add_option("--temp,--temperature", v_temp, "temperature; 0 = greedy (default 1, or generation_config.json)");
   top_k = app->add_option("--top-k", v_top_k, "keep the k most likely tokens; 0 = off");
   top_p = app->add_option("--top-p", v_top_p, "nucleus: smallest set with cumulative probability >= p; 1 = off");
   min_p = app->add_option("--min-p", v_min_p, "drop tokens with p < min_p * p_max; 0 = off");
   rep = app->add_option("--repeat-penalty", v_rep, "CTRL repetition penalty; 1 = off");
-  rep_n = app->add_option("--repeat-last-n", v_rep_n, "tokens the penalties look back over; -1 = all, 0 = off (default 64)");
+  rep_n = app->add_option("--repeat-last-n", v_rep_n,
+                          "tokens the penalties look back over; -1 = all, 0 = off (default 64)");
   pres = app->add_option("--presence-penalty", v_pres, "subtract this from tokens seen at least once; 0 = off");
   freq = app->add_option("--frequency-penalty", v_freq, "subtract this times the count of each seen token; 0 = off");
   seed = app->add_option("--seed", v_seed, "RNG seed (default: random, printed in the summary)");
@@ -173,7 +180,8 @@ int run_guarded(const char* who, const std::function<int()>& body) {
 bool stderr_is_tty() { return ::isatty(2) == 1; }
 bool stdout_is_tty() { return ::isatty(1) == 1; }
 
-Progress::Progress(std::string label, bool enabled) : label_(std::move(label)), enabled_(enabled), tty_(stderr_is_tty()) {}
+Progress::Progress(std::string label, bool enabled)
+    : label_(std::move(label)), enabled_(enabled), tty_(stderr_is_tty()) {}
 
 void Progress::update(uint64_t done, uint64_t total, const std::string& unit_text) {
   if (!enabled_ || total == 0) return;
@@ -266,7 +274,8 @@ std::string expert_summary(const LoadedModel& lm, const ExpertCacheStats& prefil
   if (decode_tokens < 0)
     s += per(all.bytes_read, prefill_tokens);
   else
-    s += per(prefill.bytes_read, prefill_tokens) + " prefill, " + per((all - prefill).bytes_read, decode_tokens) + " decode";
+    s += per(prefill.bytes_read, prefill_tokens) + " prefill, " + per((all - prefill).bytes_read, decode_tokens) +
+         " decode";
   char buf[160];
   std::snprintf(buf, sizeof buf, ", hit %.0f%%, %llu reads, %llu evictions", 100.0 * all.hit_rate(),
                 (unsigned long long)all.reads, (unsigned long long)all.evictions);
@@ -305,10 +314,11 @@ void install_interrupt_handler() {
 
 std::string summary_line(const GenStats& st, StopReason reason) {
   char buf[512];
-  std::snprintf(buf, sizeof buf,
-                "prompt %lld tok | generated %lld tok | prefill %.1f tok/s | decode %.1f tok/s | peak RSS %s | stop: %s",
-                (long long)st.prompt_tokens, (long long)st.generated_tokens, st.prefill_tps(), st.decode_tps(),
-                human_bytes(peak_rss_bytes()).c_str(), stop_reason_name(reason));
+  std::snprintf(
+      buf, sizeof buf,
+      "prompt %lld tok | generated %lld tok | prefill %.1f tok/s | decode %.1f tok/s | peak RSS %s | stop: %s",
+      (long long)st.prompt_tokens, (long long)st.generated_tokens, st.prefill_tps(), st.decode_tps(),
+      human_bytes(peak_rss_bytes()).c_str(), stop_reason_name(reason));
   return buf;
 }
 

@@ -4,8 +4,8 @@
 #pragma once
 #include <CLI/CLI.hpp>
 #include <atomic>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -37,8 +37,8 @@ struct RunEngineFlags {
 // --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
 // --frequency-penalty, --seed. Unset flags keep the checkpoint's generation_config.json values.
 struct SamplingFlags {
-  CLI::Option *temp = nullptr, *top_k = nullptr, *top_p = nullptr, *min_p = nullptr, *rep = nullptr,
-              *rep_n = nullptr, *pres = nullptr, *freq = nullptr, *seed = nullptr;
+  CLI::Option *temp = nullptr, *top_k = nullptr, *top_p = nullptr, *min_p = nullptr, *rep = nullptr, *rep_n = nullptr,
+              *pres = nullptr, *freq = nullptr, *seed = nullptr;
   float v_temp = 0, v_top_p = 0, v_min_p = 0, v_rep = 0, v_pres = 0, v_freq = 0;
   int32_t v_top_k = 0, v_rep_n = 0;
   uint64_t v_seed = 0;
@@ -89,7 +89,8 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
 // "this k3 was built without the CUDA backend".
 std::string gpu_fit_line(size_t need_bytes);
 
-// One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB | stop: eos"
+// One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB |
+// stop: eos"
 std::string summary_line(const GenStats& st, StopReason reason);
 
 // Parses a subcommand's flags (app.get_name() is "k3 run" etc.). Returns the exit code when the

@@ -181,14 +181,22 @@ Flags parse_flags(int argc, char** argv) {
     auto no_value = [&]() {
       if (has_inline) throw Error(a + " takes no value");
     };
-    if (a == "-h" || a == "--help") no_value(), f.help = true;
-    else if (a == "-m" || a == "--model") f.model = value(), have_model = true;
-    else if (a == "-p" || a == "--n-prompt") f.n_prompt = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-n" || a == "--n-gen") f.n_gen = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-d" || a == "--n-depth") f.n_depth = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-t" || a == "--threads") f.threads = parse_list(a, value(), 1, 4096);
-    else if (a == "-b" || a == "--batch") f.batch = parse_list(a, value(), 1, kMaxBatch);
-    else if (a == "-r" || a == "--repetitions") f.reps = parse_int(a, value(), 1, 1000000);
+    if (a == "-h" || a == "--help")
+      no_value(), f.help = true;
+    else if (a == "-m" || a == "--model")
+      f.model = value(), have_model = true;
+    else if (a == "-p" || a == "--n-prompt")
+      f.n_prompt = parse_list(a, value(), 0, kMaxTokens);
+    else if (a == "-n" || a == "--n-gen")
+      f.n_gen = parse_list(a, value(), 0, kMaxTokens);
+    else if (a == "-d" || a == "--n-depth")
+      f.n_depth = parse_list(a, value(), 0, kMaxTokens);
+    else if (a == "-t" || a == "--threads")
+      f.threads = parse_list(a, value(), 1, 4096);
+    else if (a == "-b" || a == "--batch")
+      f.batch = parse_list(a, value(), 1, kMaxBatch);
+    else if (a == "-r" || a == "--repetitions")
+      f.reps = parse_int(a, value(), 1, 1000000);
     else if (a == "-o" || a == "--output") {
       f.output = value();
       if (f.output != "md" && f.output != "json" && f.output != "jsonl")
@@ -198,19 +206,27 @@ Flags parse_flags(int argc, char** argv) {
       if (f.json_out.empty()) throw Error("--json-out: empty file name");
     } else if (a == "--kda") {
       f.kda = value();
-      if (f.kda != "chunked" && f.kda != "recurrent") throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
+      if (f.kda != "chunked" && f.kda != "recurrent")
+        throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
     } else if (a == "--mla") {
       f.mla = value();
-      if (f.mla != "absorbed" && f.mla != "expanded") throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
-    } else if (a == "--chunk") f.chunk = parse_int(a, value(), 1, 1024);
-    else if (a == "--ubatch") f.ubatch = parse_int(a, value(), 1, kMaxTokens);
+      if (f.mla != "absorbed" && f.mla != "expanded")
+        throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
+    } else if (a == "--chunk")
+      f.chunk = parse_int(a, value(), 1, 1024);
+    else if (a == "--ubatch")
+      f.ubatch = parse_int(a, value(), 1, kMaxTokens);
     else if (a == "--seed") {
       const std::string v = value();
       f.seed = uint64_t(parse_int(a, v, 0, std::numeric_limits<int64_t>::max()));
-    } else if (a == "--progress") no_value(), f.progress = true;
-    else if (a == "--no-progress") no_value(), f.progress = false;
-    else if (a == "--no-roofline") no_value(), f.roofline = false;
-    else if (a == "--roofline-mib") f.roofline_mib = parse_int(a, value(), 16, 1 << 20);
+    } else if (a == "--progress")
+      no_value(), f.progress = true;
+    else if (a == "--no-progress")
+      no_value(), f.progress = false;
+    else if (a == "--no-roofline")
+      no_value(), f.roofline = false;
+    else if (a == "--roofline-mib")
+      f.roofline_mib = parse_int(a, value(), 16, 1 << 20);
     else if (a == "--numerics") {
       f.numerics = value();
       k3::ops::parse_numerics(f.numerics);
@@ -219,13 +235,14 @@ Flags parse_flags(int argc, char** argv) {
       k3::ops::parse_cpu_isa(f.cpu_isa);
     } else if (a == "--device") {
       f.device = value();
-      if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
+      if (f.device != "cpu" && f.device != "cuda")
+        throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
     } else if (a == "--graphs") {
       f.graphs = value();
       if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
         throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
-    }
-    else throw Error("unknown flag '" + a + "' (see k3 bench --help)");
+    } else
+      throw Error("unknown flag '" + a + "' (see k3 bench --help)");
   }
   if (f.help) return f;
   if (!have_model || f.model.empty()) throw Error("-m/--model DIR is required");
@@ -277,10 +294,14 @@ using k3::human_bytes;
 
 std::string human_count(int64_t n) {
   char buf[64];
-  if (n >= 1000000000) std::snprintf(buf, sizeof buf, "%.2f B", double(n) / 1e9);
-  else if (n >= 1000000) std::snprintf(buf, sizeof buf, "%.2f M", double(n) / 1e6);
-  else if (n >= 1000) std::snprintf(buf, sizeof buf, "%.2f K", double(n) / 1e3);
-  else std::snprintf(buf, sizeof buf, "%lld", (long long)n);
+  if (n >= 1000000000)
+    std::snprintf(buf, sizeof buf, "%.2f B", double(n) / 1e9);
+  else if (n >= 1000000)
+    std::snprintf(buf, sizeof buf, "%.2f M", double(n) / 1e6);
+  else if (n >= 1000)
+    std::snprintf(buf, sizeof buf, "%.2f K", double(n) / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%lld", (long long)n);
   return buf;
 }
 
@@ -402,9 +423,9 @@ struct Bench {
   const Flags& f;
   k3::ForwardOptions opt;
   std::unique_ptr<k3::StatePool> pool;
-  int32_t base = -1;           // the depth context every run copies
-  std::vector<int32_t> work;   // the runs' sequences (as many as the largest -b)
-  std::vector<float> logits;   // [largest -b, vocab]: last-token logits of prefill steps
+  int32_t base = -1;          // the depth context every run copies
+  std::vector<int32_t> work;  // the runs' sequences (as many as the largest -b)
+  std::vector<float> logits;  // [largest -b, vocab]: last-token logits of prefill steps
   std::vector<k3::SeqStep> seqs;
   std::vector<int32_t> feed, picked;
 
@@ -525,7 +546,8 @@ ModelInfo model_info(const Flags& f, const k3::Model& model) {
   std::string dir = fs::path(f.model).lexically_normal().string();
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   mi.name = fs::path(dir).filename().string();
-  if (mi.name.empty() || mi.name == ".") mi.name = fs::absolute(f.model, ec).lexically_normal().parent_path().filename().string();
+  if (mi.name.empty() || mi.name == ".")
+    mi.name = fs::absolute(f.model, ec).lexically_normal().parent_path().filename().string();
   if (mi.name.empty()) mi.name = "model";
   mi.bytes = model.checkpoint().total_tensor_bytes();
   const k3::ArchParams ap = k3::compute_arch_params(model.config());
@@ -585,7 +607,8 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
                                    *std::max_element(f.n_gen.begin(), f.n_gen.end()));
   const int64_t run_pages = std::min<int64_t>(longest, 1 << 20) / pt + 2;
   p.pool.initial_slots = 1 + f.max_batch();
-  p.pool.initial_pages = std::clamp<int64_t>(std::min<int64_t>(max_depth, 1 << 24) / pt + 1 + f.max_batch() * run_pages, 8, 1 << 16);
+  p.pool.initial_pages =
+      std::clamp<int64_t>(std::min<int64_t>(max_depth, 1 << 24) / pt + 1 + f.max_batch() * run_pages, 8, 1 << 16);
   return p;
 }
 
@@ -651,7 +674,8 @@ struct MdTable {
   void add(const std::string& name, size_t width) { names.push_back(name), w.push_back(width); }
   static std::string pad(const std::string& s, size_t n, bool right) {
     // Width in characters, not bytes ("±" is two bytes of UTF-8).
-    const size_t len = size_t(std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
+    const size_t len = size_t(
+        std::count_if(s.begin(), s.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; }));
     if (len >= n) return s;
     return right ? std::string(n - len, ' ') + s : s + std::string(n - len, ' ');
   }
@@ -662,7 +686,8 @@ struct MdTable {
   }
   std::string header() const {
     std::string line = row(names) + "|";
-    for (size_t i = 0; i < w.size(); ++i) line += " " + (i == 0 ? std::string(w[i], '-') : std::string(w[i] - 1, '-') + ":") + " |";
+    for (size_t i = 0; i < w.size(); ++i)
+      line += " " + (i == 0 ? std::string(w[i], '-') : std::string(w[i] - 1, '-') + ":") + " |";
     return line + "\n";
   }
 };
@@ -679,17 +704,14 @@ using Roofs = std::map<int64_t, k3::ops::Roofline>;  // per thread count
 class Report {
  public:
   Report(const Flags& f, const Plan& p) : f_(f), p_(p) {
-    doc_["build"] = {{"engine", "k3cpp"},
-                     {"version", k3::version()},
-                     {"compiler", compiler()},
-                     {"cpu", p.cpu},
-                     {"cpu_cores", omp_get_num_procs()},
-                     {"date", utc_now()},
+    doc_["build"] = {{"engine", "k3cpp"},   {"version", k3::version()},         {"compiler", compiler()},
+                     {"cpu", p.cpu},        {"cpu_cores", omp_get_num_procs()}, {"date", utc_now()},
                      {"command", p.command}};
     if (p.cuda) doc_["build"]["gpu"] = p.gpu;
-    doc_["settings"] = {{"kda", f.kda}, {"mla", f.mla}, {"kda_chunk", f.chunk}, {"n_ubatch", f.ubatch},
-                        {"numerics", f.numerics}, {"cpu_isa", p.kernel_level}, {"device", f.device},
-                        {"repetitions", f.reps}, {"seed", f.seed}, {"warmup_runs", 1}};
+    doc_["settings"] = {{"kda", f.kda},         {"mla", f.mla},           {"kda_chunk", f.chunk},
+                        {"n_ubatch", f.ubatch}, {"numerics", f.numerics}, {"cpu_isa", p.kernel_level},
+                        {"device", f.device},   {"repetitions", f.reps},  {"seed", f.seed},
+                        {"warmup_runs", 1}};
     if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
     doc_["results"] = Json::array();
     size_t test_w = 4;
@@ -723,8 +745,11 @@ class Report {
         if (it == roofs.end() || std::find(seen.begin(), seen.end(), t) != seen.end()) continue;
         seen.push_back(t);
         const k3::ops::Roofline& r = it->second;
-        rj.push_back({{"threads", t}, {"read_gbs", r.read_gbs}, {"peak_gflops", r.peak_gflops},
-                      {"peak_kind", r.peak_kind}, {"probe_bytes", r.probe_bytes}});
+        rj.push_back({{"threads", t},
+                      {"read_gbs", r.read_gbs},
+                      {"peak_gflops", r.peak_gflops},
+                      {"peak_kind", r.peak_kind},
+                      {"probe_bytes", r.probe_bytes}});
       }
       doc_["roofline"] = rj;
     }
@@ -853,10 +878,11 @@ Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench
   omp_set_num_threads(int(t.threads));
   // Sequence i of a batch: prompt ids [i n, (i+1) n) of the depth's prompt stream, first decode id i
   // of its first-id stream (sequence 0 gets what a batch of 1 gets).
-  const std::vector<int32_t> prompts = t.pp ? random_ids(f.seed, uint64_t(d) * 2 + 1, t.tokens(), V) : std::vector<int32_t>{};
+  const std::vector<int32_t> prompts =
+      t.pp ? random_ids(f.seed, uint64_t(d) * 2 + 1, t.tokens(), V) : std::vector<int32_t>{};
   const std::vector<int32_t> first = random_ids(f.seed, uint64_t(d) * 2 + 2, t.batch, V);
-  const std::string label = t.name() + (f.batched() ? " b=" + std::to_string(t.batch) : "") +
-                            " (t=" + std::to_string(t.threads) + ")";
+  const std::string label =
+      t.name() + (f.batched() ? " b=" + std::to_string(t.batch) : "") + " (t=" + std::to_string(t.threads) + ")";
   prog.say(label + ": warm-up");
   bench.run_once(t, prompts, first);
   Result r;
@@ -881,7 +907,8 @@ Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench
     r.traffic = k3::decode_traffic(model, d, t.pp ? 1 : t.batch);
     // A ppN run computes the logits of the last token of each --ubatch piece of each sequence only.
     const int64_t pieces = (t.n + f.ubatch - 1) / f.ubatch;
-    roofline_ratios(r, t.pp ? r.traffic.prefill_flops_per_token(t.n, pieces) : double(r.traffic.total()) / double(t.batch),
+    roofline_ratios(r,
+                    t.pp ? r.traffic.prefill_flops_per_token(t.n, pieces) : double(r.traffic.total()) / double(t.batch),
                     t.pp ? it->second.peak_gflops : it->second.read_gbs);
     r.lm_head_flops = r.traffic.lm_head_flops;
     r.logit_rows = t.batch * (t.pp ? pieces : t.n);
@@ -892,7 +919,8 @@ Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench
 // Every test in plan order: the depth contexts built (untimed) as the depths come, each test measured
 // and handed to the report.
 void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs& roofs,
-             const std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes, Report& report, Progress& prog) {
+             const std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes, Report& report,
+             Progress& prog) {
   prog.say("loaded " + f.model + " (" + human_bytes(p.mi.bytes) + ", " + human_count(p.mi.n_params) + " params); " +
            std::to_string(p.tests.size()) + " tests");
   // Read every weight page in once, so no timed run pays for page faults of experts that the
@@ -916,8 +944,9 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
       const std::string dn = std::to_string(d);
       const int64_t from = base_len;
       prog.say("depth " + dn + ": prefill " + std::to_string(from) + "/" + dn);
-      bench.prefill_base(ctx_ids.data() + from, d - from,
-                         [&](int64_t done) { prog.say("depth " + dn + ": prefill " + std::to_string(from + done) + "/" + dn); });
+      bench.prefill_base(ctx_ids.data() + from, d - from, [&](int64_t done) {
+        prog.say("depth " + dn + ": prefill " + std::to_string(from + done) + "/" + dn);
+      });
       base_len = d;
     }
     for (; next < p.tests.size() && p.tests[next].depth_index == di; ++next)

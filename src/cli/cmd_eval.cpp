@@ -29,7 +29,7 @@ namespace k3::cli {
 std::vector<EvalWindow> eval_windows(int64_t n_tokens, int64_t ctx, int64_t stride) {
   std::vector<EvalWindow> w;
   if (n_tokens < 2 || ctx < 1 || ctx > n_tokens - 1 || stride < 1 || stride > ctx) return w;
-  const int64_t last = n_tokens - 1;  // index of the last token: the last target
+  const int64_t last = n_tokens - 1;    // index of the last token: the last target
   int64_t start = 0, scored_up_to = 0;  // targets 1..scored_up_to are done
   for (;;) {
     EvalWindow x;
@@ -91,7 +91,8 @@ void add_eval_flags(CLI::App& app, EvalFlags& f) {
   app.add_option("--json", f.json_path, "also write the result as JSON to FILE");
   f.ef.add(&app);
   // --ctx comes from the engine flags; here it is the window size.
-  app.get_option("--ctx")->description("window size in tokens (default 512, capped by the text and max_position_embeddings)");
+  app.get_option("--ctx")->description(
+      "window size in tokens (default 512, capped by the text and max_position_embeddings)");
   app.get_option("-q")->description("no loading progress, header or evaluation progress on stderr");
 }
 

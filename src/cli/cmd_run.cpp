@@ -30,7 +30,8 @@ bool wants_bos(const std::string& tok_dir) {
   std::ifstream f(fs::path(tok_dir) / "tokenizer_config.json");
   if (!f) return false;
   const auto j = nlohmann::json::parse(f, nullptr, false);
-  return j.is_object() && j.contains("add_bos_token") && j["add_bos_token"].is_boolean() && j["add_bos_token"].get<bool>();
+  return j.is_object() && j.contains("add_bos_token") && j["add_bos_token"].is_boolean() &&
+         j["add_bos_token"].get<bool>();
 }
 
 void write_out(const std::string& s) {
@@ -42,8 +43,9 @@ void write_out(const std::string& s) {
 }  // namespace
 
 int cmd_run(int argc, char** argv) {
-  CLI::App app{"k3 run: raw text completion, streamed to stdout; a summary line goes to stderr.\n"
-               "The prompt is the argument, -p TEXT, -f FILE (- = stdin), or stdin when it is not a terminal."};
+  CLI::App app{
+      "k3 run: raw text completion, streamed to stdout; a summary line goes to stderr.\n"
+      "The prompt is the argument, -p TEXT, -f FILE (- = stdin), or stdin when it is not a terminal."};
   app.name("k3 run");
   RunEngineFlags ef;
   SamplingFlags sf;
@@ -62,7 +64,8 @@ int cmd_run(int argc, char** argv) {
   app.add_flag("--echo", echo, "print the prompt before the completion");
   app.add_flag("--special", special, "print special tokens (e.g. <|open|>) instead of hiding them");
   app.add_flag("--bos,!--no-bos", bos, "prepend the BOS token (default: tokenizer_config.json add_bos_token)");
-  app.add_flag("-v,--verbose", verbose, "print the sampling settings and prompt size (and, under --ram-budget, exact expert-read counts)");
+  app.add_flag("-v,--verbose", verbose,
+               "print the sampling settings and prompt size (and, under --ram-budget, exact expert-read counts)");
   ef.add(&app);
   sf.add(&app);
   if (const auto code = parse_flags(app, argc, argv)) return *code;
@@ -73,9 +76,12 @@ int cmd_run(int argc, char** argv) {
     const int given = int(!prompt_arg.empty()) + int(app.count("--prompt") > 0) + int(!prompt_file.empty());
     if (given > 1) fail("give the prompt one way: as the argument, -p or -f");
     std::string prompt;
-    if (!prompt_arg.empty()) prompt = prompt_arg;
-    else if (app.count("--prompt")) prompt = prompt_flag;
-    else if (prompt_file == "-") prompt = read_all(std::cin);
+    if (!prompt_arg.empty())
+      prompt = prompt_arg;
+    else if (app.count("--prompt"))
+      prompt = prompt_flag;
+    else if (prompt_file == "-")
+      prompt = read_all(std::cin);
     else if (!prompt_file.empty()) {
       std::ifstream f(prompt_file, std::ios::binary);
       if (!f) fail("cannot read prompt file " + prompt_file);
@@ -110,7 +116,8 @@ int cmd_run(int argc, char** argv) {
       fail("the prompt is " + std::to_string(ids.size()) + " tokens, at or over the context limit of " +
            std::to_string(ctx_limit));
     if (verbose)
-      std::fprintf(stderr, "k3 run: %zu prompt tokens; sampling from %s: temp %g top-k %d top-p %g min-p %g repeat %g/%d "
+      std::fprintf(stderr,
+                   "k3 run: %zu prompt tokens; sampling from %s: temp %g top-k %d top-p %g min-p %g repeat %g/%d "
                    "presence %g frequency %g seed %llu\n",
                    ids.size(), sampling_source.c_str(), double(sp.temperature), sp.top_k, double(sp.top_p),
                    double(sp.min_p), double(sp.repetition_penalty), sp.penalty_last_n, double(sp.presence_penalty),
@@ -123,7 +130,9 @@ int cmd_run(int argc, char** argv) {
     Progress bar("k3 run: prefill", !ef.quiet && int64_t(ids.size()) > ef.ubatch);
     const bool complete = prefill(
         m, session, ids, ef.ubatch, lm.forward(ef), logits.data(),
-        [&](int64_t d, int64_t n) { bar.update(uint64_t(d), uint64_t(n), std::to_string(d) + "/" + std::to_string(n) + " tokens"); },
+        [&](int64_t d, int64_t n) {
+          bar.update(uint64_t(d), uint64_t(n), std::to_string(d) + "/" + std::to_string(n) + " tokens");
+        },
         &interrupt_flag(), &st);
     bar.finish();
     const ExpertCacheStats after_prefill = lm.experts ? lm.experts->stats() : ExpertCacheStats{};
@@ -155,14 +164,15 @@ int cmd_run(int argc, char** argv) {
     if (stdout_is_tty()) write_out("\n");
     if (verbose && lm.experts) {
       const ExpertCacheStats all = lm.experts->stats(), dec = all - after_prefill;
-      std::fprintf(stderr,
-                   "k3 run: expert cache %llu bytes (%lld slots of %llu) for %llu bytes of experts; prefill %lld tok: "
-                   "%llu bytes read; decode %lld tok: %llu bytes read; %llu reads, %llu hits, %llu misses, %llu evictions\n",
-                   (unsigned long long)lm.experts->capacity_bytes(), (long long)lm.experts->max_batch(),
-                   (unsigned long long)lm.experts->slot_bytes(), (unsigned long long)lm.experts->expert_bytes(),
-                   (long long)st.prompt_tokens, (unsigned long long)after_prefill.bytes_read, (long long)decode_fed,
-                   (unsigned long long)dec.bytes_read, (unsigned long long)all.reads, (unsigned long long)all.hits,
-                   (unsigned long long)all.misses, (unsigned long long)all.evictions);
+      std::fprintf(
+          stderr,
+          "k3 run: expert cache %llu bytes (%lld slots of %llu) for %llu bytes of experts; prefill %lld tok: "
+          "%llu bytes read; decode %lld tok: %llu bytes read; %llu reads, %llu hits, %llu misses, %llu evictions\n",
+          (unsigned long long)lm.experts->capacity_bytes(), (long long)lm.experts->max_batch(),
+          (unsigned long long)lm.experts->slot_bytes(), (unsigned long long)lm.experts->expert_bytes(),
+          (long long)st.prompt_tokens, (unsigned long long)after_prefill.bytes_read, (long long)decode_fed,
+          (unsigned long long)dec.bytes_read, (unsigned long long)all.reads, (unsigned long long)all.hits,
+          (unsigned long long)all.misses, (unsigned long long)all.evictions);
     }
     std::fprintf(stderr, "k3 run: %s | seed %llu%s\n", summary_line(st, reason).c_str(), (unsigned long long)sp.seed,
                  expert_summary(lm, after_prefill, st.prompt_tokens, decode_fed).c_str());

@@ -44,11 +44,16 @@ Flags parse_flags(int argc, char** argv, bool detok) {
       if (i + 1 >= argc) throw k3::Error(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--vocab") f.vocab = value();
-    else if (a == "--text" && !detok) f.text = value(), f.has_text = true;
-    else if (a == "--file" && !detok) f.file = value(), f.has_file = true;
-    else if (a == "--ids" && detok) f.ids = value(), f.has_ids = true;
-    else throw k3::Error("unknown flag '" + a + "'");
+    if (a == "--vocab")
+      f.vocab = value();
+    else if (a == "--text" && !detok)
+      f.text = value(), f.has_text = true;
+    else if (a == "--file" && !detok)
+      f.file = value(), f.has_file = true;
+    else if (a == "--ids" && detok)
+      f.ids = value(), f.has_ids = true;
+    else
+      throw k3::Error("unknown flag '" + a + "'");
   }
   if (f.vocab.empty()) throw k3::Error("--vocab DIR is required");
   if (!detok && f.has_text == f.has_file) throw k3::Error("give exactly one of --text T or --file F");
@@ -99,14 +104,17 @@ int cmd_detokenize(int argc, char** argv) {
     std::string cur;
     auto flush = [&]() {
       if (cur.empty()) return;
-      if (cur.size() > 10 || cur.find_first_not_of("0123456789") != std::string::npos || std::stoull(cur) > 0xFFFFFFFFull)
+      if (cur.size() > 10 || cur.find_first_not_of("0123456789") != std::string::npos ||
+          std::stoull(cur) > 0xFFFFFFFFull)
         throw k3::Error("--ids: '" + cur + "' is not a token id");
       ids.push_back(static_cast<k3::tok::TokenId>(std::stoull(cur)));
       cur.clear();
     };
     for (char c : f.ids) {
-      if (c == ',' || c == ' ') flush();
-      else cur += c;
+      if (c == ',' || c == ' ')
+        flush();
+      else
+        cur += c;
     }
     flush();
     const auto tok = k3::tok::Tokenizer::load_dir(f.vocab);

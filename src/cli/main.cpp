@@ -24,8 +24,8 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "k3/version.h"
-#include "ops/cpu/isa.h"
 #include "model/model.h"
+#include "ops/cpu/isa.h"
 #include "runtime/memory.h"
 
 namespace {
@@ -79,7 +79,8 @@ std::vector<std::vector<int32_t>> read_prompts(const std::string& ids_arg, const
   std::vector<std::vector<int32_t>> prompts;
   std::string line;
   for (int n = 1; std::getline(f, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) k3::fail(ids_file + ":" + std::to_string(n) + ": empty line (one prompt per line)");
+    if (line.find_first_not_of(" \t\r") == std::string::npos)
+      k3::fail(ids_file + ":" + std::to_string(n) + ": empty line (one prompt per line)");
     try {
       prompts.push_back(k3::cli::parse_ids(line));
     } catch (const k3::Error& e) {
@@ -227,11 +228,13 @@ int main(int argc, char** argv) {
   logits->add_option("-o,--out", out_path, "output file (with --ids-file: PREFIX; writes PREFIX.0, PREFIX.1, ...)")
       ->required();
 
-  auto* gen = app.add_subcommand("generate", "prefill --ids (or every line of --ids-file), then -n decode steps (greedy)");
+  auto* gen =
+      app.add_subcommand("generate", "prefill --ids (or every line of --ids-file), then -n decode steps (greedy)");
   ef_gen.add(gen);
   auto* gen_ids = gen->add_option("--ids", ids_gen, "prompt token ids: 1,2,3 or @file");
-  gen->add_option("--ids-file", file_gen, "one prompt per line (comma-separated ids), decoded together as a batch; "
-                                          "one line of generated ids per prompt, in input order")
+  gen->add_option("--ids-file", file_gen,
+                  "one prompt per line (comma-separated ids), decoded together as a batch; "
+                  "one line of generated ids per prompt, in input order")
       ->excludes(gen_ids);
   gen->add_option("-n,--n-tokens", n_gen, "tokens to generate")->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   gen->add_flag("--greedy", greedy, "argmax decoding (the only mode of this subcommand)");
@@ -239,7 +242,8 @@ int main(int argc, char** argv) {
 
   auto* info = app.add_subcommand("info", "architecture, parameter counts, state/cache sizes, weight bytes by dtype");
   info->add_option("-m,--model", info_dir, "checkpoint directory (config.json alone is enough)")->required();
-  info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")->check(CLI::Range(int64_t(0), int64_t(1) << 40));
+  info->add_option("--ctx", ctx, "also size the MLA cache for this many tokens")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
 
   // These parse their own flags; listed here so that `k3 --help` shows every subcommand.
   app.add_subcommand("run", "raw text completion streamed to stdout (k3 run --help)");
@@ -280,7 +284,8 @@ int main(int argc, char** argv) {
   try {
     if (*logits) return cmd_logits(ef_logits, ids_logits, file_logits, out_path);
     if (*gen) {
-      if (!greedy) k3::fail("generate: only --greedy decoding is available in this subcommand (sampling lives in `k3 run`)");
+      if (!greedy)
+        k3::fail("generate: only --greedy decoding is available in this subcommand (sampling lives in `k3 run`)");
       return cmd_generate(ef_gen, ids_gen, file_gen, n_gen, print_ids);
     }
     if (*info) return cmd_info(info_dir, ctx);

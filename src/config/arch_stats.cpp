@@ -71,8 +71,10 @@ std::string params_str(int64_t p) {
 
 std::string row(const std::string& label, const std::string& value) {
   std::string l = "  " + label;
-  if (l.size() < 28) l.resize(28, ' ');
-  else l += ' ';
+  if (l.size() < 28)
+    l.resize(28, ' ');
+  else
+    l += ' ';
   return l + value + "\n";
 }
 
@@ -102,31 +104,31 @@ ArchParams compute_arch_params(const ModelConfig& c) {
   // f_a_proj has rank head_dim. The full-rank output gate g_proj is [P, H].
   const int64_t P = mul(c.kda_num_heads, c.kda_head_dim);
   const int64_t hd = c.kda_head_dim;
-  a.kda_attention = add({mul(3, P, H),                       // q_proj, k_proj, v_proj
+  a.kda_attention = add({mul(3, P, H),                         // q_proj, k_proj, v_proj
                          mul(3, P, c.short_conv_kernel_size),  // q/k/v_conv1d [P, 1, K]
-                         mul(hd, H), mul(P, hd),             // f_a_proj, f_b_proj
-                         hd, P,                              // A_log, dt_bias
-                         mul(c.kda_num_heads, H),            // b_proj
-                         mul(P, H),                          // g_proj
-                         hd,                                 // o_norm (shared by heads)
-                         mul(H, P)});                        // o_proj
+                         mul(hd, H), mul(P, hd),               // f_a_proj, f_b_proj
+                         hd, P,                                // A_log, dt_bias
+                         mul(c.kda_num_heads, H),              // b_proj
+                         mul(P, H),                            // g_proj
+                         hd,                                   // o_norm (shared by heads)
+                         mul(H, P)});                          // o_proj
 
   // Gated MLA (§2.6).
   const int64_t nq = c.num_attention_heads;
   const int64_t attn_out = mul(nq, c.v_head_dim);
-  a.mla_attention = add({mul(c.q_lora_rank, H), c.q_lora_rank,                    // q_a_proj, q_a_layernorm
-                         mul(nq, c.mla_qk_head_dim(), c.q_lora_rank),             // q_b_proj
-                         mul(c.kv_lora_rank + c.qk_rope_head_dim, H),             // kv_a_proj_with_mqa
-                         c.kv_lora_rank,                                          // kv_a_layernorm
+  a.mla_attention = add({mul(c.q_lora_rank, H), c.q_lora_rank,                        // q_a_proj, q_a_layernorm
+                         mul(nq, c.mla_qk_head_dim(), c.q_lora_rank),                 // q_b_proj
+                         mul(c.kv_lora_rank + c.qk_rope_head_dim, H),                 // kv_a_proj_with_mqa
+                         c.kv_lora_rank,                                              // kv_a_layernorm
                          mul(nq, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank),  // kv_b_proj
-                         c.mla_use_output_gate ? mul(attn_out, H) : 0,            // g_proj
-                         mul(H, attn_out)});                                      // o_proj
+                         c.mla_use_output_gate ? mul(attn_out, H) : 0,                // g_proj
+                         mul(H, attn_out)});                                          // o_proj
 
   // Stable LatentMoE without routed experts (§2.8).
   const int64_t R = c.routed_expert_hidden_size;
-  a.moe_excl_routed = add({mul(c.num_experts, H), c.num_experts,  // gate.weight, e_score_correction_bias
+  a.moe_excl_routed = add({mul(c.num_experts, H), c.num_experts,                 // gate.weight, e_score_correction_bias
                            mul(R, H), c.latent_moe_use_norm ? R : 0, mul(H, R),  // latent down, norm, up
-                           mul(3, c.shared_intermediate(), H)});  // fused shared experts gate/up/down
+                           mul(3, c.shared_intermediate(), H)});                 // fused shared experts gate/up/down
   a.dense_ffn = mul(3, c.intermediate_size, H);
   a.routed_expert = mul(3, c.moe_intermediate_size, R);  // w1 [I,R], w3 [I,R], w2 [R,I]
   a.layer_norms = mul(6, H);  // input, post_attention, self_attention_res_{norm,proj}, mlp_res_{norm,proj}

@@ -14,25 +14,25 @@ namespace k3 {
 
 struct ArchParams {
   // Per-block logical parameter counts.
-  int64_t kda_attention = 0;     // one KDA attention block (q/k/v, convs, f_a/f_b, A_log, dt_bias, b, g, o_norm, o)
-  int64_t mla_attention = 0;     // one gated MLA block (q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, g, o)
-  int64_t moe_excl_routed = 0;   // router gate + correction bias + latent down/norm/up + fused shared experts
-  int64_t dense_ffn = 0;         // gate + up + down of a dense layer
-  int64_t routed_expert = 0;     // w1 + w3 + w2 of one routed expert
-  int64_t layer_norms = 0;       // per layer: input/post-attention norms + two AttnRes (norm, proj) pairs
+  int64_t kda_attention = 0;    // one KDA attention block (q/k/v, convs, f_a/f_b, A_log, dt_bias, b, g, o_norm, o)
+  int64_t mla_attention = 0;    // one gated MLA block (q_a, q_a_norm, q_b, kv_a, kv_a_norm, kv_b, g, o)
+  int64_t moe_excl_routed = 0;  // router gate + correction bias + latent down/norm/up + fused shared experts
+  int64_t dense_ffn = 0;        // gate + up + down of a dense layer
+  int64_t routed_expert = 0;    // w1 + w3 + w2 of one routed expert
+  int64_t layer_norms = 0;      // per layer: input/post-attention norms + two AttnRes (norm, proj) pairs
   // Model-level tensors.
-  int64_t embedding = 0;         // embed_tokens
-  int64_t lm_head = 0;           // untied head
-  int64_t final_norm = 0;        // norm
-  int64_t output_attn_res = 0;   // output_attn_res_norm + output_attn_res_proj
+  int64_t embedding = 0;        // embed_tokens
+  int64_t lm_head = 0;          // untied head
+  int64_t final_norm = 0;       // norm
+  int64_t output_attn_res = 0;  // output_attn_res_norm + output_attn_res_proj
   // Layer counts.
   int64_t n_kda_layers = 0, n_mla_layers = 0, n_dense_layers = 0, n_moe_layers = 0;
   // Aggregates.
-  int64_t trunk = 0;             // every layer except routed experts, + final norm + output AttnRes
-  int64_t always_active = 0;     // trunk + embedding + lm_head
+  int64_t trunk = 0;                 // every layer except routed experts, + final norm + output AttnRes
+  int64_t always_active = 0;         // trunk + embedding + lm_head
   int64_t routed_experts_total = 0;  // n_moe_layers * num_experts * routed_expert
-  int64_t total = 0;             // always_active + routed_experts_total
-  int64_t active_per_token = 0;  // trunk + lm_head + top_k experts per MoE layer (embedding lookup excluded)
+  int64_t total = 0;                 // always_active + routed_experts_total
+  int64_t active_per_token = 0;      // trunk + lm_head + top_k experts per MoE layer (embedding lookup excluded)
 };
 
 // Throws k3::Error if a count does not fit in int64 (only possible for absurd configs).

@@ -26,7 +26,7 @@ namespace {
 using json = nlohmann::json;
 
 // Generous caps so later size arithmetic (params, cache bytes) cannot overflow on hostile input.
-constexpr int64_t kMaxDim = int64_t{1} << 24;        // any width / head count / expert count
+constexpr int64_t kMaxDim = int64_t{1} << 24;  // any width / head count / expert count
 constexpr int64_t kMaxLayers = int64_t{1} << 16;
 constexpr int64_t kMaxPositions = int64_t{1} << 40;
 
@@ -220,7 +220,8 @@ void validate_layer_lists(ProblemList& p, const std::string& lin_prefix, const s
     }
     if (!missing.empty()) {
       p.add("layer" + std::string(missing.size() > 1 ? "s " : " ") + format_layer_set(missing) +
-            (missing.size() > 1 ? " are" : " is") + " in neither " + lin_prefix + "full_attn_layers nor kda_layers (one-based)");
+            (missing.size() > 1 ? " are" : " is") + " in neither " + lin_prefix +
+            "full_attn_layers nor kda_layers (one-based)");
     }
   }
 }

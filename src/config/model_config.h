@@ -22,14 +22,14 @@ enum class MoeKind { Latent, Hidden };                    // routed_expert_hidde
 enum class RouterActivation { Sigmoid, Softmax, Other };  // moe_router_activation_func
 
 struct ModelConfig {
-  std::string source;  // path it was read from (for messages)
+  std::string source;      // path it was read from (for messages)
   std::string model_type;  // wrapper type ("kimi_k3") or "kimi_linear" for the flat form
 
   // --- trunk
-  int64_t hidden_size = 0;          // H (7168)
-  int64_t num_hidden_layers = 0;    // 93
-  int64_t vocab_size = 0;           // 163840
-  double rms_norm_eps = 0;          // 1e-5: every norm except the MLA LoRA norms
+  int64_t hidden_size = 0;           // H (7168)
+  int64_t num_hidden_layers = 0;     // 93
+  int64_t vocab_size = 0;            // 163840
+  double rms_norm_eps = 0;           // 1e-5: every norm except the MLA LoRA norms
   bool tie_word_embeddings = false;  // K3: false (a separate lm_head); true is refused by check_supported
   // max_position_embeddings, or model_max_length when only that is given (Kimi Linear's config).
   int64_t max_position_embeddings = 0;
@@ -44,10 +44,10 @@ struct ModelConfig {
   int64_t moe_layer_freq = 1;         // >= 1; K3: 1 (every layer from first_k_dense_replace on is MoE)
 
   // --- MoE: Stable LatentMoE (K3) or experts in the hidden space (routed_expert_hidden_size absent)
-  int64_t num_experts = 0;              // 896
-  int64_t num_experts_per_token = 0;    // top-k 16
-  int64_t num_shared_experts = 0;       // 2, fused into one MLP of width n * moe_intermediate_size
-  int64_t moe_intermediate_size = 0;    // 3072
+  int64_t num_experts = 0;            // 896
+  int64_t num_experts_per_token = 0;  // top-k 16
+  int64_t num_shared_experts = 0;     // 2, fused into one MLP of width n * moe_intermediate_size
+  int64_t moe_intermediate_size = 0;  // 3072
   MoeKind moe_kind = MoeKind::Latent;
   int64_t routed_expert_hidden_size = 0;  // latent width 3584 (0 when moe_kind is Hidden)
   bool latent_moe_use_norm = true;        // required for Latent; false when Hidden and absent
@@ -93,7 +93,7 @@ struct ModelConfig {
   int64_t bos_token_id = -1, eos_token_id = -1, pad_token_id = -1;
 
   // Zero-based layer predicates.
-  bool is_kda(int64_t layer) const;    // (layer+1) in kda_layers
+  bool is_kda(int64_t layer) const;  // (layer+1) in kda_layers
   bool is_mla(int64_t layer) const { return !is_kda(layer); }
   bool is_dense_ffn(int64_t layer) const { return layer < first_k_dense_replace; }
   int64_t kda_dim() const { return kda_num_heads * kda_head_dim; }

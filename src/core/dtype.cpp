@@ -5,7 +5,7 @@
 
 namespace k3 {
 
-const float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+const float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 namespace {
@@ -15,10 +15,9 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kInfo[] = {
-    {DType::F64, "F64", 8},       {DType::F32, "F32", 4},         {DType::F16, "F16", 2},
-    {DType::BF16, "BF16", 2},     {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1},
-    {DType::I64, "I64", 8},       {DType::I32, "I32", 4},         {DType::I16, "I16", 2},
-    {DType::I8, "I8", 1},         {DType::U8, "U8", 1},           {DType::BOOL, "BOOL", 1},
+    {DType::F64, "F64", 8},         {DType::F32, "F32", 4},         {DType::F16, "F16", 2}, {DType::BF16, "BF16", 2},
+    {DType::F8_E4M3, "F8_E4M3", 1}, {DType::F8_E5M2, "F8_E5M2", 1}, {DType::I64, "I64", 8}, {DType::I32, "I32", 4},
+    {DType::I16, "I16", 2},         {DType::I8, "I8", 1},           {DType::U8, "U8", 1},   {DType::BOOL, "BOOL", 1},
 };
 }  // namespace
 

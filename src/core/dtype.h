@@ -11,8 +11,8 @@ namespace k3 {
 
 enum class DType : uint8_t { F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64, I32, I16, I8, U8, BOOL };
 
-const char* dtype_name(DType t);                                  // safetensors spelling, e.g. "BF16"
-size_t dtype_size(DType t);                                       // bytes per element
+const char* dtype_name(DType t);  // safetensors spelling, e.g. "BF16"
+size_t dtype_size(DType t);       // bytes per element
 std::optional<DType> dtype_from_name(std::string_view safetensors_name);
 
 inline float bf16_to_f32(uint16_t h) {
@@ -31,9 +31,9 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-float f16_to_f32(uint16_t h);        // IEEE binary16, subnormals and inf/NaN exact
-uint16_t f32_to_f16(float f);        // round-to-nearest-even
-float fp8_e4m3_to_f32(uint8_t b);    // OCP E4M3FN: bias 7, no inf, S.1111.111 = NaN
+float f16_to_f32(uint16_t h);      // IEEE binary16, subnormals and inf/NaN exact
+uint16_t f32_to_f16(float f);      // round-to-nearest-even
+float fp8_e4m3_to_f32(uint8_t b);  // OCP E4M3FN: bias 7, no inf, S.1111.111 = NaN
 
 // MXFP4 element (E2M1, bit 3 = sign) and group scale (E8M0, 2^(s-127), 255 = NaN per OCP MX).
 extern const float kE2M1[16];

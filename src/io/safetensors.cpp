@@ -118,7 +118,7 @@ struct KeyScan {
 // "<label>: bad JSON ...". When `top_keys` is given it receives the keys of the top-level object
 // in document order.
 Json parse_json_strict(const char* begin, const char* end, const std::string& label, const char* what,
-                        std::vector<std::string>* top_keys = nullptr) {
+                       std::vector<std::string>* top_keys = nullptr) {
   KeyScan scan;
   scan.top_keys = top_keys;
   bool ok = false;
@@ -217,8 +217,8 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
          " bytes, need at least 8)");
   const uint64_t n = read_le64(bytes);
   if (n > kMaxHeaderBytes)
-    fail(label + ": header length " + std::to_string(n) + " exceeds the " +
-         std::to_string(kMaxHeaderBytes) + "-byte limit");
+    fail(label + ": header length " + std::to_string(n) + " exceeds the " + std::to_string(kMaxHeaderBytes) +
+         "-byte limit");
   if (n > file_size - 8)
     fail(label + ": header length " + std::to_string(n) + " beyond file size " + std::to_string(file_size));
   if (available - 8 < n)
@@ -241,8 +241,7 @@ SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, size_t availabl
     if (name == "__metadata__") {
       if (!e.is_object()) fail(label + ": __metadata__ is not a JSON object");
       for (const auto& [k, v] : e.items()) {
-        if (!v.is_string())
-          fail(label + ": __metadata__ value is not a string (key '" + printable(k) + "')");
+        if (!v.is_string()) fail(label + ": __metadata__ value is not a string (key '" + printable(k) + "')");
         h.metadata.emplace(k, v.get<std::string>());
       }
       continue;
@@ -429,8 +428,8 @@ Loaded load_checkpoint(const std::string& dir, bool headers_only) {
   {
     auto m = MappedFile::open(index_path);
     if (m->size() > kMaxIndexBytes)
-      fail(index_path + ": index is " + std::to_string(m->size()) + " bytes (limit " +
-           std::to_string(kMaxIndexBytes) + ")");
+      fail(index_path + ": index is " + std::to_string(m->size()) + " bytes (limit " + std::to_string(kMaxIndexBytes) +
+           ")");
     text.assign(reinterpret_cast<const char*>(m->data()), m->size());
   }
   const Json j = parse_json_strict(text.data(), text.data() + text.size(), index_path, "index");
@@ -451,9 +450,8 @@ Loaded load_checkpoint(const std::string& dir, bool headers_only) {
       continue;
     }
     const std::string& file = v.get_ref<const std::string&>();
-    const bool unsafe = file.empty() || file.find('/') != std::string::npos ||
-                        file.find('\\') != std::string::npos || file.find("..") != std::string::npos ||
-                        file.find('\0') != std::string::npos;
+    const bool unsafe = file.empty() || file.find('/') != std::string::npos || file.find('\\') != std::string::npos ||
+                        file.find("..") != std::string::npos || file.find('\0') != std::string::npos;
     if (unsafe) {
       if (bad_files.insert(file).second) problems.add("unsafe shard file name '" + printable(file) + "'");
       continue;
@@ -498,8 +496,8 @@ Loaded load_checkpoint(const std::string& dir, bool headers_only) {
       if (it == shard_of.end())
         problems.add("tensor in shard '" + printable(file) + "' is not listed in the index" + tensor_ctx(t.name));
       else if (it->second != file)
-        problems.add("tensor in shard '" + printable(file) + "' is mapped by the index to '" +
-                     printable(it->second) + "'" + tensor_ctx(t.name));
+        problems.add("tensor in shard '" + printable(file) + "' is mapped by the index to '" + printable(it->second) +
+                     "'" + tensor_ctx(t.name));
     }
   }
   problems.throw_if_any(index_path);
@@ -579,8 +577,10 @@ void Checkpoint::prefault(const std::function<void(uint64_t, uint64_t)>& progres
       std::vector<std::pair<uint64_t, uint64_t>> merged;
       for (const auto& [b, e] : r) {
         if (b >= e) continue;
-        if (!merged.empty() && b <= merged.back().second) merged.back().second = std::max(merged.back().second, e);
-        else merged.emplace_back(b, e);
+        if (!merged.empty() && b <= merged.back().second)
+          merged.back().second = std::max(merged.back().second, e);
+        else
+          merged.emplace_back(b, e);
       }
       r = std::move(merged);
     }

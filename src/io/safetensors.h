@@ -35,10 +35,10 @@ class MappedFile {
 };
 
 struct SafetensorsHeader {
-  std::vector<TensorView> tensors;            // header order; data = nullptr, nbytes set
-  std::vector<uint64_t> offsets;              // data_offsets begin, relative to the data section
+  std::vector<TensorView> tensors;              // header order; data = nullptr, nbytes set
+  std::vector<uint64_t> offsets;                // data_offsets begin, relative to the data section
   std::map<std::string, std::string> metadata;  // "__metadata__"
-  uint64_t data_start = 0;                    // 8 + header length
+  uint64_t data_start = 0;                      // 8 + header length
 };
 
 // Parses and validates a safetensors image held in memory (the whole file or at least its header
@@ -70,9 +70,9 @@ class SafetensorsFile {
 
 // Where a tensor's bytes live on disk, for reading them without the mapping (streamed experts).
 struct TensorLocation {
-  size_t shard = 0;        // index into Checkpoint::shard_paths()
-  std::string path;        // the shard file
-  uint64_t offset = 0;     // absolute byte offset in the file
+  size_t shard = 0;     // index into Checkpoint::shard_paths()
+  std::string path;     // the shard file
+  uint64_t offset = 0;  // absolute byte offset in the file
   uint64_t nbytes = 0;
   uint64_t file_size = 0;  // the shard's size when it was mapped (a later size means it changed)
 };

@@ -41,8 +41,8 @@ struct StepView {
   const int64_t* pos0 = nullptr;         // [n_seqs]
   const int32_t* block_table = nullptr;  // [n_seqs, max_pages]
   int64_t max_pages = 0, page_tokens = 0;
-  int64_t max_rows_per_seq = 0;          // the longest sequence of the step
-  int64_t n_slots = 0, n_pages = 0;      // the state pool's capacities (slot and page ids are below)
+  int64_t max_rows_per_seq = 0;      // the longest sequence of the step
+  int64_t n_slots = 0, n_pages = 0;  // the state pool's capacities (slot and page ids are below)
   // Which pool and which of its allocations: device pointers recorded for a step of this shape
   // (a CUDA graph) stay valid while both are unchanged.
   const void* pool = nullptr;
@@ -52,7 +52,7 @@ struct StepView {
 // Per-layer views of the state pool (backend memory): KDA recurrent state and conv history of every
 // slot, and the pages of an MLA layer's latent cache (per token: normed latent c, then raw k_r).
 struct KdaPool {
-  float* S = nullptr;                    // [slots, H, Dk, Dv]
+  float* S = nullptr;                            // [slots, H, Dk, Dv]
   float* conv[3] = {nullptr, nullptr, nullptr};  // q, k, v: [slots, C, K-1]
 };
 struct MlaPages {
@@ -110,9 +110,9 @@ class Backend {
   virtual void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) = 0;
   virtual void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
                         float lower_bound, float* g) = 0;
-  virtual void sigmoid(float* x, int64_t n) = 0;                        // x ← σ(x)
+  virtual void sigmoid(float* x, int64_t n) = 0;                         // x ← σ(x)
   virtual void sigmoid_mul(float* x, const float* gate, int64_t n) = 0;  // x ← x · σ(gate)
-  virtual void add(float* y, const float* x, int64_t n) = 0;            // y ← y + x
+  virtual void add(float* y, const float* x, int64_t n) = 0;             // y ← y + x
   // dst[i] = src[rows[i]] for n rows of `width` floats; rows is host memory.
   virtual void gather_rows(const float* src, const int32_t* host_rows, int64_t n, int64_t width, float* dst) = 0;
   // Block AttnRes over n_src arrays [R, H] (ops.h attnres_mix); the pointer list is host memory.
@@ -124,9 +124,8 @@ class Backend {
                                float* state_pool, float* out) = 0;
   // Gated delta rule: q, k, g [R,H,Dk], v, o [R,H,Dv], beta [R,H]; S_pool [slots,H,Dk,Dv]. A sequence
   // with more than one row uses `algo` (chunk size `chunk`); one row always the recurrence.
-  virtual void kda(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                   const StepView& s, int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool,
-                   float* o) = 0;
+  virtual void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
+                   int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) = 0;
   // Appends the step's rows to the pages: c = RMSNorm(ckv[:, :kv_lora]) ⊙ norm_w, k_r = ckv[:, kv_lora:].
   virtual void mla_append(const float* ckv, const StepView& s, int64_t kv_lora, int64_t rope, const float* norm_w,
                           float eps, const MlaPages& pages) = 0;

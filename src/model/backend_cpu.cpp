@@ -12,8 +12,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <optional>
 #include <new>
+#include <optional>
 
 #include "core/error.h"
 #include "model/layers.h"
@@ -25,9 +25,12 @@ namespace {
 
 ops::Numerics to_ops(StepNumerics n) {
   switch (n) {
-    case StepNumerics::Exact: return ops::Numerics::Exact;
-    case StepNumerics::F32: return ops::Numerics::F32;
-    case StepNumerics::Fast: return ops::Numerics::Fast;
+    case StepNumerics::Exact:
+      return ops::Numerics::Exact;
+    case StepNumerics::F32:
+      return ops::Numerics::F32;
+    case StepNumerics::Fast:
+      return ops::Numerics::Fast;
   }
   return ops::Numerics::Exact;
 }
@@ -129,8 +132,8 @@ class CpuBackend final : public Backend {
         ops::kda_chunked(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H, Dk,
                          Dv, chunk, S, o + r0 * H * Dv);
       else
-        ops::kda_recurrent(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H,
-                           Dk, Dv, S, o + r0 * H * Dv);
+        ops::kda_recurrent(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H, Dk,
+                           Dv, S, o + r0 * H * Dv);
     }
   }
   void mla_append(const float* ckv, const StepView& s, int64_t L, int64_t rope, const float* norm_w, float eps,
@@ -144,14 +147,15 @@ class CpuBackend final : public Backend {
         std::memcpy(dst + L, ckv + r * W + L, size_t(rope) * 4);
       }
   }
-  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b,
-                  const MlaAttnDims& d, MlaAlgo algo, float* out) override {
+  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b, const MlaAttnDims& d,
+                  MlaAlgo algo, float* out) override {
     const int64_t W = d.kv_lora + d.rope, P = s.page_tokens, dq = d.nope + d.rope, HV = d.heads * d.v;
     for (int64_t i = 0; i < s.n_seqs; ++i) {
       const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0, S = s.pos0[i] + T;
       const int64_t np = (S + P - 1) / P;
       page_ptrs_.resize(size_t(np));
-      for (int64_t p = 0; p < np; ++p) page_ptrs_[size_t(p)] = pages.pages + int64_t(s.block_table[i * s.max_pages + p]) * P * W;
+      for (int64_t p = 0; p < np; ++p)
+        page_ptrs_[size_t(p)] = pages.pages + int64_t(s.block_table[i * s.max_pages + p]) * P * W;
       const ops::LatentPages lp{page_ptrs_.data(), P, W};
       if (algo == MlaAlgo::Absorbed) {
         ops::mla_attend_absorbed_paged(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
@@ -182,7 +186,8 @@ class CpuBackend final : public Backend {
                 const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source);
 
   void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
-    for (int64_t r = 0; r < R; ++r) out[r] = int32_t(std::max_element(logits + r * V, logits + (r + 1) * V) - (logits + r * V));
+    for (int64_t r = 0; r < R; ++r)
+      out[r] = int32_t(std::max_element(logits + r * V, logits + (r + 1) * V) - (logits + r * V));
   }
 
  private:

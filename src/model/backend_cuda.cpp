@@ -257,8 +257,7 @@ class CudaBackend final : public Backend {
                            const bool* fp32) override {
     for (int64_t i = 0; i < n; ++i)
       by_runs(R, nullptr, 0, cu::gemv_wide_ok(*W[i]), [&](int64_t r0, int64_t k, cu::Precision p, bool rows) {
-        product(*W[i], x + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, fp32 && fp32[i] ? cu::Precision::F32 : p,
-                rows);
+        product(*W[i], x + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, fp32 && fp32[i] ? cu::Precision::F32 : p, rows);
       });
   }
   void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
@@ -410,7 +409,8 @@ class CudaBackend final : public Backend {
 
   // A staging stack for M experts shaped like `f` (grown when needed).
   void stage(const GluWeights& f, int64_t M) {
-    const int64_t K = std::max<int64_t>(d_.moe.top_k, 1), cap = std::min<int64_t>(opt_.tokens_per_call * K, d_.moe.experts);
+    const int64_t K = std::max<int64_t>(d_.moe.top_k, 1),
+                  cap = std::min<int64_t>(opt_.tokens_per_call * K, d_.moe.experts);
     if (!stage_buf_ || stage_shape_.gate.fmt != f.gate.fmt || stage_shape_.gate.rows != f.gate.rows ||
         stage_shape_.down.fmt != f.down.fmt) {
       const auto bytes = [&](const WeightMat& x) { return (data_bytes(x) + scale_bytes(x) + 512) * size_t(cap); };

@@ -40,7 +40,7 @@ struct MoeDims {
 
 struct ModelDims {
   int64_t hidden = 0, vocab = 0, layers = 0, block_size = 0;
-  int64_t kda_layers = 0, mla_layers = 0;  // how many of each attention kind
+  int64_t kda_layers = 0, mla_layers = 0;     // how many of each attention kind
   int64_t dense_inter = 0, shared_inter = 0;  // dense FFN / fused shared experts intermediate (0 = none)
   float eps = 1e-5f;
   KdaDims kda;

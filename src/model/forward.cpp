@@ -15,9 +15,12 @@ namespace {
 
 StepNumerics step_numerics(ops::Numerics n) {
   switch (n) {
-    case ops::Numerics::Exact: return StepNumerics::Exact;
-    case ops::Numerics::F32: return StepNumerics::F32;
-    case ops::Numerics::Fast: return StepNumerics::Fast;
+    case ops::Numerics::Exact:
+      return StepNumerics::Exact;
+    case ops::Numerics::F32:
+      return StepNumerics::F32;
+    case ops::Numerics::Fast:
+      return StepNumerics::Fast;
   }
   return StepNumerics::Exact;
 }
@@ -61,15 +64,16 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
   c.be.add(depth.partial, y, n);
 }
 
-
 int64_t forward_work_floats(const ModelDims& d, int64_t R) {
   const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
   const int64_t H = d.hidden;
   // depth slots + a, xn, y, h + the selected rows' hidden and logits
   int64_t fixed = (depth_slots(d) + 4) * g(R * H) + g(R * H) + g(R * d.vocab);
-  const int64_t attn = std::max(d.kda_layers ? kda_work_floats(d.kda, R) : 0, d.mla_layers ? mla_work_floats(d.mla, R) : 0);
-  const int64_t ffn = std::max(d.dense_inter ? glu_work_floats(d.dense_inter, R) : 0,
-                               d.moe.experts ? moe_work_floats(d.moe, d.shared_inter, R) + glu_work_floats(d.shared_inter, R) : 0);
+  const int64_t attn =
+      std::max(d.kda_layers ? kda_work_floats(d.kda, R) : 0, d.mla_layers ? mla_work_floats(d.mla, R) : 0);
+  const int64_t ffn =
+      std::max(d.dense_inter ? glu_work_floats(d.dense_inter, R) : 0,
+               d.moe.experts ? moe_work_floats(d.moe, d.shared_inter, R) + glu_work_floats(d.shared_inter, R) : 0);
   return fixed + std::max(attn, ffn);
 }
 
@@ -102,7 +106,8 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
   StepIndex& x = ix_;
   std::vector<int64_t>& out0 = x.out0;
   out0.assign(size_t(N) + 1, 0);
-  for (int64_t i = 0; i < N; ++i) out0[size_t(i) + 1] = out0[size_t(i)] + (seqs[size_t(i)].all_logits ? seqs[size_t(i)].n : 1);
+  for (int64_t i = 0; i < N; ++i)
+    out0[size_t(i) + 1] = out0[size_t(i)] + (seqs[size_t(i)].all_logits ? seqs[size_t(i)].n : 1);
   // Pieces of at most max_rows_ rows: every sequence contributes what is left of it, in order.
   std::vector<int64_t>& done = x.done;
   done.assign(size_t(N), 0);
@@ -175,8 +180,19 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
     std::copy(pg.begin(), pg.end(), table.begin() + i * max_pages);
   }
   const int64_t R = cu.back();
-  const StepView view{N,        R,        cu.data(), slots.data(), pos0.data(), table.data(), max_pages,
-                      pool.page_tokens(), max_rows, pool.slot_capacity(), pool.page_capacity(), &pool, pool.epoch()};
+  const StepView view{N,
+                      R,
+                      cu.data(),
+                      slots.data(),
+                      pos0.data(),
+                      table.data(),
+                      max_pages,
+                      pool.page_tokens(),
+                      max_rows,
+                      pool.slot_capacity(),
+                      pool.page_capacity(),
+                      &pool,
+                      pool.epoch()};
   if (!work_) work_ = std::make_unique<Workspace>(be, forward_work_floats(d, max_rows_));
   Workspace& work = *work_;
   work.rewind(0);
@@ -196,23 +212,23 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
         *hs = work.take(R * H), *ls = work.take(R * V);
   try {
-  // A step can be recorded for replay when its op sequence depends on its shape only: one row per
-  // sequence (no host-side grouping), and no experts fetched from a source on the host.
-  if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1 && !opt.experts)) {
-    // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
-    DepthState depth;
-    depth.partial = spare[0];
-    depth.partial_empty = false;
-    be.embed(placed_.embed, ids.data(), R, depth.partial);
-    for (int64_t L = 0; L < d.layers; ++L)
-      decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
-    // Output aggregator over B ∪ {P}, then for the rows whose logits are wanted: final norm, lm_head.
-    attnres_site(c, placed_.output_res, depth, H, d.eps, h);
-    be.gather_rows(h, sel.data(), nsel, H, hs);
-    be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
-    be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
-  }
-  be.end_step();
+    // A step can be recorded for replay when its op sequence depends on its shape only: one row per
+    // sequence (no host-side grouping), and no experts fetched from a source on the host.
+    if (be.begin_step(view, ids.data(), step_numerics(opt.numerics), max_rows == 1 && !opt.experts)) {
+      // Embedding (no scaling); it is the first partial sum and becomes block snapshot 0 at layer 0.
+      DepthState depth;
+      depth.partial = spare[0];
+      depth.partial_empty = false;
+      be.embed(placed_.embed, ids.data(), R, depth.partial);
+      for (int64_t L = 0; L < d.layers; ++L)
+        decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
+      // Output aggregator over B ∪ {P}, then for the rows whose logits are wanted: final norm, lm_head.
+      attnres_site(c, placed_.output_res, depth, H, d.eps, h);
+      be.gather_rows(h, sel.data(), nsel, H, hs);
+      be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
+      be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
+    }
+    be.end_step();
   } catch (...) {
     be.abort_step();
     throw;

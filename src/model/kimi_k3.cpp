@@ -21,10 +21,11 @@ ModelDims ModelDims::from_config(const ModelConfig& c) {
   d.block_size = c.attn_res_block_size;
   d.eps = float(c.rms_norm_eps);
   d.situ = {float(c.situ_beta), float(c.situ_linear_beta)};
-  d.kda = {c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, float(c.gate_lower_bound),
+  d.kda = {c.hidden_size,        c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, float(c.gate_lower_bound),
            float(c.rms_norm_eps)};
-  d.mla = {c.hidden_size,      c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
-           c.qk_rope_head_dim, c.v_head_dim,          float(c.mla_lora_norm_eps), c.mla_use_output_gate};
+  d.mla = {c.hidden_size,  c.num_attention_heads,      c.q_lora_rank,
+           c.kv_lora_rank, c.qk_nope_head_dim,         c.qk_rope_head_dim,
+           c.v_head_dim,   float(c.mla_lora_norm_eps), c.mla_use_output_gate};
   d.moe.hidden = c.hidden_size;
   d.moe.latent = c.routed_expert_hidden_size;
   d.moe.inter = c.moe_intermediate_size;
@@ -143,11 +144,18 @@ class Binder {
     w.cols = cols;
     w.data = t->data;
     switch (t->dtype) {
-      case DType::F32: w.fmt = WFormat::F32; break;
-      case DType::BF16: w.fmt = WFormat::BF16; break;
-      case DType::F16: w.fmt = WFormat::F16; break;
+      case DType::F32:
+        w.fmt = WFormat::F32;
+        break;
+      case DType::BF16:
+        w.fmt = WFormat::BF16;
+        break;
+      case DType::F16:
+        w.fmt = WFormat::F16;
+        break;
       default:
-        problems_.add("tensor " + name + " has unsupported dtype " + dtype_name(t->dtype) + " (expected BF16, F16 or F32)");
+        problems_.add("tensor " + name + " has unsupported dtype " + dtype_name(t->dtype) +
+                      " (expected BF16, F16 or F32)");
         return {};
     }
     return w;
@@ -217,7 +225,9 @@ class Binder {
     std::vector<float> out(static_cast<size_t>(t.numel()));
     for (int64_t i = 0; i < t.numel(); ++i) {
       switch (t.dtype) {
-        case DType::F32: std::memcpy(&out[size_t(i)], t.data + 4 * i, 4); break;
+        case DType::F32:
+          std::memcpy(&out[size_t(i)], t.data + 4 * i, 4);
+          break;
         case DType::BF16: {
           uint16_t h;
           std::memcpy(&h, t.data + 2 * i, 2);
@@ -231,7 +241,8 @@ class Binder {
           break;
         }
         default:
-          problems_.add("tensor " + t.name + " has unsupported dtype " + dtype_name(t.dtype) + " (expected F32, BF16 or F16)");
+          problems_.add("tensor " + t.name + " has unsupported dtype " + dtype_name(t.dtype) +
+                        " (expected F32, BF16 or F16)");
           return {};
       }
     }

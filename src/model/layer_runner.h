@@ -30,8 +30,19 @@ struct LayerRunner {
     const std::vector<int64_t> pos0{pool.position(s)};
     const std::vector<int32_t>& table = pool.pages(s);
     const std::vector<int32_t> ids(size_t(n), 0);
-    const StepView v{1, n, cu.data(), slots.data(), pos0.data(), table.data(), int64_t(table.size()),
-                     pool.page_tokens(), n, pool.slot_capacity(), pool.page_capacity(), &pool, pool.epoch()};
+    const StepView v{1,
+                     n,
+                     cu.data(),
+                     slots.data(),
+                     pos0.data(),
+                     table.data(),
+                     int64_t(table.size()),
+                     pool.page_tokens(),
+                     n,
+                     pool.slot_capacity(),
+                     pool.page_capacity(),
+                     &pool,
+                     pool.epoch()};
     work.rewind(0);
     be->begin_step(v, ids.data(), num, false);
     try {

@@ -42,8 +42,8 @@ int64_t mla_work_floats(const MlaDims& d, int64_t R) {
 }
 int64_t glu_work_floats(int64_t inter, int64_t R) { return 2 * granule(R * inter); }
 int64_t moe_work_floats(const MoeDims& d, int64_t shared_inter, int64_t R) {
-  return granule(R * d.experts) + 2 * granule(R * d.top_k) + 2 * granule(R * d.latent) +
-         2 * granule(R * shared_inter) + granule(R * d.hidden);
+  return granule(R * d.experts) + 2 * granule(R * d.top_k) + 2 * granule(R * d.latent) + 2 * granule(R * shared_inter) +
+         granule(R * d.hidden);
 }
 
 // ---------------------------------------------------------------- KDA
@@ -142,8 +142,8 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
     be.matmul_shared_input(ws, shared ? 4 : 2, x, R, ys, fp32);
   }
   // Router: sigmoid scores, bias for selection only, renormalised unbiased weights.
-  be.router_topk(logits, w.bias.empty() ? nullptr : w.bias.data(), R, d.experts, d.top_k, d.renormalize,
-                 d.routed_scale, idx, wt);
+  be.router_topk(logits, w.bias.empty() ? nullptr : w.bias.data(), R, d.experts, d.top_k, d.renormalize, d.routed_scale,
+                 idx, wt);
   // Routed experts in the latent space (the backend's strategy: grouped by expert, streamed, ...).
   be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts);
   // RMSNorm on the aggregate, then up to full width; the shared experts' down-projection on the

@@ -139,7 +139,9 @@ void put_floats(std::ostream& o, const std::vector<float>& v) {
 }
 void get_floats(std::istream& in, std::vector<float>& v, size_t expect, const char* what) {
   const uint64_t n = get_u64(in);
-  if (n != expect) fail(std::string("session file: ") + what + " has " + std::to_string(n) + " values, expected " + std::to_string(expect));
+  if (n != expect)
+    fail(std::string("session file: ") + what + " has " + std::to_string(n) + " values, expected " +
+         std::to_string(expect));
   v.resize(size_t(n));
   if (n && !in.read(reinterpret_cast<char*>(v.data()), std::streamsize(n * 4))) fail("session file is truncated");
 }

@@ -47,7 +47,7 @@ struct GpuMemoryPlan {
 };
 
 struct ForwardOptions {
-  KdaAlgo kda_algo = KdaAlgo::Chunked;   // used for chunks of more than one token
+  KdaAlgo kda_algo = KdaAlgo::Chunked;  // used for chunks of more than one token
   int64_t kda_chunk = 64;
   MlaAlgo mla_algo = MlaAlgo::Absorbed;
   // Routed experts come from here when set (e.g. runtime/expert_cache.h under --ram-budget);
@@ -167,8 +167,8 @@ class Model {
   ModelWeights host_;
   ModelWeights placed_;
   std::unique_ptr<Backend> backend_;
-  int64_t max_rows_ = 512;                  // rows of one step (workspace plan)
-  StatePoolOptions session_pool_opts_;      // the sessions' pool (GPU: pages for initial_context)
+  int64_t max_rows_ = 512;              // rows of one step (workspace plan)
+  StatePoolOptions session_pool_opts_;  // the sessions' pool (GPU: pages for initial_context)
   mutable std::unique_ptr<Workspace> work_;
   // The host-side index arrays of a step (rows, slots, block tables, selected rows), kept between
   // steps so that a steady decode step allocates nothing.
@@ -180,7 +180,7 @@ class Model {
   };
   mutable StepIndex ix_;
   mutable std::unique_ptr<StatePool> sessions_;
-  uint64_t backend_generation_ = 0;         // bumped by use_gpu: older sessions refuse to run
+  uint64_t backend_generation_ = 0;  // bumped by use_gpu: older sessions refuse to run
 };
 
 class Session {

@@ -65,7 +65,9 @@ void StatePool::grow_pages() {
   ++epoch_;
 }
 
-bool StatePool::live(int32_t slot) const { return slot >= 0 && size_t(slot) < slots_.size() && slots_[size_t(slot)].live; }
+bool StatePool::live(int32_t slot) const {
+  return slot >= 0 && size_t(slot) < slots_.size() && slots_[size_t(slot)].live;
+}
 
 void StatePool::check_live(int32_t slot) const {
   if (!live(slot)) fail("state pool: slot " + std::to_string(slot) + " is not a live sequence");
@@ -177,8 +179,7 @@ void StatePool::reserve_append(int32_t slot, int64_t n) {
       Slot& s2 = slots_[size_t(slot)];
       const int32_t old = s2.pages[size_t(cur)];
       for (size_t m = 0; m < mla_.size(); ++m)
-        be_.copy(page_ptr(int64_t(m), fresh), page_ptr(int64_t(m), old),
-                 fbytes(P * d_.mla.cache_floats_per_token()));
+        be_.copy(page_ptr(int64_t(m), fresh), page_ptr(int64_t(m), old), fbytes(P * d_.mla.cache_floats_per_token()));
       unref(old);
       s2.pages[size_t(cur)] = fresh;
     }
@@ -323,8 +324,7 @@ int64_t StatePool::live_pages() const {
 
 uint64_t StatePool::bytes() const {
   const uint64_t per_slot = uint64_t(kda_.size()) * 4 * uint64_t(d_.kda.state_floats() + 3 * d_.kda.conv_floats());
-  const uint64_t per_page =
-      uint64_t(mla_.size()) * 4 * uint64_t(opt_.page_tokens * d_.mla.cache_floats_per_token());
+  const uint64_t per_page = uint64_t(mla_.size()) * 4 * uint64_t(opt_.page_tokens * d_.mla.cache_floats_per_token());
   return per_slot * slots_.size() + per_page * page_refs_.size();
 }
 

@@ -27,10 +27,10 @@ class StatePool {
   StatePool(const StatePool&) = delete;
   StatePool& operator=(const StatePool&) = delete;
 
-  int32_t alloc();                 // an empty sequence (zero state, no cached tokens)
-  void free(int32_t slot);         // k3::Error for a slot that is not live
-  int32_t fork(int32_t src);       // a copy of src: state copied, cache pages shared until written
-  void reset(int32_t slot);        // back to empty (pages released)
+  int32_t alloc();                           // an empty sequence (zero state, no cached tokens)
+  void free(int32_t slot);                   // k3::Error for a slot that is not live
+  int32_t fork(int32_t src);                 // a copy of src: state copied, cache pages shared until written
+  void reset(int32_t slot);                  // back to empty (pages released)
   void copy_into(int32_t dst, int32_t src);  // dst becomes a copy of src (both stay live)
   bool live(int32_t slot) const;
   int64_t position(int32_t slot) const;  // tokens the slot has seen
@@ -91,8 +91,8 @@ class StatePool {
   std::vector<bool> is_kda_;
   std::vector<int64_t> ordinal_;  // layer -> index among its kind
   StatePoolOptions opt_;
-  std::vector<KdaPool> kda_;      // per KDA layer, [slot_cap] each
-  std::vector<float*> mla_;       // per MLA layer, [page_cap, page_tokens, kv_lora + rope]
+  std::vector<KdaPool> kda_;  // per KDA layer, [slot_cap] each
+  std::vector<float*> mla_;   // per MLA layer, [page_cap, page_tokens, kv_lora + rope]
   std::vector<Slot> slots_;
   std::vector<int32_t> free_slots_;
   std::vector<int32_t> page_refs_;

@@ -28,7 +28,9 @@ DecodeTraffic decode_traffic(const Model& m, int64_t context, int64_t n_seqs) {
             expert_bytes += weight_bytes(w);
             expert_flops += flops;
             break;
-          case WeightRole::LmHead: t.lm_head_flops = flops; [[fallthrough]];
+          case WeightRole::LmHead:
+            t.lm_head_flops = flops;
+            [[fallthrough]];
           case WeightRole::Trunk:
           case WeightRole::Router:
             trunk += weight_bytes(w);
@@ -36,7 +38,7 @@ DecodeTraffic decode_traffic(const Model& m, int64_t context, int64_t n_seqs) {
             break;
         }
       },
-      [](const FVec&) {});  // norm gains and biases: not counted (a few KiB)
+      [](const FVec&) {});              // norm gains and biases: not counted (a few KiB)
   int64_t moe_layers = 0, touched = 0;  // touched: experts read per step, summed over the MoE layers
   for (const LayerWeights& L : m.layers)
     if (!L.dense_ffn) {

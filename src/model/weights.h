@@ -44,14 +44,14 @@ struct KdaWeights {
 };
 
 struct MlaWeights {
-  WeightMat q_a_proj;    // [q_lora, hidden]
-  WeightMat q_b_proj;    // [heads*(nope+rope), q_lora]
-  WeightMat kv_a_proj;   // [kv_lora+rope, hidden]   rows [0,kv_lora) latent c, then shared k_r
-  WeightMat kv_b_proj;   // [heads*(nope+v), kv_lora] per head: W_UK rows then W_UV rows
-  WeightMat g_proj;      // [heads*v, hidden] (empty when output_gate is false)
-  WeightMat o_proj;      // [hidden, heads*v]
-  FVec q_a_norm;         // [q_lora]
-  FVec kv_a_norm;        // [kv_lora]
+  WeightMat q_a_proj;   // [q_lora, hidden]
+  WeightMat q_b_proj;   // [heads*(nope+rope), q_lora]
+  WeightMat kv_a_proj;  // [kv_lora+rope, hidden]   rows [0,kv_lora) latent c, then shared k_r
+  WeightMat kv_b_proj;  // [heads*(nope+v), kv_lora] per head: W_UK rows then W_UV rows
+  WeightMat g_proj;     // [heads*v, hidden] (empty when output_gate is false)
+  WeightMat o_proj;     // [hidden, heads*v]
+  FVec q_a_norm;        // [q_lora]
+  FVec kv_a_norm;       // [kv_lora]
 };
 
 struct GluWeights {
@@ -60,19 +60,19 @@ struct GluWeights {
 };
 
 struct MoeWeights {
-  int64_t layer = -1;                // decoder layer index (the key an ExpertSource is asked for)
-  WeightMat gate;                    // [experts, hidden] router
-  FVec bias;                         // [experts] e_score_correction_bias (selection only)
-  WeightMat down_lat;                // [latent, hidden]
-  FVec lat_norm;                     // [latent]
-  WeightMat up_lat;                  // [hidden, latent]
-  std::vector<GluWeights> experts;   // gate=w1 [inter, latent], up=w3, down=w2 [latent, inter]
-                                     // (never read when an ExpertSource is given)
+  int64_t layer = -1;               // decoder layer index (the key an ExpertSource is asked for)
+  WeightMat gate;                   // [experts, hidden] router
+  FVec bias;                        // [experts] e_score_correction_bias (selection only)
+  WeightMat down_lat;               // [latent, hidden]
+  FVec lat_norm;                    // [latent]
+  WeightMat up_lat;                 // [hidden, latent]
+  std::vector<GluWeights> experts;  // gate=w1 [inter, latent], up=w3, down=w2 [latent, inter]
+                                    // (never read when an ExpertSource is given)
   // The routed experts stacked along rows ([E*inter, latent], [E*inter, latent], [E*latent, inter]),
   // when a backend placed them so (CUDA: kernels index experts on the device); then experts[e] are
   // views into these. Empty on the CPU.
   GluWeights stacked;
-  GluWeights shared;                 // fused shared experts [n_shared*inter, hidden]; empty if none
+  GluWeights shared;  // fused shared experts [n_shared*inter, hidden]; empty if none
 };
 
 // Block AttnRes site: fold = w_norm ⊙ w_proj, folded at bind time (§3.3).

@@ -22,7 +22,7 @@ inline uint16_t load_u16(const uint8_t* p) {
 struct WeightMat {
   WFormat fmt = WFormat::F32;
   int64_t rows = 0, cols = 0;
-  const void* data = nullptr;      // F32/F16/BF16: [rows, cols]; MXFP4: packed [rows, cols/2] (low nibble = even col)
+  const void* data = nullptr;       // F32/F16/BF16: [rows, cols]; MXFP4: packed [rows, cols/2] (low nibble = even col)
   const uint8_t* scales = nullptr;  // MXFP4 only: E8M0 [rows, cols/32]
 
   bool empty() const { return data == nullptr; }
@@ -36,8 +36,10 @@ struct WeightMat {
         std::memcpy(&f, bytes + 4 * (r * cols + c), 4);
         return f;
       }
-      case WFormat::F16: return f16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
-      case WFormat::BF16: return bf16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
+      case WFormat::F16:
+        return f16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
+      case WFormat::BF16:
+        return bf16_to_f32(load_u16(bytes + 2 * (r * cols + c)));
       case WFormat::MXFP4: {
         const uint8_t b = static_cast<const uint8_t*>(data)[r * (cols / 2) + c / 2];
         const uint8_t code = (c & 1) ? (b >> 4) : (b & 0x0f);

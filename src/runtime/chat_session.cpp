@@ -77,14 +77,16 @@ void ChatSession::start() {
 
 void ChatSession::reset() { start(); }
 
-std::vector<tok::TokenId> ChatSession::render_ids(const std::vector<chat::Message>& msgs, bool generation_prompt) const {
+std::vector<tok::TokenId> ChatSession::render_ids(const std::vector<chat::Message>& msgs,
+                                                  bool generation_prompt) const {
   chat::RenderOptions ro = opt_.render;
   ro.add_generation_prompt = generation_prompt;
   return chat::segments_ids(*tok_, chat::render(msgs, ro));
 }
 
 TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const std::atomic<bool>* interrupt) {
-  if (msg.role != "user" && msg.role != "tool") fail("chat: only user and tool messages can be sent, not '" + msg.role + "'");
+  if (msg.role != "user" && msg.role != "tool")
+    fail("chat: only user and tool messages can be sent, not '" + msg.role + "'");
   TurnResult res;
   const Session::Mark before_mark = session_.mark();
   const std::vector<tok::TokenId> before = transcript_;
@@ -112,13 +114,15 @@ TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const s
   const std::vector<int32_t> suffix = as_model_ids(full.data() + keep, full.size() - keep);
   const int64_t V = model_->dims().vocab;
   std::vector<float> logits(static_cast<size_t>(V));
-  if (!prefill(*model_, session_, suffix, opt_.ubatch, opt_.forward, logits.data(), cb.on_prefill, interrupt, &res.stats)) {
+  if (!prefill(*model_, session_, suffix, opt_.ubatch, opt_.forward, logits.data(), cb.on_prefill, interrupt,
+               &res.stats)) {
     if (keep) {
       session_.rollback(before_mark);
     } else {  // the session was started over: rebuild what it held
       session_.reset();
       if (!before.empty())
-        prefill(*model_, session_, as_model_ids(before.data(), before.size()), opt_.ubatch, opt_.forward, logits.data());
+        prefill(*model_, session_, as_model_ids(before.data(), before.size()), opt_.ubatch, opt_.forward,
+                logits.data());
     }
     messages_.resize(n_messages_before);
     res.reason = StopReason::Interrupted;
@@ -168,7 +172,8 @@ TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const s
     chat::ToolCall c;
     c.id = "call_" + std::to_string(turns_ + 1) + "_" + std::to_string(k + 1);
     c.name = pr.calls[k].name.empty() ? "unnamed" : pr.calls[k].name;
-    c.arguments = nlohmann::ordered_json::parse(pr.calls[k].arguments.empty() ? "{}" : pr.calls[k].arguments, nullptr, false);
+    c.arguments =
+        nlohmann::ordered_json::parse(pr.calls[k].arguments.empty() ? "{}" : pr.calls[k].arguments, nullptr, false);
     if (c.arguments.is_discarded()) c.arguments = pr.calls[k].arguments;  // kept verbatim as a JSON string
     reply.tool_calls.push_back(std::move(c));
   }
@@ -255,7 +260,8 @@ void ChatSession::load(const std::string& path) {
   } catch (const nlohmann::json::exception&) {
     fail(path + ": chat file header is not valid");
   }
-  if (j.is_discarded() || !j.is_object() || j.value("format", "") != "k3-chat") fail(path + ": chat file header is not valid");
+  if (j.is_discarded() || !j.is_object() || j.value("format", "") != "k3-chat")
+    fail(path + ": chat file header is not valid");
   if (j.value("version", 0) != 1) fail(path + ": unsupported chat file version");
   if (j.value("model_fingerprint", "") != std::to_string(model_->fingerprint()))
     fail(path + ": chat file was saved with a different model");

@@ -30,14 +30,19 @@ uint64_t round_down(uint64_t x, uint64_t a) { return x / a * a; }
 uint64_t data_bytes(const WeightMat& w) {
   const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols);
   switch (w.fmt) {
-    case WFormat::F32: return 4 * n;
+    case WFormat::F32:
+      return 4 * n;
     case WFormat::F16:
-    case WFormat::BF16: return 2 * n;
-    case WFormat::MXFP4: return n / 2;
+    case WFormat::BF16:
+      return 2 * n;
+    case WFormat::MXFP4:
+      return n / 2;
   }
   return 0;
 }
-uint64_t scale_bytes(const WeightMat& w) { return w.fmt == WFormat::MXFP4 ? uint64_t(w.rows) * uint64_t(w.cols) / 32 : 0; }
+uint64_t scale_bytes(const WeightMat& w) {
+  return w.fmt == WFormat::MXFP4 ? uint64_t(w.rows) * uint64_t(w.cols) / 32 : 0;
+}
 
 std::string errno_text(int e) { return std::strerror(e); }
 
@@ -190,7 +195,8 @@ void ExpertCache::fetch(int64_t layer, const int32_t* ids, int64_t n, const GluW
     const int64_t key = layer * experts_ + ids[i];
     const int32_t s = slot_of_[size_t(key)];
     if (s >= 0) {
-      if (slots_[size_t(s)].last_use == clock_) fail("expert cache: expert " + std::to_string(ids[i]) + " asked for twice in one fetch");
+      if (slots_[size_t(s)].last_use == clock_)
+        fail("expert cache: expert " + std::to_string(ids[i]) + " asked for twice in one fetch");
       slots_[size_t(s)].last_use = clock_;
       out[i] = &slots_[size_t(s)].w;
       ++stats_.hits;
@@ -200,7 +206,8 @@ void ExpertCache::fetch(int64_t layer, const int32_t* ids, int64_t n, const GluW
   }
   for (int64_t i : missing) {
     const int64_t key = layer * experts_ + ids[i];
-    if (slot_of_[size_t(key)] >= 0) fail("expert cache: expert " + std::to_string(ids[i]) + " asked for twice in one fetch");
+    if (slot_of_[size_t(key)] >= 0)
+      fail("expert cache: expert " + std::to_string(ids[i]) + " asked for twice in one fetch");
     size_t victim;
     if (int64_t(slots_.size()) < max_slots_) {
       void* p = std::aligned_alloc(kDirectAlign, slot_bytes_);
@@ -294,9 +301,10 @@ uint64_t ram_budget_cache_bytes(uint64_t budget, const ExpertTensorTotals& t, in
   const uint64_t k = t.experts > 0 ? uint64_t(std::max<int64_t>(top_k, 1)) : 0;
   const uint64_t need = t.trunk_bytes + k * slot_bytes;
   if (budget < need)
-    fail("--ram-budget " + human_bytes(budget) + " is too small: the resident trunk takes " + human_bytes(t.trunk_bytes) +
-         " and one MoE call needs " + std::to_string(k) + " experts of " + human_bytes(slot_bytes) +
-         "; the smallest budget is " + human_bytes(need) + " (" + std::to_string(need) + " bytes)");
+    fail("--ram-budget " + human_bytes(budget) + " is too small: the resident trunk takes " +
+         human_bytes(t.trunk_bytes) + " and one MoE call needs " + std::to_string(k) + " experts of " +
+         human_bytes(slot_bytes) + "; the smallest budget is " + human_bytes(need) + " (" + std::to_string(need) +
+         " bytes)");
   return budget - t.trunk_bytes;
 }
 

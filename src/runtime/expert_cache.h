@@ -23,8 +23,8 @@ struct ExpertCacheStats {
   uint64_t fetches = 0;     // fetch() calls (batches)
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0.0; }
   ExpertCacheStats operator-(const ExpertCacheStats& o) const {
-    return {bytes_read - o.bytes_read, reads - o.reads, hits - o.hits, misses - o.misses, evictions - o.evictions,
-            fetches - o.fetches};
+    return {bytes_read - o.bytes_read, reads - o.reads,         hits - o.hits,
+            misses - o.misses,         evictions - o.evictions, fetches - o.fetches};
   }
 };
 
@@ -58,26 +58,26 @@ class ExpertCache final : public ExpertSource {
   uint64_t allocated_bytes() const { return uint64_t(slots_.size()) * slot_bytes_; }
   uint64_t expert_bytes() const { return expert_bytes_; }  // tensor bytes of all routed experts
   int64_t expert_count() const { return expert_count_; }
-  int64_t min_experts() const { return min_experts_; }     // num_experts_per_token
+  int64_t min_experts() const { return min_experts_; }  // num_experts_per_token
   // Bytes one cached expert takes for this model and I/O mode (what capacity is counted in).
   static uint64_t slot_bytes_for(const Model& m, bool direct_io);
 
  private:
   struct ReadOp {
-    int32_t fd = 0;         // index into fds_
-    uint64_t offset = 0;    // file offset of the read (aligned for O_DIRECT)
-    uint64_t length = 0;    // bytes requested (aligned for O_DIRECT)
-    uint64_t needed = 0;    // bytes that must arrive (the span's meaningful end; may pass EOF by padding only)
-    uint64_t dst = 0;       // offset in the slot
+    int32_t fd = 0;       // index into fds_
+    uint64_t offset = 0;  // file offset of the read (aligned for O_DIRECT)
+    uint64_t length = 0;  // bytes requested (aligned for O_DIRECT)
+    uint64_t needed = 0;  // bytes that must arrive (the span's meaningful end; may pass EOF by padding only)
+    uint64_t dst = 0;     // offset in the slot
   };
   struct Plan {  // one routed expert
     std::vector<ReadOp> ops;
-    GluWeights tmpl;                 // formats and shapes; pointers hold slot offsets (below)
-    uint64_t off[6] = {};            // gate.data, gate.scales, up.data, up.scales, down.data, down.scales
+    GluWeights tmpl;       // formats and shapes; pointers hold slot offsets (below)
+    uint64_t off[6] = {};  // gate.data, gate.scales, up.data, up.scales, down.data, down.scales
   };
   struct Slot {
     uint8_t* buf = nullptr;
-    int64_t key = -1;        // layer * experts + id, or -1 when empty / being filled
+    int64_t key = -1;  // layer * experts + id, or -1 when empty / being filled
     uint64_t last_use = 0;
     GluWeights w;
   };
@@ -94,8 +94,8 @@ class ExpertCache final : public ExpertSource {
   bool direct_;
   int64_t experts_ = 0, min_experts_ = 0, expert_count_ = 0, max_slots_ = 0;
   uint64_t slot_bytes_ = 0, expert_bytes_ = 0, clock_ = 0;
-  std::vector<Plan> plans_;         // [layers * experts], empty ops for dense layers
-  std::vector<int32_t> slot_of_;    // [layers * experts] -> slot index or -1
+  std::vector<Plan> plans_;       // [layers * experts], empty ops for dense layers
+  std::vector<int32_t> slot_of_;  // [layers * experts] -> slot index or -1
   std::vector<Slot> slots_;
   std::vector<std::unique_ptr<Shard>> fds_;
   ExpertCacheStats stats_;

@@ -16,11 +16,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 const char* stop_reason_name(StopReason r) {
   switch (r) {
-    case StopReason::MaxTokens: return "max-tokens";
-    case StopReason::EndToken: return "eos";
-    case StopReason::StopSequence: return "stop-sequence";
-    case StopReason::Interrupted: return "interrupted";
-    case StopReason::ContextFull: return "context-full";
+    case StopReason::MaxTokens:
+      return "max-tokens";
+    case StopReason::EndToken:
+      return "eos";
+    case StopReason::StopSequence:
+      return "stop-sequence";
+    case StopReason::Interrupted:
+      return "interrupted";
+    case StopReason::ContextFull:
+      return "context-full";
   }
   return "?";
 }
@@ -110,7 +115,8 @@ std::string StopMatcher::push(std::string_view text) {
   size_t best = std::string::npos;
   for (const auto& st : stops_) {
     const size_t at = held_.find(st);
-    if (at != std::string::npos && (best == std::string::npos || at < best || (at == best && st.size() > which_.size()))) {
+    if (at != std::string::npos &&
+        (best == std::string::npos || at < best || (at == best && st.size() > which_.size()))) {
       best = at;
       which_ = st;
     }

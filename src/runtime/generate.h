@@ -37,8 +37,8 @@ bool prefill(const Model& m, Session& s, std::span<const int32_t> ids, int64_t u
 
 struct DecodeLimits {
   int64_t max_tokens = 256;
-  int64_t max_position = INT64_MAX;      // the session may not grow beyond this many tokens
-  std::vector<int32_t> end_tokens;       // sampled -> stop (EndToken); the token is returned, not fed
+  int64_t max_position = INT64_MAX;  // the session may not grow beyond this many tokens
+  std::vector<int32_t> end_tokens;   // sampled -> stop (EndToken); the token is returned, not fed
   const std::atomic<bool>* interrupt = nullptr;
 };
 
@@ -50,8 +50,8 @@ struct DecodeResult {
 
 // The decode loop. `logits` holds the next-token logits on entry and is overwritten as tokens are
 // fed (except on the GPU with a plain-greedy sampler: each next token is then picked on the device
-// and `logits` keeps its entry value). on_token(id) is called for every sampled token that is not an end token; returning false
-// stops with StopSequence. The last sampled token is never fed (nothing would read its logits).
+// and `logits` keeps its entry value). on_token(id) is called for every sampled token that is not an end token;
+// returning false stops with StopSequence. The last sampled token is never fed (nothing would read its logits).
 DecodeResult decode(const Model& m, Session& s, Sampler& sampler, float* logits, const DecodeLimits& lim,
                     const ForwardOptions& opt, const std::function<bool(int32_t)>& on_token, GenStats* stats = nullptr);
 

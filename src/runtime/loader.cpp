@@ -66,9 +66,10 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
     limit_src = "MemAvailable";
   }
   if (limit && plan.total() > limit && !r.cuda)  // on the GPU the state lives in GPU memory (checked there)
-    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) + ", state and cache for " +
-         std::to_string(lc.ctx_tokens) + " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " +
-         human_bytes(plan.scratch) + ") but only " + human_bytes(limit) + " is available (" + limit_src +
+    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) +
+         ", state and cache for " + std::to_string(lc.ctx_tokens) + " tokens " +
+         human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " + human_bytes(plan.scratch) + ") but only " +
+         human_bytes(limit) + " is available (" + limit_src +
          (budget ? "); lower " + nm.ctx + " or " + nm.ram_budget
                  : "); lower " + nm.ctx + ", raise " + nm.mem_limit + " or set " + nm.ram_budget));
 

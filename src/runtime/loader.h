@@ -48,14 +48,14 @@ struct LoadRequest {
 
 struct LoadedCheckpoint {
   std::unique_ptr<Model> model;
-  std::unique_ptr<tok::Tokenizer> tok;    // null when !need_tokenizer
-  std::unique_ptr<ExpertCache> experts;   // set under a RAM budget (declared after model: destroyed first)
+  std::unique_ptr<tok::Tokenizer> tok;   // null when !need_tokenizer
+  std::unique_ptr<ExpertCache> experts;  // set under a RAM budget (declared after model: destroyed first)
   std::string dir, tokenizer_dir;
-  uint64_t weight_bytes = 0;              // every tensor of the checkpoint
-  uint64_t trunk_bytes = 0;               // under a RAM budget: the resident part
-  uint64_t ram_budget = 0;                // bytes; 0 = none
-  int64_t ctx_tokens = 0;                 // the context the memory check counted
-  double bind_seconds = 0;                // Model::load and the expert cache
+  uint64_t weight_bytes = 0;  // every tensor of the checkpoint
+  uint64_t trunk_bytes = 0;   // under a RAM budget: the resident part
+  uint64_t ram_budget = 0;    // bytes; 0 = none
+  int64_t ctx_tokens = 0;     // the context the memory check counted
+  double bind_seconds = 0;    // Model::load and the expert cache
 };
 
 // Checks the request (option combinations, context vs the config, memory: weights + state at

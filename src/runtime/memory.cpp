@@ -20,17 +20,20 @@ MemoryPlan plan_memory(const ModelConfig& c, uint64_t weight_bytes, int64_t ctx,
   int64_t n_kda = 0, n_mla = 0;
   for (int64_t L = 0; L < c.num_hidden_layers; ++L) (c.is_kda(L) ? n_kda : n_mla)++;
   const uint64_t D = uint64_t(c.kda_dim());
-  p.kda_state = uint64_t(n_kda) * 4 *
-                (uint64_t(c.kda_num_heads) * c.kda_head_dim * c.kda_head_dim + 3 * D * uint64_t(c.short_conv_kernel_size - 1));
-  p.mla_cache = uint64_t(n_mla) * 4 * uint64_t(std::max<int64_t>(ctx, 0)) * uint64_t(c.kv_lora_rank + c.qk_rope_head_dim);
+  p.kda_state =
+      uint64_t(n_kda) * 4 *
+      (uint64_t(c.kda_num_heads) * c.kda_head_dim * c.kda_head_dim + 3 * D * uint64_t(c.short_conv_kernel_size - 1));
+  p.mla_cache =
+      uint64_t(n_mla) * 4 * uint64_t(std::max<int64_t>(ctx, 0)) * uint64_t(c.kv_lora_rank + c.qk_rope_head_dim);
   // Working set of one ubatch: the depth state (block snapshots + partial sum), a handful of
   // hidden-sized temporaries, the widest projection (KDA q/k/v + gates, MLA heads, the MoE
   // expert rows of one token) and MLA scores over the context; plus last-token logits.
   const uint64_t H = uint64_t(c.hidden_size), T = uint64_t(std::max<int64_t>(ubatch, 1));
   const uint64_t blocks = uint64_t(c.num_hidden_layers / std::max<int64_t>(c.attn_res_block_size, 1) + 2);
   const uint64_t mla_w = uint64_t(c.num_attention_heads) * uint64_t(c.mla_qk_head_dim() + c.v_head_dim) * 2;
-  const uint64_t moe_w = uint64_t(c.num_experts_per_token + c.num_shared_experts) * uint64_t(c.moe_intermediate_size) * 2 +
-                         uint64_t(c.num_experts);
+  const uint64_t moe_w =
+      uint64_t(c.num_experts_per_token + c.num_shared_experts) * uint64_t(c.moe_intermediate_size) * 2 +
+      uint64_t(c.num_experts);
   const uint64_t widest = std::max({6 * D, mla_w, moe_w, uint64_t(c.intermediate_size) * 2});
   const uint64_t scores = uint64_t(c.num_attention_heads) * uint64_t(std::max<int64_t>(ctx, 1));
   p.scratch = 4 * (T * (H * (blocks + 8) + widest + scores) + uint64_t(c.vocab_size));
@@ -54,9 +57,7 @@ uint64_t peak_rss_bytes() {
 }
 
 uint64_t parse_size(const std::string& text, const std::string& what) {
-  const auto bad = [&] {
-    fail(what + " must be a size like 512M, 24G or 1.5GiB, got '" + text + "'");
-  };
+  const auto bad = [&] { fail(what + " must be a size like 512M, 24G or 1.5GiB, got '" + text + "'"); };
   size_t i = 0;
   while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
   if (i == 0) bad();
@@ -71,12 +72,18 @@ uint64_t parse_size(const std::string& text, const std::string& what) {
   std::string u = text.substr(i);
   for (auto& ch : u) ch = char(std::toupper(static_cast<unsigned char>(ch)));
   double mul = 1;
-  if (u.empty() || u == "B") mul = 1;
-  else if (u == "K" || u == "KB" || u == "KIB") mul = 1024.0;
-  else if (u == "M" || u == "MB" || u == "MIB") mul = 1024.0 * 1024;
-  else if (u == "G" || u == "GB" || u == "GIB") mul = 1024.0 * 1024 * 1024;
-  else if (u == "T" || u == "TB" || u == "TIB") mul = 1024.0 * 1024 * 1024 * 1024;
-  else bad();
+  if (u.empty() || u == "B")
+    mul = 1;
+  else if (u == "K" || u == "KB" || u == "KIB")
+    mul = 1024.0;
+  else if (u == "M" || u == "MB" || u == "MIB")
+    mul = 1024.0 * 1024;
+  else if (u == "G" || u == "GB" || u == "GIB")
+    mul = 1024.0 * 1024 * 1024;
+  else if (u == "T" || u == "TB" || u == "TIB")
+    mul = 1024.0 * 1024 * 1024 * 1024;
+  else
+    bad();
   const double bytes = v * mul;
   if (!std::isfinite(bytes) || bytes < 1 || bytes > 1.8e19) bad();
   return uint64_t(bytes);

@@ -77,8 +77,7 @@ const Rule kRepeat{"repeat-penalty", "repetition_penalty", "a finite number > 0 
                    [](double v) { return finite(v) && v > 0; }};
 const Rule kPresence{"presence-penalty", "presence_penalty", "a finite number (0 = off)", finite};
 const Rule kFrequency{"frequency-penalty", "frequency_penalty", "a finite number (0 = off)", finite};
-const Rule kLastN{"repeat-last-n", nullptr, "an integer >= -1 (-1 = all, 0 = off)",
-                  [](double v) { return v >= -1; }};
+const Rule kLastN{"repeat-last-n", nullptr, "an integer >= -1 (-1 = all, 0 = off)", [](double v) { return v >= -1; }};
 
 void check(const Rule& r, double v, const std::string& shown) {
   if (!r.ok(v)) fail(std::string(r.flag) + " must be " + r.range + ", got " + shown);
@@ -169,8 +168,8 @@ SamplingParams sampling_defaults_from_dir(const std::string& dir, std::string* s
   if (const json* v = find(kTopK.key)) {
     if (!v->is_number_integer()) fail(where + ": key top_k must be an integer, got " + shown(*v));
     // Unsigned JSON integers above INT64_MAX would wrap in get<int64_t>(); they are out of range anyway.
-    const double k = v->is_number_unsigned() ? static_cast<double>(v->get<uint64_t>())
-                                             : static_cast<double>(v->get<int64_t>());
+    const double k =
+        v->is_number_unsigned() ? static_cast<double>(v->get<uint64_t>()) : static_cast<double>(v->get<int64_t>());
     if (!kTopK.ok(k)) fail(where + ": key top_k must be " + kTopK.range + ", got " + shown(*v));
     p.top_k = static_cast<int32_t>(k);
     used.push_back("top_k");
@@ -257,8 +256,7 @@ void Sampler::penalize(const float* logits, std::vector<double>& v) const {
   for (int64_t i = 0; i < vocab_; ++i) {
     const float x = logits[i];
     if (std::isnan(x)) fail("sampler: logits contain NaN at token " + std::to_string(i));
-    if (x == std::numeric_limits<float>::infinity())
-      fail("sampler: logits contain +inf at token " + std::to_string(i));
+    if (x == std::numeric_limits<float>::infinity()) fail("sampler: logits contain +inf at token " + std::to_string(i));
     v[static_cast<size_t>(i)] = x;
   }
   const double rp = p_.repetition_penalty, presence = p_.presence_penalty, frequency = p_.frequency_penalty;

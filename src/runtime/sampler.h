@@ -102,9 +102,9 @@ class Sampler {
   // Temperature 0 with every penalty off: sample() is the argmax of the raw logits (ties -> lowest
   // id), which a GPU can pick itself without copying the logits back (Model::forward argmax_out).
   bool plain_greedy() const {
-    return p_.temperature == 0.0f && (p_.penalty_last_n == 0 || (p_.repetition_penalty == 1.0f &&
-                                                                 p_.presence_penalty == 0.0f &&
-                                                                 p_.frequency_penalty == 0.0f));
+    return p_.temperature == 0.0f &&
+           (p_.penalty_last_n == 0 ||
+            (p_.repetition_penalty == 1.0f && p_.presence_penalty == 0.0f && p_.frequency_penalty == 0.0f));
   }
   int64_t vocab() const { return vocab_; }
 

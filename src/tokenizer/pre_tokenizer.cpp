@@ -31,10 +31,14 @@ int utf8_valid_len(std::string_view s, size_t i) {
 uint32_t utf8_decode_at(std::string_view s, size_t i, int len) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data() + i);
   switch (len) {
-    case 1: return p[0];
-    case 2: return ((p[0] & 0x1Fu) << 6) | (p[1] & 0x3Fu);
-    case 3: return ((p[0] & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu);
-    default: return ((p[0] & 0x07u) << 18) | ((p[1] & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
+    case 1:
+      return p[0];
+    case 2:
+      return ((p[0] & 0x1Fu) << 6) | (p[1] & 0x3Fu);
+    case 3:
+      return ((p[0] & 0x0Fu) << 12) | ((p[1] & 0x3Fu) << 6) | (p[2] & 0x3Fu);
+    default:
+      return ((p[0] & 0x07u) << 18) | ((p[1] & 0x3Fu) << 12) | ((p[2] & 0x3Fu) << 6) | (p[3] & 0x3Fu);
   }
 }
 
@@ -47,7 +51,7 @@ struct Cps {
   std::vector<uint32_t> off;
 };
 
-inline bool is_p(uint8_t f) { return !(f & (kLetter | kNumber | kCrLf)); }  // [^\r\n\p{L}\p{N}]
+inline bool is_p(uint8_t f) { return !(f & (kLetter | kNumber | kCrLf)); }   // [^\r\n\p{L}\p{N}]
 inline bool is_q(uint8_t f) { return !(f & (kLetter | kNumber | kSpace)); }  // [^\s\p{L}\p{N}]
 
 struct Matcher {
@@ -92,7 +96,7 @@ struct Matcher {
       if (size_t e = upper_star_lower_plus(i + 1)) return e;
     }
     if (size_t e = upper_star_lower_plus(i)) return e;  // 2 without it
-    if (p && i + 1 < n) {                                // 3
+    if (p && i + 1 < n) {                               // 3
       if (size_t e = upper_plus_lower_star(i + 1)) return e;
     }
     if (size_t e = upper_plus_lower_star(i)) return e;

@@ -255,7 +255,8 @@ void Tokenizer::bpe_small(std::string_view piece, std::vector<TokenId>& out) con
   };
   for (size_t i = 0; i <= n; ++i) parts.push_back({static_cast<uint32_t>(i), kNone});
   for (size_t i = 0; i + 1 < n; ++i)
-    parts[i].rank = byte_pair_rank_[static_cast<unsigned char>(piece[i]) * 256u + static_cast<unsigned char>(piece[i + 1])];
+    parts[i].rank =
+        byte_pair_rank_[static_cast<unsigned char>(piece[i]) * 256u + static_cast<unsigned char>(piece[i + 1])];
   while (parts.size() > 2) {
     uint32_t best = kNone;
     size_t bi = 0;
@@ -406,9 +407,12 @@ size_t utf8_incomplete_tail(std::string_view s) {
     const auto b = static_cast<unsigned char>(s[n - back]);
     if ((b & 0xC0) == 0x80) continue;  // continuation byte: keep looking for the lead
     size_t need = 0;
-    if (b >= 0xC2 && b <= 0xDF) need = 2;
-    else if (b >= 0xE0 && b <= 0xEF) need = 3;
-    else if (b >= 0xF0 && b <= 0xF4) need = 4;
+    if (b >= 0xC2 && b <= 0xDF)
+      need = 2;
+    else if (b >= 0xE0 && b <= 0xEF)
+      need = 3;
+    else if (b >= 0xF0 && b <= 0xF4)
+      need = 4;
     if (need <= back) return 0;  // ASCII, invalid lead, or already complete
     // the bytes after the lead must be a valid prefix (second-byte ranges per Unicode Table 3-7)
     if (back >= 2) {

@@ -44,11 +44,11 @@ class Tokenizer {
   void encode_piece(std::string_view piece, std::vector<TokenId>& out) const;
 
  private:
-  struct Slot {        // 16 bytes; tokens of <= 8 bytes compare without leaving the slot
+  struct Slot {         // 16 bytes; tokens of <= 8 bytes compare without leaving the slot
     uint64_t key8 = 0;  // first 8 bytes, zero padded
     TokenId id = 0;
-    uint16_t tag = 0;   // upper hash bits
-    uint16_t len = 0;   // 0 = empty slot; lengths >= 0xFFFF are stored as 0xFFFF
+    uint16_t tag = 0;  // upper hash bits
+    uint16_t len = 0;  // 0 = empty slot; lengths >= 0xFFFF are stored as 0xFFFF
   };
   std::optional<TokenId> rank_of(const char* p, size_t n) const;
   void build_index();

@@ -168,15 +168,28 @@ TEST(EngineStep, BadStepsAreErrors) {
   const std::vector<int32_t> ids = ids_of(9, int32_t(e->vocab_size()), 3);
   std::vector<float> l;
   std::vector<int32_t> am;
-  EXPECT_NE(error_of([&] { e->step({{s, ids.data(), 9, false}}, &l, nullptr); }).find("over the context limit of 8"),
+  EXPECT_NE(error_of([&] {
+              e->step({{s, ids.data(), 9, false}}, &l, nullptr);
+            }).find("over the context limit of 8"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { e->step({{s, ids.data(), 2, true}}, nullptr, &am); }).find("logits is null"), std::string::npos);
-  EXPECT_NE(error_of([&] { e->step({{s, ids.data(), 2, false}}, nullptr, nullptr); }).find("give logits, argmax"),
+  EXPECT_NE(error_of([&] {
+              e->step({{s, ids.data(), 2, true}}, nullptr, &am);
+            }).find("logits is null"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { e->step({{s, ids.data(), 0, false}}, &l, nullptr); }).find("has no tokens"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              e->step({{s, ids.data(), 2, false}}, nullptr, nullptr);
+            }).find("give logits, argmax"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              e->step({{s, ids.data(), 0, false}}, &l, nullptr);
+            }).find("has no tokens"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { e->step({{s, nullptr, 2, false}}, &l, nullptr); }).find("no ids"), std::string::npos);
   const int32_t bad = 1 << 20;
-  EXPECT_NE(error_of([&] { e->step({{s, &bad, 1, false}}, &l, nullptr); }).find("outside the vocabulary"), std::string::npos);
+  EXPECT_NE(error_of([&] {
+              e->step({{s, &bad, 1, false}}, &l, nullptr);
+            }).find("outside the vocabulary"),
+            std::string::npos);
   EXPECT_FALSE(error_of([&] { e->step({{s + 5, ids.data(), 1, false}}, &l, nullptr); }).empty());
   EXPECT_EQ(e->position(s), 0);  // nothing was appended by the refused steps
 }
@@ -221,8 +234,8 @@ TEST(EngineText, TokenizerAndChatOnK3Nano) {
   o.model_dir = nano();
   o.prefault = false;
   auto e = k3::Engine::load(o);
-  for (const std::string s : {"The function returns a new object.", "  spaces\tand\nnewlines  ", "héllo wörld — ∑ 日本語 🙂",
-                              "<|end_of_msg|> is text here", ""}) {
+  for (const std::string s : {"The function returns a new object.", "  spaces\tand\nnewlines  ",
+                              "héllo wörld — ∑ 日本語 🙂", "<|end_of_msg|> is text here", ""}) {
     const std::vector<int32_t> ids = e->tokenize(s);
     EXPECT_EQ(e->detokenize(ids), s);
     k3::Detokenizer d(*e);
@@ -278,7 +291,8 @@ TEST(TokenSampler, GreedyIsTheStepsArgmax) {
     seqs.push_back(e->new_sequence());
     ids.push_back(ids_of(3 + 4 * i, V, uint32_t(20 + i)));
   }
-  for (int i = 0; i < 4; ++i) in.push_back({seqs[size_t(i)], ids[size_t(i)].data(), int64_t(ids[size_t(i)].size()), false});
+  for (int i = 0; i < 4; ++i)
+    in.push_back({seqs[size_t(i)], ids[size_t(i)].data(), int64_t(ids[size_t(i)].size()), false});
   k3::SamplingOptions g;
   g.temperature = 0;
   g.penalty_last_n = 0;

@@ -92,14 +92,17 @@ bool same(const std::vector<Event>& a, const std::vector<Event>& b) {
 
 // Model outputs (after a thinking generation prompt) covering every section kind and tolerance.
 const std::vector<std::string> kOutputs = {
-    "Let me think.<|close|>think<|sep|><|open|>response<|sep|>Hi there<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+    "Let me think.<|close|>think<|sep|><|open|>response<|sep|>Hi "
+    "there<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
     "Need weather.<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"get_weather\" index=\"1\"<|sep|>"
     "<|open|>argument key=\"city\" type=\"string\"<|sep|>Paris \"FR\"\n<|close|>argument<|sep|>"
     "<|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>"
-    "<|open|>call tool=\"sum\" index=\"2\"<|sep|><|open|>json type=\"array\"<|sep|>[1,2]<|close|>json<|sep|><|close|>call<|sep|>"
+    "<|open|>call tool=\"sum\" index=\"2\"<|sep|><|open|>json "
+    "type=\"array\"<|sep|>[1,2]<|close|>json<|sep|><|close|>call<|sep|>"
     "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
     // missing think closer before tools
-    "thinking...<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"a\" type=\"boolean\"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|end_of_msg|>",
+    "thinking...<|open|>tools<|sep|><|open|>call tool=\"f\" index=\"1\"<|sep|><|open|>argument key=\"a\" "
+    "type=\"boolean\"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|end_of_msg|>",
     // missing think closer before response; a < that is not a marker; <| that is not a marker
     "a<b and x <|y<|open|>response<|sep|>1 < 2 <| 3<|close|>response<|sep|><|close|>message<|sep|>",
     // duplicated think opener; text after think closer without response opener
@@ -113,7 +116,8 @@ const std::vector<std::string> kOutputs = {
     "<|open|>argument key=\"arr\" type=\"array\"<|sep|> [1, {\"x\": 2}] <|close|>argument<|sep|>"
     "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>",
     // truncated stream in the middle of an argument and a marker
-    "r<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"h\" index=\"1\"<|sep|><|open|>argument key=\"s\" type=\"string\"<|sep|>partial<|clo",
+    "r<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"h\" index=\"1\"<|sep|><|open|>argument key=\"s\" "
+    "type=\"string\"<|sep|>partial<|clo",
 };
 
 }  // namespace
@@ -228,7 +232,8 @@ TEST(Parser, RenderedAssistantTurnsParseBack) {
       for (size_t i = 0; i < r.calls.size(); ++i) {
         EXPECT_EQ(r.calls[i].name, m.tool_calls[i].name);
         EXPECT_TRUE(r.calls[i].complete);
-        EXPECT_EQ(nlohmann::ordered_json::parse(r.calls[i].arguments), m.tool_calls[i].arguments) << r.calls[i].arguments;
+        EXPECT_EQ(nlohmann::ordered_json::parse(r.calls[i].arguments), m.tool_calls[i].arguments)
+            << r.calls[i].arguments;
       }
       EXPECT_TRUE(r.finished_message);
       ++checked;
@@ -284,8 +289,9 @@ TEST(Parser, StructuralTextNeverLeaksIntoContentOrReasoning) {  // vLLM #51412, 
 }
 
 TEST(Parser, StringArgumentsStreamBeforeTheCallCloses) {  // vLLM #50604
-  const std::string head = "<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"write\" index=\"1\"<|sep|>"
-                           "<|open|>argument key=\"text\" type=\"string\"<|sep|>";
+  const std::string head =
+      "<|close|>think<|sep|><|open|>tools<|sep|><|open|>call tool=\"write\" index=\"1\"<|sep|>"
+      "<|open|>argument key=\"text\" type=\"string\"<|sep|>";
   OutputParser p;
   p.feed(head);
   std::string streamed;
@@ -319,7 +325,8 @@ TEST(Parser, NonJsonArgumentValuesBecomeValidJson) {  // sglang #34604
   EXPECT_EQ(args["arr"], nlohmann::json::parse(R"([1,{"x":2}])"));
   const auto w = parse_output(kOutputs[1]);
   ASSERT_EQ(w.calls.size(), 2u);
-  EXPECT_EQ(nlohmann::json::parse(w.calls[0].arguments), nlohmann::json::parse(R"({"city":"Paris \"FR\"\n","days":3})"));
+  EXPECT_EQ(nlohmann::json::parse(w.calls[0].arguments),
+            nlohmann::json::parse(R"({"city":"Paris \"FR\"\n","days":3})"));
   EXPECT_EQ(nlohmann::json::parse(w.calls[1].arguments), nlohmann::json::parse("[1,2]"));
 }
 

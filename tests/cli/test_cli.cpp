@@ -99,7 +99,8 @@ TEST(Cli, LogitsTeacherForcedArgmaxAndHead) {
   const fs::path ids = fs::temp_directory_path() / ("k3cli_ids_" + std::to_string(::getpid()));
   const fs::path out = fs::temp_directory_path() / ("k3cli_logits_" + std::to_string(::getpid()));
   std::ofstream(ids) << join(full, "\n ,");  // @file form, mixed separators
-  const auto r = run_k3("logits --model " + quote(tp_tiny().string()) + " --ids @" + ids.string() + " --out " + out.string());
+  const auto r =
+      run_k3("logits --model " + quote(tp_tiny().string()) + " --ids @" + ids.string() + " --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   const size_t T = full.size(), V = 256;
   ASSERT_EQ(fs::file_size(out), T * V * 4);
@@ -141,7 +142,8 @@ TEST(CliBadInput, BadFlagsAndIds) {
   expect_bad(run_k3("generate " + m + " --ids 1,x,3 -n 2 --greedy"), "'x' is not a token id");
   expect_bad(run_k3("generate " + m + " --ids 1,-3 -n 2 --greedy"), "'-3' is not a token id");
   expect_bad(run_k3("generate " + m + " --ids 1,2 -n 2"), "--greedy");
-  expect_bad(run_k3("generate " + m + " --ids 1,999 -n 2 --greedy"), "token id 999 at position 1 is outside the vocabulary");
+  expect_bad(run_k3("generate " + m + " --ids 1,999 -n 2 --greedy"),
+             "token id 999 at position 1 is outside the vocabulary");
   expect_bad(run_k3("logits " + m + " --ids @/nonexistent/ids --out /tmp/x"), "cannot read ids file");
   expect_bad(run_k3("logits " + m + " --ids ' , ' --out /tmp/x"), "no token ids");
   expect_bad(run_k3("logits " + m + " --ids 1 --kda magic --out /tmp/x"), "magic");
@@ -172,7 +174,8 @@ TEST(CliBadInput, UnsupportedDtype) {
   NEED_SHARED();
   ScratchModel s("dtype");
   // I32 has the same width as F32: a valid file with a dtype no matrix may have.
-  s.edit_header("layers.0.mlp.down_proj.weight\":{\"dtype\":\"F32\"", "layers.0.mlp.down_proj.weight\":{\"dtype\":\"I32\"");
+  s.edit_header("layers.0.mlp.down_proj.weight\":{\"dtype\":\"F32\"",
+                "layers.0.mlp.down_proj.weight\":{\"dtype\":\"I32\"");
   expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"), "has unsupported dtype I32");
 }
 
@@ -208,7 +211,9 @@ TEST(CliBadInput, ConfigProblems) {
   }
   {
     ScratchModel s("cfg_layers");
-    s.edit_config([](nlohmann::json& j) { j["text_config"]["linear_attn_config"]["full_attn_layers"] = {4, 8, 12, 14}; });
+    s.edit_config([](nlohmann::json& j) {
+      j["text_config"]["linear_attn_config"]["full_attn_layers"] = {4, 8, 12, 14};
+    });
     expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"), "14");
   }
   {

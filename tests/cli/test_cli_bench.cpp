@@ -118,7 +118,8 @@ TEST(CliBench, RooflineColumnAndJson) {
   EXPECT_NE(cells(ls[5]).back().find("% peak"), std::string::npos) << ls[5];
   EXPECT_NE(cells(ls[6]).back().find("% BW"), std::string::npos) << ls[6];
 
-  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1 -o json --no-progress --roofline-mib 32 "
+  const auto r = run_k3("bench " + m() +
+                        " -p 8 -n 4 -d 0,16 -r 2 -t 1 -o json --no-progress --roofline-mib 32 "
                         "--numerics exact --cpu-isa scalar");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto doc = nlohmann::json::parse(r.out);
@@ -135,7 +136,8 @@ TEST(CliBench, RooflineColumnAndJson) {
     const double work = pp ? rl["weight_flops_per_token"].get<double>() : rl["bytes_per_token"].get<double>();
     EXPECT_GT(work, 0) << res.dump();
     EXPECT_NEAR(rl["ratio_vs_start_probe"].get<double>(), res["avg_ts"].get<double>() * work / ((pp ? peak : bw) * 1e9),
-                1e-9) << res.dump();
+                1e-9)
+        << res.dump();
     EXPECT_EQ(rl[pp ? "start_peak_gflops" : "start_read_gbs"].get<double>(), pp ? peak : bw) << res.dump();
     // Two repetitions: three probes around them, one ratio each, the column their mean.
     const auto around = rl["probes_around_reps"].get<std::vector<double>>();
@@ -178,8 +180,9 @@ TEST(CliBench, RooflineColumnAndJson) {
 
 TEST(CliBench, JsonDocumentAndJsonOut) {
   const fs::path file = fs::temp_directory_path() / ("k3bench_" + std::to_string(::getpid()) + ".json");
-  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1,2 -o json --no-progress --no-roofline --json-out " +
-                        quote(file.string()));
+  const auto r =
+      run_k3("bench " + m() + " -p 8 -n 4 -d 0,16 -r 2 -t 1,2 -o json --no-progress --no-roofline --json-out " +
+             quote(file.string()));
   ASSERT_EQ(r.code, 0) << r.err;
   const auto doc = nlohmann::json::parse(r.out);
   EXPECT_EQ(k3test::slurp(file), r.out) << "--json-out must hold the same document";
@@ -211,8 +214,10 @@ TEST(CliBench, JsonDocumentAndJsonOut) {
 
 TEST(CliBench, JsonlAndAlgorithms) {
   const fs::path file = fs::temp_directory_path() / ("k3bench_l_" + std::to_string(::getpid()) + ".json");
-  const auto r = run_k3("bench " + m() + " -p 5 -n 3 -d 7 -r 3 --kda recurrent --mla expanded --ubatch 2 -o jsonl "
-                        "--no-progress --json-out " + quote(file.string()));
+  const auto r = run_k3("bench " + m() +
+                        " -p 5 -n 3 -d 7 -r 3 --kda recurrent --mla expanded --ubatch 2 -o jsonl "
+                        "--no-progress --json-out " +
+                        quote(file.string()));
   ASSERT_EQ(r.code, 0) << r.err;
   const auto ls = lines(r.out);
   ASSERT_EQ(ls.size(), 2u) << r.out;
@@ -353,8 +358,9 @@ TEST(CliBench, BatchJsonAndTraffic) {
         }
         const auto& parts = rl["bytes_per_step_parts"];
         const double step = rl["bytes_per_step"];
-        EXPECT_EQ(step, parts["trunk"].get<double>() + parts["experts"].get<double>() + parts["kda_state"].get<double>() +
-                            parts["mla_cache"].get<double>()) << x.dump();
+        EXPECT_EQ(step, parts["trunk"].get<double>() + parts["experts"].get<double>() +
+                            parts["kda_state"].get<double>() + parts["mla_cache"].get<double>())
+            << x.dump();
         EXPECT_NEAR(rl["bytes_per_token"].get<double>(), step / double(b), 1e-9 * step);
         EXPECT_NEAR(rl["ratio_vs_start_probe"].get<double>(), avg * step / double(b) / (bw * 1e9), 1e-9) << x.dump();
         EXPECT_EQ(rl["experts_per_moe_layer"].get<double>(), b == 1 ? 3.0 : 8.0);  // min(3 x 3, 8)
@@ -416,7 +422,8 @@ TEST(CliBenchBadInput, Scalars) {
   expect_bad(run_k3("bench " + m() + " --numerics approx"), "unknown numerics 'approx' (expected exact, fp32 or fast)");
   expect_bad(run_k3("bench " + m() + " --cpu-isa sse9"), "unknown CPU level 'sse9'");
   expect_bad(run_k3("bench " + m() + " --roofline-mib 1"), "--roofline-mib: 1 is too small");
-  expect_bad(run_k3("bench " + m() + " --json-out /nonexistent/dir/x.json"), "--json-out: cannot write /nonexistent/dir/x.json");
+  expect_bad(run_k3("bench " + m() + " --json-out /nonexistent/dir/x.json"),
+             "--json-out: cannot write /nonexistent/dir/x.json");
 }
 
 TEST(CliBenchBadInput, Model) {
@@ -434,7 +441,9 @@ TEST(CliBenchBadInput, Model) {
 
 TEST(CliBenchBadInput, BeyondMaxPositions) {
   // tiny: max_position_embeddings 4096.
-  expect_bad(run_k3("bench " + m() + " -p 8 -n 0 -d 0,4090"), "depth 4090 + prompt 8 = 4098 tokens exceeds the model's max_position_embeddings 4096");
-  expect_bad(run_k3("bench " + m() + " -p 0 -n 100 -d 4000"), "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings 4096");
+  expect_bad(run_k3("bench " + m() + " -p 8 -n 0 -d 0,4090"),
+             "depth 4090 + prompt 8 = 4098 tokens exceeds the model's max_position_embeddings 4096");
+  expect_bad(run_k3("bench " + m() + " -p 0 -n 100 -d 4000"),
+             "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings 4096");
   expect_bad(run_k3("bench " + m() + " -p 5000 -n 0"), "prompt 5000");
 }

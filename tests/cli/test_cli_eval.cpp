@@ -6,9 +6,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -29,7 +29,9 @@ namespace {
 
 const std::string kModelDir = (fs::path(K3_SOURCE_DIR) / "tests/fixtures/tiny-chat").string();
 std::string model() { return quote(kModelDir); }
-fs::path tmp(const std::string& name) { return fs::temp_directory_path() / ("k3eval_" + std::to_string(::getpid()) + "_" + name); }
+fs::path tmp(const std::string& name) {
+  return fs::temp_directory_path() / ("k3eval_" + std::to_string(::getpid()) + "_" + name);
+}
 size_t count_lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 constexpr int32_t kBos = 2256;  // tiny-chat config.json bos_token_id
 
@@ -37,8 +39,9 @@ constexpr int32_t kBos = 2256;  // tiny-chat config.json bos_token_id
 const fs::path& text_file() {
   static const fs::path p = [] {
     const fs::path f = tmp("text.txt");
-    const char* words[] = {"the", "river", "runs", "past", "old", "stone", "houses,", "where", "children", "play;",
-                           "and", "the", "wind", "carries", "songs", "over", "fields", "of", "wheat.", "Ünïcödé", "naïve"};
+    const char* words[] = {"the",   "river",    "runs",   "past", "old",    "stone",   "houses,",
+                           "where", "children", "play;",  "and",  "the",    "wind",    "carries",
+                           "songs", "over",     "fields", "of",   "wheat.", "Ünïcödé", "naïve"};
     std::ofstream out(f, std::ios::binary);
     uint32_t x = 12345;
     for (int i = 0; i < 500; ++i) {
@@ -46,7 +49,10 @@ const fs::path& text_file() {
       out << (i ? " " : "") << words[(x >> 16) % (sizeof words / sizeof *words)];
     }
     out << "\n";
-    std::atexit([] { std::error_code ec; fs::remove(tmp("text.txt"), ec); });
+    std::atexit([] {
+      std::error_code ec;
+      fs::remove(tmp("text.txt"), ec);
+    });
     return f;
   }();
   return p;
@@ -174,7 +180,8 @@ TEST(Eval, NllEqualsIndependentComputationForSeveralStrides) {
   // so the last window is always the aligned one.
   for (int64_t stride : {16, 8, 5, 1}) {
     SCOPED_TRACE("stride " + std::to_string(stride));
-    const auto js = eval_json("-f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16 --stride " + std::to_string(stride));
+    const auto js =
+        eval_json("-f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16 --stride " + std::to_string(stride));
     ASSERT_FALSE(js.is_null());
     const Expected e = expected_nll(ids, 16, stride);
     EXPECT_EQ(js["tokens"].get<int64_t>(), 60);
@@ -211,7 +218,8 @@ TEST(Eval, DefaultWindowIsTheWholeShortTextAndBitsPerByte) {
     EXPECT_TRUE(js.contains(k)) << k;
   EXPECT_EQ(js["file"].get<std::string>(), text_file().string());
   // The stdout line: one line, the documented shape, numbers matching the JSON.
-  const std::regex line(R"(perplexity ([0-9.]+) over 39 tokens \(ctx 39, stride 39\) \| nll/token ([0-9.]+) \| bits/byte ([0-9.]+) \| [0-9.]+ tok/s\n)");
+  const std::regex line(
+      R"(perplexity ([0-9.]+) over 39 tokens \(ctx 39, stride 39\) \| nll/token ([0-9.]+) \| bits/byte ([0-9.]+) \| [0-9.]+ tok/s\n)");
   std::smatch m;
   ASSERT_TRUE(std::regex_match(r.out, m, line)) << r.out;
   EXPECT_NEAR(std::stod(m[1]), js["perplexity"].get<double>(), 1e-4 * js["perplexity"].get<double>());
@@ -267,7 +275,8 @@ TEST(Eval, MaxTokensAndStdinAndUbatchPieces) {
 
 TEST(Eval, ProgressAndHeaderOnStderr) {
   // stderr is a file here: the header and a few plain progress lines, no carriage returns.
-  const auto r = run_k3("eval -m " + model() + " -t 1 -f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16 --stride 8");
+  const auto r =
+      run_k3("eval -m " + model() + " -t 1 -f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16 --stride 8");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("k3 eval: loaded "), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("7 window(s) of 16 tokens at stride 8"), std::string::npos) << r.err;
@@ -277,7 +286,8 @@ TEST(Eval, ProgressAndHeaderOnStderr) {
   EXPECT_EQ(r.err.find('\r'), std::string::npos);
   EXPECT_LE(count_lines(r.err), 10u) << r.err;
   EXPECT_EQ(count_lines(r.out), 1u) << r.out;
-  const auto q = run_k3("eval -m " + model() + " -t 1 -q -f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16");
+  const auto q =
+      run_k3("eval -m " + model() + " -t 1 -q -f " + quote(text_file().string()) + " --max-tokens 60 --ctx 16");
   ASSERT_EQ(q.code, 0) << q.err;
   EXPECT_EQ(q.err, "");
 }
@@ -286,8 +296,9 @@ TEST(Eval, CtrlCPrintsThePartialResult) {
   // Stride 1 over ~1,000 tokens: hundreds of windows, far longer than the 3 s before SIGINT.
   const fs::path j = tmp("intr.json");
   fs::remove(j);
-  const auto r = run_shell("timeout --foreground --preserve-status -s INT 3 " + std::string(K3_BIN) + " eval -m " + model() +
-                           " -t 1 -q -f " + quote(text_file().string()) + " --ctx 128 --stride 1 --json " + j.string());
+  const auto r =
+      run_shell("timeout --foreground --preserve-status -s INT 3 " + std::string(K3_BIN) + " eval -m " + model() +
+                " -t 1 -q -f " + quote(text_file().string()) + " --ctx 128 --stride 1 --json " + j.string());
   EXPECT_EQ(r.code, 130) << r.err;
   EXPECT_NE(r.out.find("perplexity "), std::string::npos) << r.out << r.err;
   EXPECT_NE(r.out.find("| interrupted after "), std::string::npos) << r.out;

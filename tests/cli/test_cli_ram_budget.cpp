@@ -18,7 +18,9 @@ using k3test::run_k3;
 namespace {
 
 std::string model() { return quote((fs::path(K3_SOURCE_DIR) / "tests/fixtures/tiny-chat").string()); }
-fs::path tmp(const std::string& name) { return fs::temp_directory_path() / ("k3rb_" + std::to_string(::getpid()) + "_" + name); }
+fs::path tmp(const std::string& name) {
+  return fs::temp_directory_path() / ("k3rb_" + std::to_string(::getpid()) + "_" + name);
+}
 size_t count_lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 
 // Trunk 1,809,104 B + 3 experts (top_k) of one 4 KiB slot each = 1,821,392 B at the least;
@@ -49,7 +51,8 @@ TEST(RamBudget, GreedyRunPrintsTheSameText) {
     EXPECT_EQ(r.out, ref.out) << extra;
     // The loading line names the split, the summary line (the last) the reads.
     EXPECT_NE(r.err.find("trunk 1.73 MiB resident; routed experts 306.00 KiB streamed through a 24.00 KiB cache"),
-              std::string::npos) << r.err;
+              std::string::npos)
+        << r.err;
     const std::string last = r.err.substr(r.err.rfind('\n', r.err.size() - 2) + 1);
     EXPECT_NE(last.find("k3 run: prompt "), std::string::npos) << last;
     EXPECT_NE(last.find("| experts: read "), std::string::npos) << last;
@@ -61,8 +64,10 @@ TEST(RamBudget, GreedyRunPrintsTheSameText) {
   const auto r = run_k3(base + "-q -v --ram-budget " + kBudget + " " + prompt);
   EXPECT_NE(r.err.find("114.75 KiB/tok decode"), std::string::npos) << r.err;
   // -v: the exact counts; 31 tokens fed in decode (the 32nd is sampled, never fed).
-  EXPECT_NE(r.err.find("expert cache 24576 bytes (6 slots of 4096) for 313344 bytes of experts"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("decode 31 tok: " + std::to_string(31 * 12 * 3 * 3264) + " bytes read"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("expert cache 24576 bytes (6 slots of 4096) for 313344 bytes of experts"), std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("decode 31 tok: " + std::to_string(31 * 12 * 3 * 3264) + " bytes read"), std::string::npos)
+      << r.err;
   // A budget above the model size streams too, and reads each expert at most once.
   const auto big = run_k3(base + "-q --ram-budget 1G " + prompt);
   ASSERT_EQ(big.code, 0) << big.err;
@@ -78,7 +83,9 @@ TEST(RamBudget, EvalAndChatRunUnderABudget) {
   const auto a = run_k3(ev), b = run_k3(ev + " --ram-budget " + kBudget);
   ASSERT_EQ(a.code, 0) << a.err;
   ASSERT_EQ(b.code, 0) << b.err;
-  const auto ppl = [](const std::string& out) { return out.substr(0, out.find(" | ")); };  // "perplexity X over N tokens ..."
+  const auto ppl = [](const std::string& out) {
+    return out.substr(0, out.find(" | "));
+  };  // "perplexity X over N tokens ..."
   EXPECT_EQ(ppl(a.out), ppl(b.out));
 
   const fs::path in = tmp("chat.txt");
@@ -90,7 +97,8 @@ TEST(RamBudget, EvalAndChatRunUnderABudget) {
   ASSERT_EQ(e.code, 0) << e.err;
   EXPECT_EQ(c.out, e.out);
   EXPECT_NE(e.err.find("| experts: read "), std::string::npos) << e.err;
-  expect_one_line_error("eval -m " + model() + " --ram-budget 12Q -f " + text.string(), "--ram-budget must be a size like");
+  expect_one_line_error("eval -m " + model() + " --ram-budget 12Q -f " + text.string(),
+                        "--ram-budget must be a size like");
   fs::remove(text);
   fs::remove(in);
 }

@@ -19,7 +19,9 @@ using k3test::run_k3;
 namespace {
 
 std::string model() { return quote((fs::path(K3_SOURCE_DIR) / "tests/fixtures/tiny-chat").string()); }
-fs::path tmp(const std::string& name) { return fs::temp_directory_path() / ("k3run_" + std::to_string(::getpid()) + "_" + name); }
+fs::path tmp(const std::string& name) {
+  return fs::temp_directory_path() / ("k3run_" + std::to_string(::getpid()) + "_" + name);
+}
 
 size_t count_lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 
@@ -52,7 +54,8 @@ TEST(Run, GreedyTextEqualsGreedyIdsDetokenized) {
   ASSERT_EQ(gen.code, 0) << gen.err;
   // --special prints every token (so the comparison covers special ids too); --ignore-eos keeps 20.
   // Exact numerics: generate (a reference tool) always computes in the exact mode.
-  const auto run = run_k3("run -m " + model() + " --numerics exact --temp 0 --special --ignore-eos -n 20 -q " + quote(prompt));
+  const auto run =
+      run_k3("run -m " + model() + " --numerics exact --temp 0 --special --ignore-eos -n 20 -q " + quote(prompt));
   ASSERT_EQ(run.code, 0) << run.err;
   std::string gen_csv;
   for (const auto& w : split_ws(gen.out)) gen_csv += (gen_csv.empty() ? "" : " ") + w;
@@ -60,7 +63,8 @@ TEST(Run, GreedyTextEqualsGreedyIdsDetokenized) {
   ASSERT_EQ(det.code, 0) << det.err;
   EXPECT_EQ(run.out, det.out.substr(0, det.out.size() - (det.out.ends_with("\n") ? 1 : 0)));
   // The summary: one line on stderr with the counts and the stop reason.
-  EXPECT_NE(run.err.find("prompt " + std::to_string(ids.size()) + " tok | generated 20 tok"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("prompt " + std::to_string(ids.size()) + " tok | generated 20 tok"), std::string::npos)
+      << run.err;
   EXPECT_NE(run.err.find("stop: max-tokens"), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("decode "), std::string::npos);
   EXPECT_NE(run.err.find("peak RSS"), std::string::npos);
@@ -75,8 +79,8 @@ TEST(Run, SeedDeterminismAndGenerationConfigDefaults) {
   EXPECT_NE(a.err.find("seed 7"), std::string::npos);
   const auto v = run_k3(base + "--seed 7 -v --top-k 5");
   EXPECT_NE(v.err.find("generation_config.json"), std::string::npos) << v.err;
-  EXPECT_NE(v.err.find("temp 0.8"), std::string::npos) << v.err;   // from generation_config.json
-  EXPECT_NE(v.err.find("top-k 5"), std::string::npos) << v.err;    // the flag wins
+  EXPECT_NE(v.err.find("temp 0.8"), std::string::npos) << v.err;  // from generation_config.json
+  EXPECT_NE(v.err.find("top-k 5"), std::string::npos) << v.err;   // the flag wins
   EXPECT_NE(v.err.find("top-p 0.95"), std::string::npos) << v.err;
 }
 
@@ -117,11 +121,12 @@ TEST(Run, PromptFromFileAndStdinAndEcho) {
 
 TEST(Run, CtrlCStopsCleanlyWithSummary) {
   // SIGINT after 1.5 s into an endless generation: exit 130, summary line, stop: interrupted.
-  const auto r = k3test::run_shell("timeout --foreground --preserve-status -s INT 1.5 " + std::string(K3_BIN) + " run -m " + model() +
-                                   " --ignore-eos -n 100000000 -q 'x'");
+  const auto r = k3test::run_shell("timeout --foreground --preserve-status -s INT 1.5 " + std::string(K3_BIN) +
+                                   " run -m " + model() + " --ignore-eos -n 100000000 -q 'x'");
   EXPECT_EQ(r.code, 130) << r.err;
   EXPECT_NE(r.err.find("stop: "), std::string::npos) << r.err;
-  EXPECT_TRUE(r.err.find("stop: interrupted") != std::string::npos || r.err.find("stop: context-full") != std::string::npos)
+  EXPECT_TRUE(r.err.find("stop: interrupted") != std::string::npos ||
+              r.err.find("stop: context-full") != std::string::npos)
       << r.err;
 }
 
@@ -177,7 +182,8 @@ TEST(Chat, ScriptedTurnsSaveAndLoadRoundTrip) {
   ASSERT_EQ(b.code, 0) << b.err;
   // The reply to "What next?" is the same whether the chat continued or was reloaded from disk.
   const auto second_reply = [](const std::string& out) {
-    const size_t p = out.find("]\n", out.find("[saved to") != std::string::npos ? out.find("[saved to") : out.find("[loaded"));
+    const size_t p =
+        out.find("]\n", out.find("[saved to") != std::string::npos ? out.find("[saved to") : out.find("[loaded"));
     return out.substr(p + 2);
   };
   EXPECT_EQ(second_reply(a.out), second_reply(b.out)) << a.out << "\n----\n" << b.out;
@@ -223,7 +229,8 @@ size_t prompts(const std::string& screen) {
 }  // namespace
 
 TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
-  if (k3test::run_shell("command -v tmux").code != 0) GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  if (k3test::run_shell("command -v tmux").code != 0)
+    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
   Tmux t("chat");
   const fs::path save = tmp("tmux.k3chat");
   const fs::path status = tmp("tmux.status");
@@ -236,20 +243,23 @@ TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
   t.cmd("send-keys -t k3 -l 'Hello, who are you?'");
   t.cmd("send-keys -t k3 Enter");
   // The reply is shown as a thinking section, then the prompt returns.
-  ASSERT_TRUE(t.wait_for([](const std::string& s) { return prompts(s) >= 2 && s.find("[thinking]") != std::string::npos; }, 60))
+  ASSERT_TRUE(
+      t.wait_for([](const std::string& s) { return prompts(s) >= 2 && s.find("[thinking]") != std::string::npos; }, 60))
       << t.screen();
   const std::string s1 = t.screen();
   EXPECT_NE(s1.find("> Hello, who are you?"), std::string::npos) << s1;
   EXPECT_NE(s1.find("decode "), std::string::npos) << s1;  // --stats line
   t.cmd("send-keys -t k3 -l '/save " + save.string() + "'");
   t.cmd("send-keys -t k3 Enter");
-  ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("[saved to") != std::string::npos; }, 30)) << t.screen();
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("[saved to") != std::string::npos; }, 30))
+      << t.screen();
   t.cmd("send-keys -t k3 -l '/help'");
   t.cmd("send-keys -t k3 Enter");
   ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("/reset") != std::string::npos; }, 30)) << t.screen();
   t.cmd("send-keys -t k3 -l '/exit'");
   t.cmd("send-keys -t k3 Enter");
-  ASSERT_TRUE(t.wait_for([&](const std::string&) { return fs::exists(status) && fs::file_size(status) > 0; }, 30)) << t.screen();
+  ASSERT_TRUE(t.wait_for([&](const std::string&) { return fs::exists(status) && fs::file_size(status) > 0; }, 30))
+      << t.screen();
   EXPECT_EQ(k3test::slurp(status), "EXIT=0\n");
   EXPECT_TRUE(fs::exists(save));
   fs::remove(save);
@@ -257,21 +267,25 @@ TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
 }
 
 TEST(Chat, TmuxCtrlCStopsAReplyThenCtrlDLeaves) {
-  if (k3test::run_shell("command -v tmux").code != 0) GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  if (k3test::run_shell("command -v tmux").code != 0)
+    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
   Tmux t("intr");
   const fs::path status = tmp("intr.status");
-  const std::string cmd = std::string(K3_BIN) + " chat -m " + model() + " --seed 2 -n 1000000 --no-color; echo EXIT=$? > " +
-                          status.string() + "; sleep 30";
+  const std::string cmd = std::string(K3_BIN) + " chat -m " + model() +
+                          " --seed 2 -n 1000000 --no-color; echo EXIT=$? > " + status.string() + "; sleep 30";
   ASSERT_EQ(t.cmd("new-session -d -s k3 -x 160 -y 50 " + quote(cmd)), 0);
   ASSERT_TRUE(t.wait_for([](const std::string& s) { return prompts(s) >= 1; }, 60)) << t.screen();
   t.cmd("send-keys -t k3 -l 'Tell me a very long story.'");
   t.cmd("send-keys -t k3 Enter");
-  ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("[thinking]") != std::string::npos; }, 60)) << t.screen();
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("[thinking]") != std::string::npos; }, 60))
+      << t.screen();
   t.cmd("send-keys -t k3 C-c");
-  ASSERT_TRUE(t.wait_for([](const std::string& s) { return s.find("[interrupted]") != std::string::npos && prompts(s) >= 2; }, 30))
+  ASSERT_TRUE(t.wait_for(
+      [](const std::string& s) { return s.find("[interrupted]") != std::string::npos && prompts(s) >= 2; }, 30))
       << t.screen();
   t.cmd("send-keys -t k3 C-d");
-  ASSERT_TRUE(t.wait_for([&](const std::string&) { return fs::exists(status) && fs::file_size(status) > 0; }, 30)) << t.screen();
+  ASSERT_TRUE(t.wait_for([&](const std::string&) { return fs::exists(status) && fs::file_size(status) > 0; }, 30))
+      << t.screen();
   EXPECT_EQ(k3test::slurp(status), "EXIT=0\n");
   EXPECT_NE(t.screen().find("k3 chat: prompt"), std::string::npos) << t.screen();  // the closing summary
   fs::remove(status);

@@ -18,7 +18,9 @@ using k3test::run_k3;
 namespace {
 fs::path nano() { return fs::path(K3_SOURCE_DIR) / "models/k3-nano"; }
 fs::path slice() { return fs::path(K3_SOURCE_DIR) / "tests/fixtures/k3-nano-slice"; }
-fs::path tmp(const std::string& n) { return fs::temp_directory_path() / ("k3nano_" + std::to_string(::getpid()) + "_" + n); }
+fs::path tmp(const std::string& n) {
+  return fs::temp_directory_path() / ("k3nano_" + std::to_string(::getpid()) + "_" + n);
+}
 }  // namespace
 
 TEST(K3Nano, EvalSliceMatchesPyTorchReference) {

@@ -16,9 +16,9 @@
 namespace k3test {
 
 struct BatchSeq {
-  std::vector<int32_t> ids;     // every token the sequence feeds
+  std::vector<int32_t> ids;       // every token the sequence feeds
   int64_t prompt = 1, chunk = 1;  // ids[0, prompt) in chunks of <= chunk tokens, then one token per step
-  int64_t start = 0;             // first step it takes part in
+  int64_t start = 0;              // first step it takes part in
 };
 
 // N sequences with prompts of 1..~40 tokens, chunk sizes 1..16, decode tails, staggered starts.
@@ -97,7 +97,8 @@ inline std::vector<float> run_alone(const k3::Model& m, const BatchSeq& s, const
   const size_t V = size_t(m.dims().vocab);
   std::vector<float> out(s.ids.size() * V, qnan());
   k3::Session session(m);
-  for (const auto& [off, len] : pieces_of(s)) m.forward(session, s.ids.data() + off, len, true, out.data() + off * int64_t(V), o);
+  for (const auto& [off, len] : pieces_of(s))
+    m.forward(session, s.ids.data() + off, len, true, out.data() + off * int64_t(V), o);
   return out;
 }
 

@@ -16,9 +16,9 @@
 
 namespace k3test {
 
-#define K3_REQUIRE_GPU()                                                                          \
-  do {                                                                                            \
-    if (k3::cuda::device_count() == 0)                                                            \
+#define K3_REQUIRE_GPU()                                                                         \
+  do {                                                                                           \
+    if (k3::cuda::device_count() == 0)                                                           \
       GTEST_SKIP() << "no usable CUDA GPU (" << k3::cuda::unavailable_reason() << "); skipping"; \
   } while (0)
 
@@ -55,10 +55,13 @@ struct DevWeight {
 };
 inline size_t weight_data_bytes(const k3::WeightMat& w) {
   switch (w.fmt) {
-    case k3::WFormat::F32: return size_t(w.rows * w.cols) * 4;
+    case k3::WFormat::F32:
+      return size_t(w.rows * w.cols) * 4;
     case k3::WFormat::F16:
-    case k3::WFormat::BF16: return size_t(w.rows * w.cols) * 2;
-    case k3::WFormat::MXFP4: return size_t(w.rows * w.cols / 2);
+    case k3::WFormat::BF16:
+      return size_t(w.rows * w.cols) * 2;
+    case k3::WFormat::MXFP4:
+      return size_t(w.rows * w.cols / 2);
   }
   return 0;
 }

@@ -90,7 +90,9 @@ class Fixture {
     return shapes_.at(key);
   }
   template <class T>
-  T val(const std::string& key) const { return j_.at(key).get<T>(); }
+  T val(const std::string& key) const {
+    return j_.at(key).get<T>();
+  }
 
  private:
   nlohmann::json j_;
@@ -101,9 +103,9 @@ class Fixture {
 }  // namespace k3test
 
 // Skips the current test (with a message) when the third-party op fixtures are not present.
-#define K3_REQUIRE_THIRD_PARTY_OPS()                                                                     \
-  do {                                                                                                   \
-    if (!std::filesystem::is_directory(k3test::third_party_ops_dir()))                                   \
-      GTEST_SKIP() << "third-party fixtures not found at " << k3test::third_party_ops_dir().string()     \
-                   << " (K3_SHARED_DIR); skipping";                                                      \
+#define K3_REQUIRE_THIRD_PARTY_OPS()                                                                 \
+  do {                                                                                               \
+    if (!std::filesystem::is_directory(k3test::third_party_ops_dir()))                               \
+      GTEST_SKIP() << "third-party fixtures not found at " << k3test::third_party_ops_dir().string() \
+                   << " (K3_SHARED_DIR); skipping";                                                  \
   } while (0)

@@ -15,7 +15,8 @@
 namespace k3test {
 
 // Logits [T, vocab] of one forward over all ids.
-inline std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids, const k3::ForwardOptions& o = {}) {
+inline std::vector<float> full_pass(const k3::Model& m, const std::vector<int32_t>& ids,
+                                    const k3::ForwardOptions& o = {}) {
   k3::Session s(m);
   std::vector<float> out(ids.size() * size_t(m.dims().vocab), qnan());
   m.forward(s, ids.data(), int64_t(ids.size()), true, out.data(), o);

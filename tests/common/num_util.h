@@ -76,8 +76,8 @@ inline ::testing::AssertionResult all_close(const float* a, const float* e, size
   std::ostringstream os;
   os.precision(9);
   os << bad << "/" << n << " elements outside abs " << abs_tol << " + rel " << rel_tol << "; worst at [" << worst
-     << "]: got " << a[worst] << " expected " << e[worst] << " (max abs err " << max_err
-     << ", rel-L2 " << rel_l2(a, e, n) << ")";
+     << "]: got " << a[worst] << " expected " << e[worst] << " (max abs err " << max_err << ", rel-L2 "
+     << rel_l2(a, e, n) << ")";
   return ::testing::AssertionFailure() << os.str();
 }
 inline ::testing::AssertionResult all_close(const std::vector<float>& a, const std::vector<float>& e, double abs_tol,

@@ -45,5 +45,4 @@ inline CmdResult run_k3(const std::string& args) { return run_shell(std::string(
 
 inline std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-
 }  // namespace k3test

@@ -138,8 +138,8 @@ TEST(ArchStats, ReportContainsTheNumbers) {
   const k3::ModelConfig c = real();
   const std::string r = k3::format_arch_report(c, 4096);
   for (const char* part : {"2,779,484,478,208", "104,189,614,848", "56,743,648,000", "443,740,416", "232,196,096",
-                           "189,927,808", "726,663,168", "33,030,144", "434,110,464", "27,648 B bf16",
-                           "55,296 B fp32", "28,991,029,248", "at 1,048,576 tokens", "at 4,096 tokens",
+                           "189,927,808", "726,663,168", "33,030,144", "434,110,464", "27,648 B bf16", "55,296 B fp32",
+                           "28,991,029,248", "at 1,048,576 tokens", "at 4,096 tokens",
                            "113,246,208",  // 27,648 x 4,096
                            "top-16", "896 routed experts", "69 KDA, 24 MLA", "KKKMKKKMKKKM KKKM"}) {
     EXPECT_NE(r.find(part), std::string::npos) << "report lacks " << part << "\n" << r;

@@ -4,12 +4,12 @@
 // Must not: rely on values computed by the code under test; expectations come from the spec (§1).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-#include <unistd.h>
 
 #include "common/error_util.h"
 #include "config/model_config.h"
@@ -55,7 +55,8 @@ std::string error_of_text(const std::string& text) {
   return "";
 }
 
-#define EXPECT_HAS(msg, part) EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nmissing: " << (part)
+#define EXPECT_HAS(msg, part) \
+  EXPECT_NE((msg).find(part), std::string::npos) << "message: " << (msg) << "\nmissing: " << (part)
 
 void expect_same_text_model(const k3::ModelConfig& a, const k3::ModelConfig& b) {
   EXPECT_EQ(a.hidden_size, b.hidden_size);
@@ -812,9 +813,7 @@ TEST(ModelConfig, FileErrors) {
     EXPECT_EQ(std::string(e.what()), (dir / "nope.json").string() + ": config file not found");
   }
   // Invalid JSON on disk: the message starts with the file path.
-  {
-    std::ofstream(dir / "config.json") << "{ not json";
-  }
+  { std::ofstream(dir / "config.json") << "{ not json"; }
   try {
     k3::load_model_config(dir.string());
     ADD_FAILURE() << "bad JSON accepted";
@@ -823,9 +822,7 @@ TEST(ModelConfig, FileErrors) {
     EXPECT_EQ(msg.rfind((dir / "config.json").string() + ": invalid JSON: ", 0), 0u) << msg;
   }
   // A valid file on disk loads by directory and by file path, with the same result.
-  {
-    std::ofstream(dir / "config.json") << real_json().dump();
-  }
+  { std::ofstream(dir / "config.json") << real_json().dump(); }
   const k3::ModelConfig by_dir = k3::load_model_config(dir.string());
   const k3::ModelConfig by_file = k3::load_model_config((dir / "config.json").string());
   expect_same_text_model(by_dir, by_file);
@@ -840,7 +837,8 @@ TEST(ModelConfig, FileErrors) {
     k3::load_model_config(dir.string());
     ADD_FAILURE() << "missing key accepted";
   } catch (const k3::Error& e) {
-    EXPECT_EQ(std::string(e.what()), (dir / "config.json").string() + ": 1 problem: missing key text_config.vocab_size");
+    EXPECT_EQ(std::string(e.what()),
+              (dir / "config.json").string() + ": 1 problem: missing key text_config.vocab_size");
   }
   fs::remove_all(dir);
 }
@@ -849,8 +847,19 @@ TEST(ModelConfig, FileErrors) {
 // parses or fails with k3::Error whose message starts with the label (never another exception).
 TEST(ModelConfig, HostileValuesOnlyRaiseK3Error) {
   const json base = real_json();
-  const std::vector<json> odd = {nullptr, -1, 0, 1, "x", json::array(), json::object(), 1e300, -1e300, true,
-                                 9223372036854775807LL, json::array({0, 94, -3}), 0.5};
+  const std::vector<json> odd = {nullptr,
+                                 -1,
+                                 0,
+                                 1,
+                                 "x",
+                                 json::array(),
+                                 json::object(),
+                                 1e300,
+                                 -1e300,
+                                 true,
+                                 9223372036854775807LL,
+                                 json::array({0, 94, -3}),
+                                 0.5};
   int rejected = 0, total = 0;
   auto try_one = [&](const json& j) {
     ++total;

@@ -62,9 +62,10 @@ TEST_P(CudaBatch, EachSequenceVsAloneFp32Reported) {
   if (N == 1) {
     EXPECT_EQ(worst, 0.0) << "one sequence is the same computation alone and batched";
   }
-  std::printf("[gate] GPU batch tiny N=%-3lld graphs %d rows/step %-4lld fp32 worst rel-L2 batched vs alone %.3e "
-              "(reported, not gated)\n",
-              (long long)N, int(graphs), (long long)rows, worst);
+  std::printf(
+      "[gate] GPU batch tiny N=%-3lld graphs %d rows/step %-4lld fp32 worst rel-L2 batched vs alone %.3e "
+      "(reported, not gated)\n",
+      (long long)N, int(graphs), (long long)rows, worst);
   EXPECT_EQ(pool->live_slots(), 0);
   EXPECT_EQ(pool->live_pages(), 0);
 }
@@ -105,7 +106,8 @@ TEST(CudaBatchGreedy, K3NanoBf16SameIdsAsAlone) {
   const int64_t N = 12, n_gen = 24;  // N > 8: decode rows past the GEMV width
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i)
-    for (int64_t t = 0; t < 3 + 5 * i; ++t) prompts[size_t(i)].push_back(int32_t((uint32_t(t + 17 * i) * 2654435761u >> 9) % 8192u));
+    for (int64_t t = 0; t < 3 + 5 * i; ++t)
+      prompts[size_t(i)].push_back(int32_t((uint32_t(t + 17 * i) * 2654435761u >> 9) % 8192u));
   auto pool = m->new_pool();
   std::vector<k3::SeqStep> batch;
   for (const auto& p : prompts) batch.push_back({pool->alloc(), p.data(), int64_t(p.size()), false});
@@ -171,7 +173,8 @@ TEST(CudaExpertSource, StreamedEqualsResident) {
     // The smallest cache the budget allows (top_k experts): evictions in every step.
     const auto totals = k3::expert_tensor_totals(streamed->checkpoint());
     const uint64_t slot = k3::ExpertCache::slot_bytes_for(*streamed, false);
-    auto cache = k3::make_budget_expert_cache(*streamed, totals.trunk_bytes + uint64_t(streamed->dims().moe.top_k) * slot, false);
+    auto cache = k3::make_budget_expert_cache(*streamed,
+                                              totals.trunk_bytes + uint64_t(streamed->dims().moe.top_k) * slot, false);
     std::vector<int32_t> prompt;
     for (int t = 0; t < 20; ++t) prompt.push_back(int32_t((t * 37 + 5) % int(resident->dims().vocab)));
     for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {

@@ -392,9 +392,8 @@ TEST(CudaGemmBench, GemvBandwidth) {
       const auto X = k3test::rand_vec(rng, size_t(T * c.cols));
       const auto dx = k3test::to_dev(X);
       auto dy = k3test::dev_nan(size_t(T * c.rows));
-      const Timed tm = time_calls(s, 50, [&] {
-        k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s);
-      });
+      const Timed tm =
+          time_calls(s, 50, [&] { k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s); });
       std::printf("matmul %-5s [%6lld, %5lld] T=%lld: %8.1f us  %7.0f GB/s (%.0f%% of datasheet)\n",
                   k3::wformat_name(c.f), (long long)c.rows, (long long)c.cols, (long long)T, tm.ms * 1e3,
                   bytes / (tm.ms * 1e-3) / 1e9, 100.0 * bytes / (tm.ms * 1e-3) / 1e9 / info.peak_bandwidth_gbs());
@@ -438,12 +437,10 @@ TEST(CudaGemmBench, GemvBandwidth) {
     const auto X = k3test::rand_vec(rng, size_t(T * cols));
     const auto dx = k3test::to_dev(X);
     auto dy = k3test::dev_nan(size_t(T * rows));
-    const Timed tm = time_calls(s, 10, [&] {
-      k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s);
-    });
-    std::printf("matmul %-5s [%lld, %lld] T=%lld bf16: %8.1f us  %6.1f TFLOP/s\n", k3::wformat_name(f),
-                (long long)rows, (long long)cols, (long long)T, tm.ms * 1e3,
-                2.0 * double(rows * cols * T) / (tm.ms * 1e-3) / 1e12);
+    const Timed tm =
+        time_calls(s, 10, [&] { k3::cuda::matmul(dw.view, dx.as<float>(), T, dy.as<float>(), Precision::BF16, s); });
+    std::printf("matmul %-5s [%lld, %lld] T=%lld bf16: %8.1f us  %6.1f TFLOP/s\n", k3::wformat_name(f), (long long)rows,
+                (long long)cols, (long long)T, tm.ms * 1e3, 2.0 * double(rows * cols * T) / (tm.ms * 1e-3) / 1e12);
     const auto y = k3test::from_dev<float>(dy, size_t(T * rows));
     // Subset check on 8 tokens x 128 rows (the full fp64 twin would take minutes).
     const int64_t Tc = 8;

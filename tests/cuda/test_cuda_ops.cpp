@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "common/cuda_util.h"
+#include "common/kda_inputs.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
-#include "common/kda_inputs.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
@@ -29,17 +29,17 @@ namespace {
 
 namespace cu = k3::cuda;
 using k3test::count_nan;
-using k3test::nan_vec;
-using k3test::rand_vec;
-using k3test::rel_l2;
+using k3test::KdaInputs;
 using k3test::kTolConv;
 using k3test::kTolElementwise;
 using k3test::kTolKda;
 using k3test::kTolMla;
 using k3test::kTolReduce;
 using k3test::kTolRouter;
-using k3test::KdaInputs;
 using k3test::make_kda;
+using k3test::nan_vec;
+using k3test::rand_vec;
+using k3test::rel_l2;
 
 template <class T>
 cu::DevBuf up(const std::vector<T>& v) {
@@ -60,8 +60,19 @@ TEST(CudaOps, Rmsnorm) {
   std::mt19937 rng(201);
   // n % 4 == 0: 16-byte paths (a warp per row up to 512, a block per row up to 8192, each thread
   // holding its float4s in registers); otherwise, or beyond 8192, the scalar kernels.
-  for (auto [T, n] : {std::pair<int64_t, int64_t>{1, 7}, {3, 128}, {5, 333}, {1, 7168}, {3, 7168}, {96 * 2, 128},
-                      {40, 512}, {2, 1500}, {1, 4096}, {1, 1024}, {3, 200}, {1, 8192}, {2, 10000}}) {
+  for (auto [T, n] : {std::pair<int64_t, int64_t>{1, 7},
+                      {3, 128},
+                      {5, 333},
+                      {1, 7168},
+                      {3, 7168},
+                      {96 * 2, 128},
+                      {40, 512},
+                      {2, 1500},
+                      {1, 4096},
+                      {1, 1024},
+                      {3, 200},
+                      {1, 8192},
+                      {2, 10000}}) {
     for (bool with_w : {false, true}) {
       SCOPED_TRACE(dims({{"T", T}, {"n", n}, {"w", with_w}}));
       const auto x = rand_vec(rng, size_t(T * n), 0.05f, 3.0f);
@@ -83,8 +94,14 @@ TEST(CudaOps, Rmsnorm) {
 TEST(CudaOps, L2normScale) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(202);
-  for (auto [rows, n] : {std::pair<int64_t, int64_t>{1, 16}, {7, 13}, {12, 128}, {96 * 3, 128}, {5, 33}, {2, 2000},
-                         {32, 64}, {3, 384}}) {
+  for (auto [rows, n] : {std::pair<int64_t, int64_t>{1, 16},
+                         {7, 13},
+                         {12, 128},
+                         {96 * 3, 128},
+                         {5, 33},
+                         {2, 2000},
+                         {32, 64},
+                         {3, 384}}) {
     SCOPED_TRACE(dims({{"rows", rows}, {"n", n}}));
     const auto x = rand_vec(rng, size_t(rows * n), 0.05f, 2.0f);
     auto ref = x;
@@ -166,9 +183,16 @@ TEST(CudaOps, SigmoidGateAndAdd) {
 TEST(CudaOps, ShortConvSiluWithCarriedState) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(206);
-  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1}, {37, 4, 3, 6}, {64, 4, 7, 1},
-                              {9, 2, 4, 5}, {16, 3, 1, 9}, {12288, 4, 1, 1}, {3000, 4, 40, 33}, {33, 1, 2, 2},
-                              {20, 7, 2, 70}, {12288, 4, 70, 2}}) {
+  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1},
+                              {37, 4, 3, 6},
+                              {64, 4, 7, 1},
+                              {9, 2, 4, 5},
+                              {16, 3, 1, 9},
+                              {12288, 4, 1, 1},
+                              {3000, 4, 40, 33},
+                              {33, 1, 2, 2},
+                              {20, 7, 2, 70},
+                              {12288, 4, 70, 2}}) {
     SCOPED_TRACE(dims({{"C", C}, {"K", K}, {"T1", T1}, {"T2", T2}}));
     const int64_t T = T1 + T2, P = K - 1;
     const auto x = rand_vec(rng, size_t(T * C), 0.05f, 2.0f);
@@ -188,8 +212,8 @@ TEST(CudaOps, ShortConvSiluWithCarriedState) {
     // Two calls carrying the state equal one call, bit for bit.
     auto dst2 = up(s0), dout2 = k3test::dev_nan(size_t(T * C));
     cu::short_conv_silu(dx.as<float>(), T1, C, dw.as<float>(), K, dst2.as<float>(), dout2.as<float>(), nullptr);
-    cu::short_conv_silu(dx.as<float>() + T1 * C, T2, C, dw.as<float>(), K, dst2.as<float>(),
-                        dout2.as<float>() + T1 * C, nullptr);
+    cu::short_conv_silu(dx.as<float>() + T1 * C, T2, C, dw.as<float>(), K, dst2.as<float>(), dout2.as<float>() + T1 * C,
+                        nullptr);
     EXPECT_EQ(down(dout2, size_t(T * C)), o);
     if (P > 0) {
       EXPECT_EQ(down(dst2, size_t(C * P)), down(dst, size_t(C * P)));
@@ -247,9 +271,18 @@ TEST(CudaOps, AttnresMix) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(209);
   // T <= 64: one cluster of blocks per token (hidden split across them); larger T: a block per token.
-  for (auto [n_src, T, H] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 8}, {2, 3, 37}, {9, 4, 128}, {5, 1, 129},
-                             {9, 1, 7168}, {9, 3, 7168}, {3, 40, 100}, {32, 2, 1000}, {3, 1, 4096},
-                             {17, 1, 4100}, {4, 70, 256}, {32, 1, 7168}}) {
+  for (auto [n_src, T, H] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 8},
+                             {2, 3, 37},
+                             {9, 4, 128},
+                             {5, 1, 129},
+                             {9, 1, 7168},
+                             {9, 3, 7168},
+                             {3, 40, 100},
+                             {32, 2, 1000},
+                             {3, 1, 4096},
+                             {17, 1, 4100},
+                             {4, 70, 256},
+                             {32, 1, 7168}}) {
     SCOPED_TRACE(dims({{"n_src", n_src}, {"T", T}, {"H", H}}));
     std::vector<std::vector<float>> src;
     std::vector<const float*> ptr;
@@ -295,8 +328,8 @@ struct KdaRun {
 
 KdaRun kda_twin(const KdaInputs& in, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
   KdaRun r{nan_vec(size_t(T * H * Dv)), in.S0};
-  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv,
-                         r.S.data(), r.o.data());
+  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, r.S.data(),
+                         r.o.data());
   return r;
 }
 
@@ -320,9 +353,16 @@ void kda_dev(int64_t chunk, const KdaDev& d, int64_t t0, int64_t t1, int64_t H, 
 TEST(CudaOps, KdaRecurrentTwinAndCarriedState) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(210);
-  for (auto [T, H, Dk, Dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16}, {1, 3, 16, 8},
-                              {9, 2, 12, 20}, {70, 3, 16, 16}, {5, 2, 33, 70}, {1, 96, 128, 128}, {6, 4, 128, 128},
-                              {4, 2, 256, 256}, {3, 2, 200, 40}, {7, 96, 128, 128}}) {
+  for (auto [T, H, Dk, Dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16},
+                              {1, 3, 16, 8},
+                              {9, 2, 12, 20},
+                              {70, 3, 16, 16},
+                              {5, 2, 33, 70},
+                              {1, 96, 128, 128},
+                              {6, 4, 128, 128},
+                              {4, 2, 256, 256},
+                              {3, 2, 200, 40},
+                              {7, 96, 128, 128}}) {
     SCOPED_TRACE(dims({{"T", T}, {"H", H}, {"Dk", Dk}, {"Dv", Dv}}));
     const auto in = make_kda(rng, T, H, Dk, Dv);
     const KdaRun ref = kda_twin(in, T, H, Dk, Dv);
@@ -353,8 +393,8 @@ TEST(CudaOps, KdaChunkedMatchesRecurrenceWithCarriedState) {
   };
   // T not a multiple of any chunk; splits inside chunks; odd Dk/Dv; Dv over one 32-column block;
   // Dk = Dv = 256 (the limit); the K3 head shape with all 96 heads.
-  const C cases[] = {{1, 2, 16, 16, 0},  {5, 2, 16, 8, 2},    {37, 3, 16, 16, 20},  {131, 2, 16, 16, 67},
-                     {70, 1, 32, 24, 1}, {45, 2, 12, 20, 17}, {64, 2, 128, 128, 31}, {40, 3, 33, 129, 39},
+  const C cases[] = {{1, 2, 16, 16, 0},     {5, 2, 16, 8, 2},     {37, 3, 16, 16, 20},   {131, 2, 16, 16, 67},
+                     {70, 1, 32, 24, 1},    {45, 2, 12, 20, 17},  {64, 2, 128, 128, 31}, {40, 3, 33, 129, 39},
                      {30, 1, 256, 256, 13}, {21, 96, 128, 128, 9}};
   for (const auto& c : cases) {
     const auto in = make_kda(rng, c.T, c.H, c.Dk, c.Dv);
@@ -420,7 +460,12 @@ struct MlaCase {
 };
 
 std::string mla_name(const MlaCase& c) {
-  return dims({{"heads", c.heads}, {"nope", c.nope}, {"rope", c.rope}, {"v", c.v}, {"L", c.kv_lora}, {"pos0", c.pos0},
+  return dims({{"heads", c.heads},
+               {"nope", c.nope},
+               {"rope", c.rope},
+               {"v", c.v},
+               {"L", c.kv_lora},
+               {"pos0", c.pos0},
                {"T", c.T}}) +
          " " + k3::wformat_name(c.fmt);
 }
@@ -438,12 +483,12 @@ TEST(CudaOps, MlaAbsorbedMatchesTwin) {
   // that rule out the 16-byte load paths (kv_lora 20 in bf16, 30; rope 6), and the K3 shapes
   // (96 heads, nope 128, rope 64, v 128, kv_lora 512).
   const MlaCase cases[] = {
-      {1, 8, 4, 8, 20, 0, 1, k3::WFormat::F32},        {3, 12, 8, 10, 20, 7, 1, k3::WFormat::F32},
-      {4, 24, 8, 16, 32, 0, 9, k3::WFormat::BF16},     {2, 16, 8, 12, 32, 13, 5, k3::WFormat::F16},
-      {17, 16, 8, 24, 96, 40, 12, k3::WFormat::BF16},  {5, 16, 8, 16, 64, 1500, 1, k3::WFormat::BF16},
-      {3, 8, 4, 8, 300, 50, 40, k3::WFormat::F32},     {2, 8, 4, 8, 600, 20, 3, k3::WFormat::F32},
-      {33, 16, 8, 16, 64, 0, 70, k3::WFormat::F16},    {3, 12, 8, 10, 20, 4, 2, k3::WFormat::BF16},
-      {3, 10, 6, 7, 30, 9, 3, k3::WFormat::F16},       {96, 128, 64, 128, 512, 33, 1, k3::WFormat::BF16},
+      {1, 8, 4, 8, 20, 0, 1, k3::WFormat::F32},          {3, 12, 8, 10, 20, 7, 1, k3::WFormat::F32},
+      {4, 24, 8, 16, 32, 0, 9, k3::WFormat::BF16},       {2, 16, 8, 12, 32, 13, 5, k3::WFormat::F16},
+      {17, 16, 8, 24, 96, 40, 12, k3::WFormat::BF16},    {5, 16, 8, 16, 64, 1500, 1, k3::WFormat::BF16},
+      {3, 8, 4, 8, 300, 50, 40, k3::WFormat::F32},       {2, 8, 4, 8, 600, 20, 3, k3::WFormat::F32},
+      {33, 16, 8, 16, 64, 0, 70, k3::WFormat::F16},      {3, 12, 8, 10, 20, 4, 2, k3::WFormat::BF16},
+      {3, 10, 6, 7, 30, 9, 3, k3::WFormat::F16},         {96, 128, 64, 128, 512, 33, 1, k3::WFormat::BF16},
       {96, 128, 64, 128, 512, 20, 4, k3::WFormat::BF16}, {96, 128, 64, 128, 512, 0, 10, k3::WFormat::BF16},
   };
   for (const auto& c : cases) {
@@ -479,8 +524,10 @@ TEST(CudaOps, MlaAbsorbedMatchesTwin) {
 TEST(CudaOps, MlaCacheAppend) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(214);
-  for (auto [L, R, pos0, T] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{20, 4, 0, 1}, {32, 8, 5, 3},
-                               {512, 64, 17, 1}, {512, 64, 0, 40}}) {
+  for (auto [L, R, pos0, T] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{20, 4, 0, 1},
+                               {32, 8, 5, 3},
+                               {512, 64, 17, 1},
+                               {512, 64, 0, 40}}) {
     SCOPED_TRACE(dims({{"L", L}, {"R", R}, {"pos0", pos0}, {"T", T}}));
     const int64_t cap = pos0 + T + 2;
     const auto ckv = rand_vec(rng, size_t(T * (L + R)), 0.05f, 3.0f), w = rand_vec(rng, size_t(L), 0.5f, 1.5f);
@@ -497,7 +544,8 @@ TEST(CudaOps, MlaCacheAppend) {
     EXPECT_EQ(k, k_ref);  // raw copy
     // Rows outside [pos0, pos0 + T) untouched; the appended rows normalised.
     for (int64_t s = 0; s < cap; ++s) {
-      const std::vector<float> a(c.begin() + s * L, c.begin() + (s + 1) * L), b(c_ref.begin() + s * L, c_ref.begin() + (s + 1) * L);
+      const std::vector<float> a(c.begin() + s * L, c.begin() + (s + 1) * L),
+          b(c_ref.begin() + s * L, c_ref.begin() + (s + 1) * L);
       if (s < pos0 || s >= pos0 + T)
         EXPECT_EQ(a, b) << "row " << s;
       else
@@ -513,8 +561,8 @@ TEST(CudaOps, MlaCacheAppend) {
 TEST(CudaOps, MlaDecodeGraphReplayGrowsCache) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(215);
-  for (const MlaCase& c : {MlaCase{5, 16, 8, 12, 64, 6, 1, k3::WFormat::BF16},
-                           MlaCase{96, 128, 64, 128, 512, 40, 1, k3::WFormat::BF16}}) {
+  for (const MlaCase& c :
+       {MlaCase{5, 16, 8, 12, 64, 6, 1, k3::WFormat::BF16}, MlaCase{96, 128, 64, 128, 512, 40, 1, k3::WFormat::BF16}}) {
     SCOPED_TRACE(mla_name(c));
     const k3::MlaAttnDims d = mla_dims(c);
     const int64_t L = c.kv_lora, R = c.rope, dq = c.nope + c.rope, steps = 3, cap = c.pos0 + steps;
@@ -571,8 +619,15 @@ TEST(CudaOps, RouterTopkMatchesTwin) {
   std::mt19937 rng(216);
   // E <= 1024 and k <= 32 take the warp-merge kernel (one to eight warps, the last one partly
   // filled); beyond either limit the block-round kernel.
-  for (auto [T, E, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 8, 2}, {3, 64, 6}, {5, 896, 16}, {2, 1000, 1},
-                         {1, 64, 8}, {2, 130, 6}, {1, 1024, 32}, {2, 300, 33}, {1, 1100, 8}}) {
+  for (auto [T, E, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 8, 2},
+                         {3, 64, 6},
+                         {5, 896, 16},
+                         {2, 1000, 1},
+                         {1, 64, 8},
+                         {2, 130, 6},
+                         {1, 1024, 32},
+                         {2, 300, 33},
+                         {1, 1100, 8}}) {
     for (bool with_bias : {false, true})
       for (bool renorm : {true, false}) {
         const float scale = renorm ? 2.5f : 1.0f;
@@ -589,8 +644,8 @@ TEST(CudaOps, RouterTopkMatchesTwin) {
                                i_ref.data() + t * K, w_ref.data() + t * K);
         auto dl = up(logits), db = up(bias), di = up(std::vector<int32_t>(size_t(T * K), -1));
         auto dw = k3test::dev_nan(size_t(T * K));
-        cu::router_topk(dl.as<float>(), with_bias ? db.as<float>() : nullptr, T, E, K, renorm, scale,
-                        di.as<int32_t>(), dw.as<float>(), nullptr);
+        cu::router_topk(dl.as<float>(), with_bias ? db.as<float>() : nullptr, T, E, K, renorm, scale, di.as<int32_t>(),
+                        dw.as<float>(), nullptr);
         EXPECT_EQ(down_i(di, size_t(T * K)), i_ref);
         const auto w = down(dw, size_t(T * K));
         ASSERT_EQ(count_nan(w), 0u);
@@ -619,7 +674,6 @@ TEST(CudaOps, MoeCombine) {
     EXPECT_LT(rel_l2(got, ref), kTolReduce);
   }
 }
-
 
 // ================================================================ decode-size latency
 // The small ops at T = 1 and K3 / gpu-bench shapes, as a decode step runs them: 20 calls back to
@@ -654,8 +708,9 @@ TEST(CudaOpsBench, DecodeSmallOpLatency) {
   for (int64_t H : {4096, 7168}) {
     const auto x = rand_vec(rng, size_t(H), 0.05f, 3.0f), w = rand_vec(rng, size_t(H), 0.5f, 1.5f);
     auto dx = up(x), dw = up(w), dout = k3test::dev_nan(size_t(H));
-    bench("rmsnorm n=" + std::to_string(H),
-          [&] { cu::rmsnorm(dx.as<float>(), 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout, size_t(H));
+    bench(
+        "rmsnorm n=" + std::to_string(H),
+        [&] { cu::rmsnorm(dx.as<float>(), 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout, size_t(H));
     for (int64_t n_src : {3, 9}) {
       std::vector<cu::DevBuf> dsrc;
       std::vector<const float*> dptr;
@@ -663,26 +718,29 @@ TEST(CudaOpsBench, DecodeSmallOpLatency) {
         dsrc.push_back(up(rand_vec(rng, size_t(H), 0.05f, 2.0f)));
         dptr.push_back(dsrc.back().as<float>());
       }
-      bench("attnres_mix n_src=" + std::to_string(n_src) + " H=" + std::to_string(H),
-            [&] { cu::attnres_mix(dptr.data(), n_src, 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout,
-            size_t(H));
+      bench(
+          "attnres_mix n_src=" + std::to_string(n_src) + " H=" + std::to_string(H),
+          [&] { cu::attnres_mix(dptr.data(), n_src, 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout,
+          size_t(H));
     }
   }
   for (auto [E, K] : {std::pair<int64_t, int64_t>{64, 8}, {896, 16}}) {
     auto dl = up(rand_vec(rng, size_t(E), 0.01f, 4.0f)), db = up(rand_vec(rng, size_t(E), 0.001f, 0.3f));
     auto di = up(std::vector<int32_t>(size_t(K), -1));
     auto dwt = k3test::dev_nan(size_t(K));
-    bench("router_topk E=" + std::to_string(E) + " k=" + std::to_string(K),
-          [&] {
-            cu::router_topk(dl.as<float>(), db.as<float>(), 1, E, K, true, 2.5f, di.as<int32_t>(), dwt.as<float>(), s);
-          },
-          di, size_t(K));
+    bench(
+        "router_topk E=" + std::to_string(E) + " k=" + std::to_string(K),
+        [&] {
+          cu::router_topk(dl.as<float>(), db.as<float>(), 1, E, K, true, 2.5f, di.as<int32_t>(), dwt.as<float>(), s);
+        },
+        di, size_t(K));
   }
   {  // the KDA head norms (32 heads x 128) and the LoRA latent norm
     auto dx = up(rand_vec(rng, 32 * 128, 0.05f, 2.0f)), dout = k3test::dev_nan(32 * 128);
     auto dw = up(rand_vec(rng, 128, 0.5f, 1.5f));
-    bench("rmsnorm rows=32 n=128", [&] { cu::rmsnorm(dx.as<float>(), 32, 128, dw.as<float>(), 1e-5f, dout.as<float>(), s); },
-          dout, 32 * 128);
+    bench(
+        "rmsnorm rows=32 n=128",
+        [&] { cu::rmsnorm(dx.as<float>(), 32, 128, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout, 32 * 128);
   }
   for (int64_t pos0 : {0, 3072}) {  // gpu-bench MLA: 32 heads, nope 128, rope 64, v 128, kv_lora 512
     const MlaCase c{32, 128, 64, 128, 512, pos0, 1, k3::WFormat::BF16};
@@ -695,12 +753,13 @@ TEST(CudaOpsBench, DecodeSmallOpLatency) {
     auto dlen = up(std::vector<int32_t>{int32_t(pos0)});
     auto work = k3test::dev_nan(size_t(cu::mla_absorbed_work_floats(1, d)));
     auto dout = k3test::dev_nan(size_t(c.heads * c.v));
-    bench("mla_attend_absorbed T=1 pos0=" + std::to_string(pos0),
-          [&] {
-            cu::mla_attend_absorbed(dq_.as<float>(), 1, dc.as<float>(), dk.as<float>(), dlen.as<int32_t>(), dkvb.view,
-                                    d, work.as<float>(), dout.as<float>(), cu::Precision::F32, s);
-          },
-          dout, size_t(c.heads * c.v));
+    bench(
+        "mla_attend_absorbed T=1 pos0=" + std::to_string(pos0),
+        [&] {
+          cu::mla_attend_absorbed(dq_.as<float>(), 1, dc.as<float>(), dk.as<float>(), dlen.as<int32_t>(), dkvb.view, d,
+                                  work.as<float>(), dout.as<float>(), cu::Precision::F32, s);
+        },
+        dout, size_t(c.heads * c.v));
   }
   cu::stream_destroy(s);
 }

@@ -19,11 +19,11 @@
 
 #include "common/cuda_util.h"
 #include "common/error_util.h"
+#include "common/kda_inputs.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "core/error.h"
-#include "common/kda_inputs.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/ops.h"
 
@@ -31,13 +31,13 @@ namespace {
 
 namespace cu = k3::cuda;
 using k3test::count_nan;
-using k3test::nan_vec;
-using k3test::rand_vec;
-using k3test::rel_l2;
 using k3test::kTolConv;
 using k3test::kTolElementwise;
 using k3test::kTolKda;
 using k3test::kTolMla;
+using k3test::nan_vec;
+using k3test::rand_vec;
+using k3test::rel_l2;
 
 template <class T>
 cu::DevBuf up(const std::vector<T>& v) {
@@ -86,9 +86,14 @@ std::vector<int64_t> mixed_lengths(std::mt19937& rng, int64_t n, int64_t max_chu
   std::vector<int64_t> len(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     switch (i % 4) {
-      case 0: len[size_t(i)] = std::uniform_int_distribution<int64_t>(2, std::max<int64_t>(2, max_chunk))(rng); break;
-      case 3: len[size_t(i)] = std::uniform_int_distribution<int64_t>(2, 5)(rng); break;
-      default: len[size_t(i)] = 1;
+      case 0:
+        len[size_t(i)] = std::uniform_int_distribution<int64_t>(2, std::max<int64_t>(2, max_chunk))(rng);
+        break;
+      case 3:
+        len[size_t(i)] = std::uniform_int_distribution<int64_t>(2, 5)(rng);
+        break;
+      default:
+        len[size_t(i)] = 1;
     }
   }
   if (n >= 8) len[5] = 0;
@@ -130,7 +135,8 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
     for (int64_t N : {1, 3, 8, 32}) {
       const int64_t H = sh.H, Dk = sh.Dk, Dv = sh.Dv, nS = H * Dk * Dv;
       const Batch b = make_batch(rng, mixed_lengths(rng, N, sh.max_chunk), 3);
-      SCOPED_TRACE(batch_name(b) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk) + " Dv=" + std::to_string(Dv));
+      SCOPED_TRACE(batch_name(b) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk) +
+                   " Dv=" + std::to_string(Dv));
       const auto in = k3test::make_kda(rng, b.rows, H, Dk, Dv);
       const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
       // Reference, per sequence, from its own slot.
@@ -153,8 +159,8 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
           cu::kda_chunked_varlen(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), dbeta.as<float>(),
                                  db.v, H, Dk, Dv, chunk, pool.as<float>(), o.as<float>(), nullptr);
         else
-          cu::kda_recurrent_varlen(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(),
-                                   dbeta.as<float>(), db.v, H, Dk, Dv, pool.as<float>(), o.as<float>(), nullptr);
+          cu::kda_recurrent_varlen(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), dbeta.as<float>(),
+                                   db.v, H, Dk, Dv, pool.as<float>(), o.as<float>(), nullptr);
         const auto oh = down(o, nO), ph = down(pool, pool0.size());
         ASSERT_EQ(count_nan(oh), 0u);
         for (int64_t i = 0; i < N; ++i) {
@@ -308,9 +314,14 @@ std::vector<int64_t> prior_contexts(std::mt19937& rng, int64_t n, int64_t longes
   std::vector<int64_t> p(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     switch (i % 3) {
-      case 0: p[size_t(i)] = std::uniform_int_distribution<int64_t>(longest / 3, longest)(rng); break;
-      case 1: p[size_t(i)] = std::uniform_int_distribution<int64_t>(1, 50)(rng); break;
-      default: p[size_t(i)] = i % 2 ? 0 : std::uniform_int_distribution<int64_t>(1, 9)(rng);
+      case 0:
+        p[size_t(i)] = std::uniform_int_distribution<int64_t>(longest / 3, longest)(rng);
+        break;
+      case 1:
+        p[size_t(i)] = std::uniform_int_distribution<int64_t>(1, 50)(rng);
+        break;
+      default:
+        p[size_t(i)] = i % 2 ? 0 : std::uniform_int_distribution<int64_t>(1, 9)(rng);
     }
   }
   std::shuffle(p.begin(), p.end(), rng);
@@ -345,7 +356,7 @@ TEST(CudaVarlen, PagedMlaAppendAndAttendPerSequence) {
   // 16-byte paths (kv_lora 30, rope 6); the K3 shape with long contexts at N = 8 and many
   // sequences at N = 32 (contexts kept short there: the fp64 twin is the slow part).
   const Case cases[] = {
-      {small, 1, 64, 3000, 40}, {small, 3, 5, 3000, 40},  {small, 8, 64, 3000, 20}, {small, 32, 5, 3000, 12},
+      {small, 1, 64, 3000, 40},  {small, 3, 5, 3000, 40}, {small, 8, 64, 3000, 20}, {small, 32, 5, 3000, 12},
       {small, 32, 64, 1500, 70}, {odd, 8, 5, 700, 9},     {odd, 3, 64, 200, 40},    {k3, 8, 64, 3000, 4},
       {k3, 32, 5, 300, 6},       {k3, 1, 5, 2000, 3},
   };
@@ -392,8 +403,7 @@ TEST(CudaVarlen, PagedMlaAppendAndAttendPerSequence) {
       const float *g = got_pages.data() + r * X, *w = want.pages.data() + r * X, *h = hp.pages.data() + r * X;
       const bool appended = !std::isnan(w[0]) && std::isnan(h[0]);
       if (!appended) {  // untouched: the prior context, or NaN where no sequence has a token
-        for (int64_t x = 0; x < X; ++x)
-          other_bad += !(g[x] == w[x] || (std::isnan(g[x]) && std::isnan(w[x])));
+        for (int64_t x = 0; x < X; ++x) other_bad += !(g[x] == w[x] || (std::isnan(g[x]) && std::isnan(w[x])));
         continue;
       }
       const double e = rel_l2(g, w, size_t(L));
@@ -408,8 +418,8 @@ TEST(CudaVarlen, PagedMlaAppendAndAttendPerSequence) {
     std::vector<std::vector<float>> refs(static_cast<size_t>(N));
     for (int64_t i = 0; i < N; ++i)
       if (b.len[size_t(i)] > 0)
-        refs[size_t(i)] = ref_attend(hp, i, prior[size_t(i)], b.len[size_t(i)],
-                                     q.data() + b.cu[size_t(i)] * d.heads * dq, kvb.w, d);
+        refs[size_t(i)] =
+            ref_attend(hp, i, prior[size_t(i)], b.len[size_t(i)], q.data() + b.cu[size_t(i)] * d.heads * dq, kvb.w, d);
     const size_t nO = size_t(b.rows * d.heads * d.v);
     auto work = k3test::dev_nan(size_t(cu::mla_paged_work_floats(b.rows, N, d)));
     for (cu::Precision p : {cu::Precision::F32, cu::Precision::BF16}) {
@@ -531,7 +541,8 @@ TEST(CudaVarlen, DecodeStepGraphReplaysAsSlotsPagesAndPositionsMove) {
   // Device buffers, fixed for the graph.
   std::vector<int32_t> cu_rows(size_t(N + 1));
   std::iota(cu_rows.begin(), cu_rows.end(), 0);
-  auto dcu = up(cu_rows), dslots = up(std::vector<int32_t>(size_t(N), 0)), dpos0 = up(std::vector<int32_t>(size_t(N), 0));
+  auto dcu = up(cu_rows), dslots = up(std::vector<int32_t>(size_t(N), 0)),
+       dpos0 = up(std::vector<int32_t>(size_t(N), 0));
   auto dtable = up(std::vector<int32_t>(size_t(N * max_pages), -1)), dpool = up(pool_h), dkda = up(kda_pool_h);
   auto dq_k = k3test::dev_nan(size_t(N * H * Dk)), dk_k = k3test::dev_nan(size_t(N * H * Dk));
   auto dg_k = k3test::dev_nan(size_t(N * H * Dk)), dv_k = k3test::dev_nan(size_t(N * H * Dv));
@@ -659,22 +670,33 @@ TEST(CudaVarlen, BadArgumentsAreOneLineErrors) {
   for (int64_t n : {0, -1}) {
     cu::VarlenDev b = ok;
     b.n_seqs = n;
-    expect_error([&] { cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr); },
-                 "kda_recurrent_varlen", "n_seqs");
-    expect_error([&] { cu::kda_chunked_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, 16, dummy_f, dummy_f, nullptr); },
-                 "kda_chunked_varlen", "n_seqs");
+    expect_error(
+        [&] {
+          cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr);
+        },
+        "kda_recurrent_varlen", "n_seqs");
+    expect_error(
+        [&] {
+          cu::kda_chunked_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, 16, dummy_f, dummy_f,
+                                 nullptr);
+        },
+        "kda_chunked_varlen", "n_seqs");
     expect_error([&] { cu::short_conv_silu_varlen(dummy_f, b, 4, dummy_f, 4, dummy_f, dummy_f, nullptr); },
                  "short_conv_silu_varlen", "n_seqs");
     expect_error([&] { cu::mla_cache_append_paged(dummy_f, b, pc, 1, 1, dummy_f, 1e-6f, nullptr); },
                  "mla_cache_append_paged", "n_seqs");
-    expect_error([&] { cu::mla_attend_absorbed_paged(dummy_f, b, pc, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
-                 "mla_attend_absorbed_paged", "n_seqs");
+    expect_error(
+        [&] { cu::mla_attend_absorbed_paged(dummy_f, b, pc, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
+        "mla_attend_absorbed_paged", "n_seqs");
   }
   {
     cu::VarlenDev b = ok;
     b.cu_rows = nullptr;
-    expect_error([&] { cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr); },
-                 "kda_recurrent_varlen", "cu_rows");
+    expect_error(
+        [&] {
+          cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr);
+        },
+        "kda_recurrent_varlen", "cu_rows");
     expect_error([&] { cu::mla_cache_append_paged(dummy_f, b, pc, 1, 1, dummy_f, 1e-6f, nullptr); },
                  "mla_cache_append_paged", "cu_rows");
     b = ok;
@@ -683,16 +705,20 @@ TEST(CudaVarlen, BadArgumentsAreOneLineErrors) {
                  "short_conv_silu_varlen", "slots");
     b = ok;
     b.n_slots = 0;
-    expect_error([&] { cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr); },
-                 "kda_recurrent_varlen", "n_slots");
+    expect_error(
+        [&] {
+          cu::kda_recurrent_varlen(dummy_f, dummy_f, dummy_f, dummy_f, dummy_f, b, 1, 4, 4, dummy_f, dummy_f, nullptr);
+        },
+        "kda_recurrent_varlen", "n_slots");
   }
   for (int64_t ptok : {0, -3}) {
     cu::PagedCacheDev c = pc;
     c.page_tokens = ptok;
     expect_error([&] { cu::mla_cache_append_paged(dummy_f, ok, c, 1, 1, dummy_f, 1e-6f, nullptr); },
                  "mla_cache_append_paged", "page_tokens");
-    expect_error([&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::BF16, nullptr); },
-                 "mla_attend_absorbed_paged", "page_tokens");
+    expect_error(
+        [&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::BF16, nullptr); },
+        "mla_attend_absorbed_paged", "page_tokens");
   }
   {
     cu::PagedCacheDev c = pc;
@@ -701,20 +727,23 @@ TEST(CudaVarlen, BadArgumentsAreOneLineErrors) {
                  "mla_cache_append_paged", "pages");
     c = pc;
     c.block_table = nullptr;
-    expect_error([&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
-                 "mla_attend_absorbed_paged", "block_table");
+    expect_error(
+        [&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
+        "mla_attend_absorbed_paged", "block_table");
     c = pc;
     c.pos0 = nullptr;
-    expect_error([&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
-                 "mla_attend_absorbed_paged", "pos0");
+    expect_error(
+        [&] { cu::mla_attend_absorbed_paged(dummy_f, ok, c, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
+        "mla_attend_absorbed_paged", "pos0");
     c = pc;
     c.n_pages = 0;
     expect_error([&] { cu::mla_cache_append_paged(dummy_f, ok, c, 1, 1, dummy_f, 1e-6f, nullptr); },
                  "mla_cache_append_paged", "n_pages");
   }
   // A kv_b of the wrong shape (here an empty view) is named too.
-  expect_error([&] { cu::mla_attend_absorbed_paged(dummy_f, ok, pc, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
-               "mla_attend_absorbed_paged", "kv_b");
+  expect_error(
+      [&] { cu::mla_attend_absorbed_paged(dummy_f, ok, pc, kvb, d, dummy_f, dummy_f, cu::Precision::F32, nullptr); },
+      "mla_attend_absorbed_paged", "kv_b");
 }
 
 // ================================================================ decode-shape timings
@@ -819,9 +848,8 @@ TEST(CudaVarlenBench, DecodeN32Ctx4kAgainstNSingleCalls) {
   k3test::DevWeight dkvb = k3test::upload_weight(kvb.w);
   auto out = k3test::dev_nan(size_t(N * d.heads * d.v));
   {
-    const double tv = time_us([&] {
-      cu::mla_cache_append_paged(ckv.as<float>(), db.v, pc, L, R, nw.as<float>(), 1e-6f, s);
-    });
+    const double tv =
+        time_us([&] { cu::mla_cache_append_paged(ckv.as<float>(), db.v, pc, L, R, nw.as<float>(), 1e-6f, s); });
     const double ts = time_us([&] {
       for (int64_t i = 0; i < N; ++i)
         cu::mla_cache_append(ckv.as<float>() + i * X, 1, L, R, nw.as<float>(), 1e-6f, lens[size_t(i)].as<int32_t>(),

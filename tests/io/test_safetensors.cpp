@@ -60,7 +60,7 @@ std::string shared_dir() { return K3_SHARED_DIR; }
 
 // A valid five-tensor image with random non-zero contents, returning what was written.
 struct Written {
-  std::vector<float> bf16_vals;   // exactly representable in bf16
+  std::vector<float> bf16_vals;    // exactly representable in bf16
   std::vector<uint16_t> f16_bits;  // normal halves
   std::vector<uint8_t> u8;
   float scalar = 0;
@@ -239,8 +239,9 @@ TEST(Safetensors, ManyTensorsParseInLinearTime) {
     const size_t off = data.size();
     data.push_back(uint8_t(1 + i % 200));
     data.push_back(uint8_t(2 + i % 100));
-    h += (i ? "," : "") + std::string("\"layers.") + std::to_string(i) + ".w\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[" +
-         std::to_string(off) + "," + std::to_string(off + 2) + "]}";
+    h += (i ? "," : "") + std::string("\"layers.") + std::to_string(i) +
+         ".w\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[" + std::to_string(off) + "," +
+         std::to_string(off + 2) + "]}";
   }
   h += "}";
   const auto img = st_raw(h, data);
@@ -259,7 +260,8 @@ TEST(MappedFile, EmptyFileAndMissingFile) {
   auto m = MappedFile::open(p);
   EXPECT_EQ(m->size(), 0u);
   EXPECT_EQ(m->data(), nullptr);
-  expect_k3_error([&] { MappedFile::open(dir.file("nope.bin")); }, dir.file("nope.bin") + ": cannot open: No such file");
+  expect_k3_error([&] { MappedFile::open(dir.file("nope.bin")); },
+                  dir.file("nope.bin") + ": cannot open: No such file");
   expect_k3_error([&] { MappedFile::open(dir.path()); }, "not a regular file");
   expect_k3_error([&] { SafetensorsFile::open(p); }, "file too small for a safetensors header (0 bytes");
   expect_k3_error([&] { SafetensorsFile::read_header(p); }, "file too small for a safetensors header (0 bytes");
@@ -353,7 +355,8 @@ TEST(CheckpointErrors, IndexNamesMissingShard) {
 TEST(CheckpointErrors, IndexNamesTensorAbsentFromShard) {
   TempDir dir;
   dir.write("s1.safetensors", st_image({u8_entry("w.a", {1, 2})}));
-  dir.write_text("model.safetensors.index.json", index_json({{"w.a", "s1.safetensors"}, {"w.ghost", "s1.safetensors"}}));
+  dir.write_text("model.safetensors.index.json",
+                 index_json({{"w.a", "s1.safetensors"}, {"w.ghost", "s1.safetensors"}}));
   expect_k3_error([&] { Checkpoint::open(dir.path()); },
                   "tensor mapped to shard 's1.safetensors' is not in that shard (tensor 'w.ghost')");
   expect_k3_error([&] { Checkpoint::open_headers(dir.path()); }, "(tensor 'w.ghost')");
@@ -380,12 +383,11 @@ TEST(CheckpointErrors, AllProblemsReportedAtOnce) {
   TempDir dir;
   dir.write("s1.safetensors", st_image({u8_entry("w.a", {1}), u8_entry("w.extra", {3})}));
   dir.write("bad.safetensors", st_raw("{not json", {}));
-  dir.write_text("model.safetensors.index.json",
-                 index_json({{"w.a", "s1.safetensors"},
-                             {"w.ghost", "s1.safetensors"},
-                             {"w.x", "gone.safetensors"},
-                             {"w.y", "../escape.safetensors"},
-                             {"w.z", "bad.safetensors"}}));
+  dir.write_text("model.safetensors.index.json", index_json({{"w.a", "s1.safetensors"},
+                                                             {"w.ghost", "s1.safetensors"},
+                                                             {"w.x", "gone.safetensors"},
+                                                             {"w.y", "../escape.safetensors"},
+                                                             {"w.z", "bad.safetensors"}}));
   try {
     Checkpoint::open(dir.path());
     FAIL() << "expected an error";
@@ -449,7 +451,9 @@ TEST(SafetensorsErrors, HeaderLengthBeyondFile) {
   expect_bad(huge, "header length 18446744073709551615 exceeds the 104857600-byte limit");
 }
 
-TEST(SafetensorsErrors, TooSmallForLength) { expect_bad({1, 0, 0}, "file too small for a safetensors header (3 bytes"); }
+TEST(SafetensorsErrors, TooSmallForLength) {
+  expect_bad({1, 0, 0}, "file too small for a safetensors header (3 bytes");
+}
 
 TEST(SafetensorsErrors, TruncatedData) {
   auto img = st_raw("{" + entry("t", "F32", "[4]", "[0,16]") + "}", kData16);
@@ -468,7 +472,8 @@ TEST(SafetensorsErrors, BadJson) {
 }
 
 TEST(SafetensorsErrors, WrongJsonTypes) {
-  expect_bad(st_raw("{\"t\":{\"dtype\":7,\"shape\":[4],\"data_offsets\":[0,16]}}", kData16), "dtype is not a string (tensor 't')");
+  expect_bad(st_raw("{\"t\":{\"dtype\":7,\"shape\":[4],\"data_offsets\":[0,16]}}", kData16),
+             "dtype is not a string (tensor 't')");
   expect_bad(st_raw("{" + entry("t", "F32", "4", "[0,16]") + "}", kData16), "shape is not an array (tensor 't')");
   expect_bad(st_raw("{" + entry("t", "F32", "[4]", "[0]") + "}", kData16),
              "data_offsets must be two non-negative integers (tensor 't')");
@@ -508,15 +513,17 @@ TEST(SafetensorsErrors, OffsetsOutOfRange) {
 }
 
 TEST(SafetensorsErrors, ReversedOffsets) {
-  expect_bad(st_raw("{" + entry("t", "F32", "[1]", "[8,4]") + "}", kData16), "reversed data_offsets [8, 4] (tensor 't')");
+  expect_bad(st_raw("{" + entry("t", "F32", "[1]", "[8,4]") + "}", kData16),
+             "reversed data_offsets [8, 4] (tensor 't')");
 }
 
 TEST(SafetensorsErrors, OverlappingTensors) {
   expect_bad(st_raw("{" + entry("a", "F32", "[3]", "[0,12]") + "," + entry("b", "F32", "[2]", "[8,16]") + "}", kData16),
              "tensors overlap in the data section (tensor 'a') and (tensor 'b')");
   // Nested inside a larger tensor, listed first.
-  expect_bad(st_raw("{" + entry("in", "U8", "[2]", "[4,6]") + "," + entry("big", "U8", "[16]", "[0,16]") + "}", kData16),
-             "tensors overlap in the data section");
+  expect_bad(
+      st_raw("{" + entry("in", "U8", "[2]", "[4,6]") + "," + entry("big", "U8", "[16]", "[0,16]") + "}", kData16),
+      "tensors overlap in the data section");
   // Same range twice.
   expect_bad(st_raw("{" + entry("a", "U8", "[4]", "[0,4]") + "," + entry("b", "U8", "[4]", "[0,4]") + "}", kData16),
              "tensors overlap in the data section");
@@ -530,19 +537,25 @@ TEST(SafetensorsErrors, DuplicateName) {
 }
 
 TEST(SafetensorsErrors, NegativeOrNonIntegerShape) {
-  expect_bad(st_raw("{" + entry("t", "U8", "[-4]", "[0,4]") + "}", kData16), "shape entry -4 is not a non-negative integer (tensor 't')");
-  expect_bad(st_raw("{" + entry("t", "U8", "[4.0]", "[0,4]") + "}", kData16), "shape entry 4.0 is not a non-negative integer (tensor 't')");
-  expect_bad(st_raw("{" + entry("t", "U8", "[\"4\"]", "[0,4]") + "}", kData16), "shape entry \"4\" is not a non-negative integer (tensor 't')");
-  expect_bad(st_raw("{" + entry("t", "U8", "[[4]]", "[0,4]") + "}", kData16), "shape entry [4] is not a non-negative integer (tensor 't')");
+  expect_bad(st_raw("{" + entry("t", "U8", "[-4]", "[0,4]") + "}", kData16),
+             "shape entry -4 is not a non-negative integer (tensor 't')");
+  expect_bad(st_raw("{" + entry("t", "U8", "[4.0]", "[0,4]") + "}", kData16),
+             "shape entry 4.0 is not a non-negative integer (tensor 't')");
+  expect_bad(st_raw("{" + entry("t", "U8", "[\"4\"]", "[0,4]") + "}", kData16),
+             "shape entry \"4\" is not a non-negative integer (tensor 't')");
+  expect_bad(st_raw("{" + entry("t", "U8", "[[4]]", "[0,4]") + "}", kData16),
+             "shape entry [4] is not a non-negative integer (tensor 't')");
 }
 
 TEST(SafetensorsErrors, ControlCharactersInNamesStayOnOneLine) {
-  expect_bad(st_raw("{" + entry("a\\nb", "F12", "[4]", "[0,16]") + "}", kData16), "unknown dtype 'F12' (tensor 'a\\x0ab')");
+  expect_bad(st_raw("{" + entry("a\\nb", "F12", "[4]", "[0,16]") + "}", kData16),
+             "unknown dtype 'F12' (tensor 'a\\x0ab')");
 }
 
 TEST(SafetensorsErrors, MissingFile) {
   TempDir dir;
-  expect_k3_error([&] { SafetensorsFile::open(dir.file("x.safetensors")); }, "x.safetensors: cannot open: No such file or directory");
+  expect_k3_error([&] { SafetensorsFile::open(dir.file("x.safetensors")); },
+                  "x.safetensors: cannot open: No such file or directory");
   expect_k3_error([&] { SafetensorsFile::read_header(dir.file("x.safetensors")); }, "x.safetensors: cannot open");
 }
 
@@ -551,8 +564,8 @@ TEST(SafetensorsErrors, MissingFile) {
 
 namespace {
 std::string edge_dir() { return shared_dir() + "/fixtures/third-party/kimi-k3-in-c-ops/safetensors-edge"; }
-#define REQUIRE_EDGE()                                                                         \
-  if (!std::filesystem::exists(edge_dir() + "/model-00001-of-00002.safetensors"))              \
+#define REQUIRE_EDGE()                                                            \
+  if (!std::filesystem::exists(edge_dir() + "/model-00001-of-00002.safetensors")) \
   GTEST_SKIP() << "third-party fixture folder absent: " << edge_dir()
 }  // namespace
 
@@ -680,12 +693,13 @@ TEST(SafetensorsFixture, AsCheckpointWithGeneratedIndex) {
   std::filesystem::create_symlink(edge_dir() + "/" + s1, dir.file(s1));
   std::filesystem::create_symlink(edge_dir() + "/" + s2, dir.file(s2));
   std::vector<std::pair<std::string, std::string>> map;
-  for (const char* n : {"plain.f32.2d", "plain.bf16.1d", "tricky.f16.1d", "packed.u8.2d", "scalar.f32", "empty.f32",
-                        "language_model.model.layers.0.block_sparse_moe.experts.0.w1.weight_packed",
-                        "language_model.model.layers.0.block_sparse_moe.experts.1.w1.weight_packed", "rank3.f32",
-                        "rank4.u8"})
+  for (const char* n :
+       {"plain.f32.2d", "plain.bf16.1d", "tricky.f16.1d", "packed.u8.2d", "scalar.f32", "empty.f32",
+        "language_model.model.layers.0.block_sparse_moe.experts.0.w1.weight_packed",
+        "language_model.model.layers.0.block_sparse_moe.experts.1.w1.weight_packed", "rank3.f32", "rank4.u8"})
     map.emplace_back(n, s1);
-  for (const char* n : {"second.shard.f32", "second.shard.u8", "weird\\\\name.\\\"with\\\"quotes"}) map.emplace_back(n, s2);
+  for (const char* n : {"second.shard.f32", "second.shard.u8", "weird\\\\name.\\\"with\\\"quotes"})
+    map.emplace_back(n, s2);
   dir.write_text("model.safetensors.index.json", index_json(map));
 
   auto c = Checkpoint::open(dir.path());
@@ -704,5 +718,6 @@ TEST(SafetensorsFixture, AsCheckpointWithGeneratedIndex) {
   auto h = Checkpoint::open_headers(dir.path());
   EXPECT_EQ(h->tensor_count(), 10u);
   ASSERT_EQ(h->missing_shards().size(), 1u);
-  expect_k3_error([&] { Checkpoint::open(dir.path()); }, "shard 'model-00002-of-00002.safetensors' named in the index is missing");
+  expect_k3_error([&] { Checkpoint::open(dir.path()); },
+                  "shard 'model-00002-of-00002.safetensors' named in the index is missing");
 }

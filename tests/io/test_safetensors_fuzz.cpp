@@ -24,7 +24,8 @@ std::vector<std::vector<uint8_t>> seeds() {
     return b;
   };
   out.push_back(st_image({{"a", "BF16", {3, 4}, bytes(24)}, {"b", "U8", {5}, bytes(5)}}, {{"format", "pt"}}));
-  out.push_back(st_image({{"s", "F32", {}, bytes(4)}, {"e", "F32", {0, 3}, {}}, {"f8", "F8_E4M3", {2, 2, 2}, bytes(8)}}));
+  out.push_back(
+      st_image({{"s", "F32", {}, bytes(4)}, {"e", "F32", {0, 3}, {}}, {"f8", "F8_E4M3", {2, 2, 2}, bytes(8)}}));
   out.push_back(st_image({{"x.weight", "F16", {7}, bytes(14)},
                           {"y", "I64", {2}, bytes(16)},
                           {"z", "BOOL", {3}, bytes(3)},
@@ -52,8 +53,14 @@ void mutate(std::vector<uint8_t>& b, std::mt19937& rng) {
       if (b.size() >= 8) {
         uint64_t n = 0;
         for (int i = 7; i >= 0; --i) n = (n << 8) | b[size_t(i)];
-        const uint64_t choices[] = {n + 1, n - 1, n + (rng() % 64), uint64_t(b.size()), uint64_t(b.size() - 8),
-                                    ~uint64_t(0), uint64_t(1) << 63, uint64_t(100) << 20};
+        const uint64_t choices[] = {n + 1,
+                                    n - 1,
+                                    n + (rng() % 64),
+                                    uint64_t(b.size()),
+                                    uint64_t(b.size() - 8),
+                                    ~uint64_t(0),
+                                    uint64_t(1) << 63,
+                                    uint64_t(100) << 20};
         n = choices[rng() % 8];
         for (int i = 0; i < 8; ++i) b[size_t(i)] = uint8_t(n >> (8 * i));
       }
@@ -67,7 +74,8 @@ void mutate(std::vector<uint8_t>& b, std::mt19937& rng) {
     case 5: {  // insert random bytes
       const size_t at = pos(b.size() + 1);
       const size_t n = 1 + rng() % 4;
-      for (size_t i = 0; i < n; ++i) b.insert(b.begin() + long(at), uint8_t(kJsonChars[rng() % (sizeof(kJsonChars) - 1)]));
+      for (size_t i = 0; i < n; ++i)
+        b.insert(b.begin() + long(at), uint8_t(kJsonChars[rng() % (sizeof(kJsonChars) - 1)]));
       break;
     }
     case 6: {  // replace a digit run with a big or negative number

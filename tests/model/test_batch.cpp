@@ -67,7 +67,8 @@ TEST(BatchGreedy, K3NanoFastSameIdsAsAlone) {
   const int64_t N = 8, n_gen = 16;
   std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(N));
   for (int64_t i = 0; i < N; ++i)
-    for (int64_t t = 0; t < 5 + 7 * i; ++t) prompts[size_t(i)].push_back(int32_t((uint32_t(t + 31 * i) * 2654435761u >> 9) % 8192u));
+    for (int64_t t = 0; t < 5 + 7 * i; ++t)
+      prompts[size_t(i)].push_back(int32_t((uint32_t(t + 31 * i) * 2654435761u >> 9) % 8192u));
   auto pool = m->new_pool();
   std::vector<int32_t> slots, pick(static_cast<size_t>(N));
   std::vector<k3::SeqStep> batch;

@@ -22,8 +22,8 @@ using k3test::rel_l2;
 
 namespace {
 
-constexpr double kRefTol = 1e-5;    // engine (fp32) vs fp64 reference, rel-L2 over all logits
-constexpr double kAlgoTol = 1e-5;   // a decode path vs the reference or vs the default full pass
+constexpr double kRefTol = 1e-5;   // engine (fp32) vs fp64 reference, rel-L2 over all logits
+constexpr double kAlgoTol = 1e-5;  // a decode path vs the reference or vs the default full pass
 
 fs::path tp_tiny() { return fs::path(K3_SHARED_DIR) / "fixtures/third-party/kimi-k3-in-c-tiny"; }
 fs::path ours(const std::string& name) { return fs::path(K3_SOURCE_DIR) / "tests/fixtures" / name; }
@@ -107,7 +107,8 @@ TEST_P(OwnFixture, MatchesReference) {
   // are within 1e-5 of the reference; one position there amplifies fp32 rounding tenfold).
   check_decode_paths(*m, ids, expect);
   const auto& g = ref["greedy"];
-  EXPECT_EQ(greedy(*m, g["prompt"].get<std::vector<int32_t>>(), g["n"].get<int>()), g["ids"].get<std::vector<int32_t>>());
+  EXPECT_EQ(greedy(*m, g["prompt"].get<std::vector<int32_t>>(), g["n"].get<int>()),
+            g["ids"].get<std::vector<int32_t>>());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, OwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));

@@ -41,8 +41,8 @@ void trace_alloc(int64_t nth) {
 void* counted_alloc(std::size_t n, std::size_t align) {
   if (g_counting.load(std::memory_order_relaxed)) trace_alloc(g_allocs.fetch_add(1, std::memory_order_relaxed));
   if (n == 0) n = 1;
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                                : std::malloc(n);
+  void* p =
+      align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align) : std::malloc(n);
   if (!p) throw std::bad_alloc();
   return p;
 }
@@ -171,11 +171,12 @@ TEST_P(NoAllocDecode, HundredStepsAllocateNothing) {
   for (int64_t i = 0; i < N; ++i) EXPECT_GT(pool->position(slots[size_t(i)]), 64);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Models, NoAllocDecode,
-    ::testing::Values(Case{"models/k3-nano", k3::ops::Numerics::Fast, 1}, Case{"models/k3-nano", k3::ops::Numerics::Fast, 4},
-                      Case{"models/k3-nano", k3::ops::Numerics::F32, 1}, Case{"models/k3-nano", k3::ops::Numerics::F32, 4},
-                      Case{"tests/fixtures/tiny", k3::ops::Numerics::Fast, 3}),
-    name_of);
+INSTANTIATE_TEST_SUITE_P(Models, NoAllocDecode,
+                         ::testing::Values(Case{"models/k3-nano", k3::ops::Numerics::Fast, 1},
+                                           Case{"models/k3-nano", k3::ops::Numerics::Fast, 4},
+                                           Case{"models/k3-nano", k3::ops::Numerics::F32, 1},
+                                           Case{"models/k3-nano", k3::ops::Numerics::F32, 4},
+                                           Case{"tests/fixtures/tiny", k3::ops::Numerics::Fast, 3}),
+                         name_of);
 
 }  // namespace

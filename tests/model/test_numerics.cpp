@@ -27,8 +27,7 @@ namespace {
 constexpr double kFastTol = 2e-2;
 constexpr double kMargin = 0.05;
 
-std::vector<float> logits_of(const k3::Model& m, const std::vector<int32_t>& ids, k3::ops::Numerics num,
-                             size_t split) {
+std::vector<float> logits_of(const k3::Model& m, const std::vector<int32_t>& ids, k3::ops::Numerics num, size_t split) {
   k3::ForwardOptions o;
   o.numerics = num;
   k3::Session s(m);

@@ -1,8 +1,8 @@
 // ops::matmul on every CPU level this machine has (scalar, avx2, avx512) in the F32 and Fast numerics
-// (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of
-// the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T = 1 (GEMV), T < 4
-// (exact even in Fast mode), token tiles and the 64- and 256-token block boundaries, and unaligned rows.
-// Owns: the GEMM tolerances below.
+// (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin k3::ref::matmul. Shapes cover the
+// kernels' edges: rows not a multiple of the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T =
+// 1 (GEMV), T < 4 (exact even in Fast mode), token tiles and the 64- and 256-token block boundaries, and unaligned
+// rows. Owns: the GEMM tolerances below.
 #include <gtest/gtest.h>
 #include <omp.h>
 
@@ -43,15 +43,15 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {k3::WFormat::BF16, 1, 16, 1},      {k3::WFormat::BF16, 7, 37, 1},     {k3::WFormat::BF16, 37, 300, 1},
-    {k3::WFormat::BF16, 33, 1000, 2},   {k3::WFormat::BF16, 21, 64, 3},    {k3::WFormat::BF16, 50, 96, 4},
-    {k3::WFormat::BF16, 19, 129, 5},    {k3::WFormat::BF16, 17, 200, 67},  {k3::WFormat::BF16, 70, 512, 130},
-    {k3::WFormat::F16, 13, 33, 1},      {k3::WFormat::F16, 9, 101, 6},     {k3::WFormat::F16, 40, 250, 65},
-    {k3::WFormat::F32, 11, 65, 1},      {k3::WFormat::F32, 23, 47, 9},     {k3::WFormat::F32, 18, 160, 64},
-    {k3::WFormat::MXFP4, 5, 32, 1},     {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
-    {k3::WFormat::MXFP4, 7, 128, 1},    {k3::WFormat::MXFP4, 9, 224, 1},   {k3::WFormat::MXFP4, 33, 3584, 1},
-    {k3::WFormat::MXFP4, 21, 96, 3},    {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
-    {k3::WFormat::BF16, 35, 64, 261},   {k3::WFormat::MXFP4, 31, 64, 259},  // past the 256-token pass of the bf16 GEMM
+    {k3::WFormat::BF16, 1, 16, 1},    {k3::WFormat::BF16, 7, 37, 1},     {k3::WFormat::BF16, 37, 300, 1},
+    {k3::WFormat::BF16, 33, 1000, 2}, {k3::WFormat::BF16, 21, 64, 3},    {k3::WFormat::BF16, 50, 96, 4},
+    {k3::WFormat::BF16, 19, 129, 5},  {k3::WFormat::BF16, 17, 200, 67},  {k3::WFormat::BF16, 70, 512, 130},
+    {k3::WFormat::F16, 13, 33, 1},    {k3::WFormat::F16, 9, 101, 6},     {k3::WFormat::F16, 40, 250, 65},
+    {k3::WFormat::F32, 11, 65, 1},    {k3::WFormat::F32, 23, 47, 9},     {k3::WFormat::F32, 18, 160, 64},
+    {k3::WFormat::MXFP4, 5, 32, 1},   {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
+    {k3::WFormat::MXFP4, 7, 128, 1},  {k3::WFormat::MXFP4, 9, 224, 1},   {k3::WFormat::MXFP4, 33, 3584, 1},
+    {k3::WFormat::MXFP4, 21, 96, 3},  {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
+    {k3::WFormat::BF16, 35, 64, 261}, {k3::WFormat::MXFP4, 31, 64, 259},  // past the 256-token pass of the bf16 GEMM
 };
 
 // Fast numerics' activations for an MXFP4 GEMV, computed independently: per 32-block, step =
@@ -95,10 +95,13 @@ struct Unaligned {
 
 size_t data_bytes(const k3::WeightMat& w) {
   switch (w.fmt) {
-    case k3::WFormat::F32: return size_t(w.rows * w.cols * 4);
+    case k3::WFormat::F32:
+      return size_t(w.rows * w.cols * 4);
     case k3::WFormat::F16:
-    case k3::WFormat::BF16: return size_t(w.rows * w.cols * 2);
-    case k3::WFormat::MXFP4: return size_t(w.rows * w.cols / 2);
+    case k3::WFormat::BF16:
+      return size_t(w.rows * w.cols * 2);
+    case k3::WFormat::MXFP4:
+      return size_t(w.rows * w.cols / 2);
   }
   return 0;
 }
@@ -244,7 +247,8 @@ TEST(GemmLevels, ExactIsTheScalarLevelEverywhere) {
       outs.push_back(nan_vec(size_t(c.T * c.rows)));
       k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
     }
-    for (size_t i = 1; i < outs.size(); ++i) EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0);
+    for (size_t i = 1; i < outs.size(); ++i)
+      EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0);
   }
 }
 

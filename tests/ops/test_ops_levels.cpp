@@ -51,8 +51,8 @@ class OpsLevels : public ::testing::TestWithParam<CpuIsa> {
  protected:
   void SetUp() override {
     if (int(GetParam()) > int(k3::ops::cpu_isa_detected()))
-      GTEST_SKIP() << "this CPU lacks the " << k3::ops::cpu_isa_name(GetParam()) << " level (best: "
-                   << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()) << ")";
+      GTEST_SKIP() << "this CPU lacks the " << k3::ops::cpu_isa_name(GetParam())
+                   << " level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()) << ")";
     k3::ops::set_cpu_isa(GetParam());
     numerics_ = std::make_unique<k3::ops::NumericsScope>(k3::ops::Numerics::F32);
   }
@@ -206,8 +206,15 @@ TEST_P(OpsLevels, KdaGate) {
 
 TEST_P(OpsLevels, ShortConvSiluWithCarriedState) {
   std::mt19937 rng(105);
-  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1}, {37, 4, 3, 6}, {64, 4, 7, 1},
-                              {9, 2, 4, 5}, {16, 3, 1, 9}, {12288, 4, 1, 1}, {3000, 4, 20, 1}, {33, 1, 2, 2}, {33, 1, 1, 3}}) {
+  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1},
+                              {37, 4, 3, 6},
+                              {64, 4, 7, 1},
+                              {9, 2, 4, 5},
+                              {16, 3, 1, 9},
+                              {12288, 4, 1, 1},
+                              {3000, 4, 20, 1},
+                              {33, 1, 2, 2},
+                              {33, 1, 1, 3}}) {
     SCOPED_TRACE("C=" + std::to_string(C) + " K=" + std::to_string(K) + " T1=" + std::to_string(T1) +
                  " T2=" + std::to_string(T2));
     const int64_t T = T1 + T2, P = K - 1;
@@ -234,8 +241,13 @@ TEST_P(OpsLevels, ShortConvSiluWithCarriedState) {
 
 TEST_P(OpsLevels, AttnresMix) {
   std::mt19937 rng(106);
-  for (auto [n_src, T, H] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 8}, {2, 3, 37}, {9, 4, 128}, {5, 1, 129},
-                             {9, 1, 7168}, {3, 40, 100}, {4, 17, 1000}}) {
+  for (auto [n_src, T, H] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 8},
+                             {2, 3, 37},
+                             {9, 4, 128},
+                             {5, 1, 129},
+                             {9, 1, 7168},
+                             {3, 40, 100},
+                             {4, 17, 1000}}) {
     SCOPED_TRACE("n_src=" + std::to_string(n_src) + " T=" + std::to_string(T) + " H=" + std::to_string(H));
     std::vector<std::vector<float>> src;
     std::vector<const float*> ptr;
@@ -263,25 +275,30 @@ void kda_ops(bool chunked, const KdaInputs& in, int64_t t0, int64_t t1, int64_t 
              int64_t chunk, std::vector<float>& S, float* o) {
   const int64_t T = t1 - t0, qk = t0 * H * Dk, vo = t0 * H * Dv, b = t0 * H;
   if (chunked)
-    k3::ops::kda_chunked(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk, in.beta.data() + b,
-                         T, H, Dk, Dv, chunk, S.data(), o);
+    k3::ops::kda_chunked(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk, in.beta.data() + b, T,
+                         H, Dk, Dv, chunk, S.data(), o);
   else
-    k3::ops::kda_recurrent(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk,
-                           in.beta.data() + b, T, H, Dk, Dv, S.data(), o);
+    k3::ops::kda_recurrent(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk, in.beta.data() + b,
+                           T, H, Dk, Dv, S.data(), o);
 }
 
 KdaRun kda_twin(const KdaInputs& in, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
   KdaRun r{nan_vec(size_t(T * H * Dv)), in.S0};
-  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv,
-                         r.S.data(), r.o.data());
+  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, r.S.data(),
+                         r.o.data());
   return r;
 }
 
 TEST_P(OpsLevels, KdaRecurrentTwinAndCarriedState) {
   std::mt19937 rng(107);
-  for (auto [T, H, Dk, Dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16}, {1, 3, 16, 8},
-                              {9, 2, 12, 20}, {70, 3, 16, 16}, {5, 2, 33, 70}, {1, 96, 128, 128},
-                              {1, 16, 128, 128}, {6, 4, 128, 128}}) {
+  for (auto [T, H, Dk, Dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16},
+                              {1, 3, 16, 8},
+                              {9, 2, 12, 20},
+                              {70, 3, 16, 16},
+                              {5, 2, 33, 70},
+                              {1, 96, 128, 128},
+                              {1, 16, 128, 128},
+                              {6, 4, 128, 128}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk) +
                  " Dv=" + std::to_string(Dv));
     const auto in = make_kda(rng, T, H, Dk, Dv);
@@ -309,7 +326,7 @@ TEST_P(OpsLevels, KdaChunkedMatchesRecurrenceWithCarriedState) {
     int64_t T, H, Dk, Dv, split;
   };
   // T not a multiple of any chunk; splits inside chunks; vector tails in Dk and Dv; the K3 head size.
-  const C cases[] = {{1, 2, 16, 16, 0},  {5, 2, 16, 8, 2},   {37, 3, 16, 16, 20}, {131, 2, 16, 16, 67},
+  const C cases[] = {{1, 2, 16, 16, 0},  {5, 2, 16, 8, 2},    {37, 3, 16, 16, 20},   {131, 2, 16, 16, 67},
                      {70, 1, 32, 24, 1}, {45, 2, 12, 20, 17}, {64, 2, 128, 128, 31}, {40, 3, 33, 129, 39}};
   for (const auto& c : cases) {
     const auto in = make_kda(rng, c.T, c.H, c.Dk, c.Dv);
@@ -439,10 +456,10 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
   // (T = 1 with S > 512), the K3 head shapes (96 heads, kv_lora 512, nope 128, rope 64, v 128),
   // and token blocks of the absorbed form (heads·kv_lora large enough that T spans two blocks).
   const MlaCase cases[] = {
-      {1, 8, 4, 8, 20, 1, 1, k3::WFormat::F32},       {3, 12, 8, 10, 20, 9, 4, k3::WFormat::F32},
-      {4, 24, 8, 16, 32, 7, 1, k3::WFormat::F32},     {2, 16, 8, 12, 32, 13, 13, k3::WFormat::BF16},
-      {3, 10, 6, 7, 64, 11, 5, k3::WFormat::MXFP4},   {17, 16, 8, 24, 96, 70, 70, k3::WFormat::BF16},
-      {5, 16, 8, 16, 64, 1500, 1, k3::WFormat::BF16}, {2, 8, 4, 8, 32, 2100, 3, k3::WFormat::F16},
+      {1, 8, 4, 8, 20, 1, 1, k3::WFormat::F32},          {3, 12, 8, 10, 20, 9, 4, k3::WFormat::F32},
+      {4, 24, 8, 16, 32, 7, 1, k3::WFormat::F32},        {2, 16, 8, 12, 32, 13, 13, k3::WFormat::BF16},
+      {3, 10, 6, 7, 64, 11, 5, k3::WFormat::MXFP4},      {17, 16, 8, 24, 96, 70, 70, k3::WFormat::BF16},
+      {5, 16, 8, 16, 64, 1500, 1, k3::WFormat::BF16},    {2, 8, 4, 8, 32, 2100, 3, k3::WFormat::F16},
       {96, 128, 64, 128, 512, 33, 1, k3::WFormat::BF16}, {128, 8, 4, 8, 512, 80, 66, k3::WFormat::BF16},
       {3, 10, 6, 7, 64, 11, 1, k3::WFormat::MXFP4},
   };
@@ -478,8 +495,8 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
 
 TEST_P(OpsLevels, MlaThreadCountIndependent) {
   std::mt19937 rng(112);
-  for (const MlaCase& c : {MlaCase{6, 16, 8, 16, 64, 1300, 1, k3::WFormat::BF16},
-                           MlaCase{20, 16, 8, 12, 48, 40, 9, k3::WFormat::BF16}}) {
+  for (const MlaCase& c :
+       {MlaCase{6, 16, 8, 16, 64, 1300, 1, k3::WFormat::BF16}, MlaCase{20, 16, 8, 12, 48, 40, 9, k3::WFormat::BF16}}) {
     SCOPED_TRACE(mla_name(c));
     const MlaData m = make_mla(rng, c);
     const int64_t pos0 = c.S - c.T;
@@ -497,7 +514,6 @@ TEST_P(OpsLevels, MlaThreadCountIndependent) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Level, OpsLevels, ::testing::Values(CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512),
-                         level_name);
+INSTANTIATE_TEST_SUITE_P(Level, OpsLevels, ::testing::Values(CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512), level_name);
 
 }  // namespace

@@ -22,11 +22,11 @@
 namespace {
 
 using k3test::count_nan;
+using k3test::make_weight;
 using k3test::nan_vec;
+using k3test::OwnedW;
 using k3test::rand_vec;
 using k3test::rel_l2;
-using k3test::make_weight;
-using k3test::OwnedW;
 
 // Tolerances: tests/common/op_tolerances.h.
 using k3test::kTolConv;
@@ -46,9 +46,9 @@ struct MatmulCase {
 TEST(OpsTwins, MatmulAllFormats) {
   std::mt19937 rng(1234);
   const MatmulCase cases[] = {
-      {k3::WFormat::F32, 7, 37, 1},    {k3::WFormat::F32, 19, 129, 5},  {k3::WFormat::F32, 64, 8, 3},
-      {k3::WFormat::F16, 13, 33, 1},   {k3::WFormat::F16, 9, 101, 4},   {k3::WFormat::BF16, 11, 65, 1},
-      {k3::WFormat::BF16, 17, 130, 6}, {k3::WFormat::MXFP4, 5, 32, 1},  {k3::WFormat::MXFP4, 21, 96, 3},
+      {k3::WFormat::F32, 7, 37, 1},     {k3::WFormat::F32, 19, 129, 5}, {k3::WFormat::F32, 64, 8, 3},
+      {k3::WFormat::F16, 13, 33, 1},    {k3::WFormat::F16, 9, 101, 4},  {k3::WFormat::BF16, 11, 65, 1},
+      {k3::WFormat::BF16, 17, 130, 6},  {k3::WFormat::MXFP4, 5, 32, 1}, {k3::WFormat::MXFP4, 21, 96, 3},
       {k3::WFormat::MXFP4, 33, 160, 7},
   };
   for (const auto& c : cases) {
@@ -200,8 +200,11 @@ TEST(OpsTwins, KdaGate) {
 // ================================================================ short conv
 TEST(OpsTwins, ShortConvSiluTwinAndCarriedState) {
   std::mt19937 rng(11);
-  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1}, {37, 4, 3, 6}, {64, 4, 7, 1},
-                              {9, 2, 4, 5}, {16, 3, 1, 9}}) {
+  for (auto [C, K, T1, T2] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{5, 4, 1, 1},
+                              {37, 4, 3, 6},
+                              {64, 4, 7, 1},
+                              {9, 2, 4, 5},
+                              {16, 3, 1, 9}}) {
     SCOPED_TRACE("C=" + std::to_string(C) + " K=" + std::to_string(K) + " T1=" + std::to_string(T1) +
                  " T2=" + std::to_string(T2));
     const int64_t T = T1 + T2, P = K - 1;
@@ -259,8 +262,8 @@ using k3test::make_kda;
 
 TEST(OpsTwins, KdaRecurrentTwin) {
   std::mt19937 rng(12);
-  for (auto [T, H, Dk, Dv] : {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16}, {1, 3, 16, 8},
-                              {9, 2, 12, 20}, {70, 3, 16, 16}}) {
+  for (auto [T, H, Dk, Dv] :
+       {std::tuple<int64_t, int64_t, int64_t, int64_t>{1, 1, 16, 16}, {1, 3, 16, 8}, {9, 2, 12, 20}, {70, 3, 16, 16}}) {
     SCOPED_TRACE("T=" + std::to_string(T) + " H=" + std::to_string(H) + " Dk=" + std::to_string(Dk) +
                  " Dv=" + std::to_string(Dv));
     const auto in = make_kda(rng, T, H, Dk, Dv);
@@ -311,7 +314,8 @@ TEST(OpsTwins, KdaChunkedMatchesRecurrenceWithCarriedState) {
     int64_t T, H, Dk, Dv, split;
   };
   // T not a multiple of any chunk size; split points cut inside chunks; T > 64 for the 64-chunk.
-  const C cases[] = {{1, 2, 16, 16, 0}, {5, 2, 16, 8, 2}, {37, 3, 16, 16, 20}, {131, 2, 16, 16, 67}, {70, 1, 32, 24, 1}};
+  const C cases[] = {
+      {1, 2, 16, 16, 0}, {5, 2, 16, 8, 2}, {37, 3, 16, 16, 20}, {131, 2, 16, 16, 67}, {70, 1, 32, 24, 1}};
   for (const auto& c : cases) {
     const auto in = make_kda(rng, c.T, c.H, c.Dk, c.Dv);
     const size_t nO = size_t(c.T * c.H * c.Dv);
@@ -364,8 +368,8 @@ TEST(OpsTwins, KdaChunkedStrongDecayNoOverflow) {
   std::fill(in.g.begin(), in.g.end(), -4.99f);
   auto S_ref = in.S0, S = in.S0;
   auto o_ref = nan_vec(size_t(T * H * Dv)), o = nan_vec(size_t(T * H * Dv));
-  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv,
-                         S_ref.data(), o_ref.data());
+  k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, S_ref.data(),
+                         o_ref.data());
   k3::ops::kda_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, 64, S.data(),
                        o.data());
   ASSERT_EQ(count_nan(o), 0u);
@@ -384,8 +388,8 @@ TEST(OpsTwins, MlaAbsorbedEqualsExpanded) {
   std::mt19937 rng(15);
   // pos0 = S - T: a cache of S tokens whose last T are the new queries.
   const MlaCase cases[] = {
-      {1, 8, 4, 8, 20, 1, 1, k3::WFormat::F32},      {3, 12, 8, 10, 20, 9, 4, k3::WFormat::F32},
-      {4, 24, 8, 16, 32, 7, 1, k3::WFormat::F32},    {2, 16, 8, 12, 32, 13, 13, k3::WFormat::BF16},
+      {1, 8, 4, 8, 20, 1, 1, k3::WFormat::F32},     {3, 12, 8, 10, 20, 9, 4, k3::WFormat::F32},
+      {4, 24, 8, 16, 32, 7, 1, k3::WFormat::F32},   {2, 16, 8, 12, 32, 13, 13, k3::WFormat::BF16},
       {3, 10, 6, 7, 64, 11, 5, k3::WFormat::MXFP4},
   };
   for (const auto& c : cases) {
@@ -410,7 +414,8 @@ TEST(OpsTwins, MlaAbsorbedEqualsExpanded) {
       for (int64_t h = 0; h < c.heads; ++h) {
         for (int64_t i = 0; i < c.nope; ++i) {
           double acc = 0;
-          for (int64_t l = 0; l < c.kv_lora; ++l) acc += double(kvb.w.at(h * per + i, l)) * cl[size_t(s * c.kv_lora + l)];
+          for (int64_t l = 0; l < c.kv_lora; ++l)
+            acc += double(kvb.w.at(h * per + i, l)) * cl[size_t(s * c.kv_lora + l)];
           kn[size_t((s * c.heads + h) * c.nope + i)] = float(acc);
         }
         for (int64_t j = 0; j < c.v; ++j) {
@@ -458,7 +463,8 @@ TEST(OpsTwins, MlaAbsorbedEqualsExpanded) {
       auto a2 = nan_vec(nO);
       k3::ops::mla_attend_absorbed(q.data(), c.T, cl2.data(), kr.data(), c.S, pos0, kvb.w, d, a2.data());
       const size_t per_t = size_t(c.heads * c.v);
-      for (size_t i = 0; i < (size_t(c.T) - 1) * per_t; ++i) EXPECT_EQ(a2[i], a_ops[i]) << "future token leaked, i=" << i;
+      for (size_t i = 0; i < (size_t(c.T) - 1) * per_t; ++i)
+        EXPECT_EQ(a2[i], a_ops[i]) << "future token leaked, i=" << i;
       double diff = 0;
       for (size_t i = (size_t(c.T) - 1) * per_t; i < nO; ++i) diff += std::fabs(a2[i] - a_ops[i]);
       EXPECT_GT(diff, 0.0);

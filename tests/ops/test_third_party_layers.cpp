@@ -61,12 +61,12 @@ k3::KdaDims kda_dims() {
 struct KdaNames {
   std::string q, k, v, g, o, fa, fb, b, qc, kc, vc, A, dt, on;
 };
-const KdaNames kKdaLayerNames{"q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "f_a", "f_b",
-                              "b_proj", "q_conv", "k_conv", "v_conv", "A_log", "dt_bias", "o_norm"};
-const KdaNames kDecoderKdaNames{"self_attn_q_proj_weight",   "self_attn_k_proj_weight",    "self_attn_v_proj_weight",
-                                "self_attn_g_proj_weight",   "self_attn_o_proj_weight",    "self_attn_f_a_proj_weight",
-                                "self_attn_f_b_proj_weight", "self_attn_b_proj_weight",    "self_attn_q_conv1d_weight",
-                                "self_attn_k_conv1d_weight", "self_attn_v_conv1d_weight",  "self_attn_A_log",
+const KdaNames kKdaLayerNames{"q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "f_a",     "f_b",
+                              "b_proj", "q_conv", "k_conv", "v_conv", "A_log",  "dt_bias", "o_norm"};
+const KdaNames kDecoderKdaNames{"self_attn_q_proj_weight",   "self_attn_k_proj_weight",   "self_attn_v_proj_weight",
+                                "self_attn_g_proj_weight",   "self_attn_o_proj_weight",   "self_attn_f_a_proj_weight",
+                                "self_attn_f_b_proj_weight", "self_attn_b_proj_weight",   "self_attn_q_conv1d_weight",
+                                "self_attn_k_conv1d_weight", "self_attn_v_conv1d_weight", "self_attn_A_log",
                                 "self_attn_dt_bias",         "self_attn_o_norm_weight"};
 
 // KDA layout: projections [out, in] row-major (PyTorch Linear); conv [C,1,K] = [C,K] taps oldest→newest
@@ -100,7 +100,8 @@ k3::MlaDims mla_dims() {
   d.nope = kNope;
   d.rope = kRope;
   d.v = kV;
-  d.lora_eps = kEps;  // the third-party project used rms_eps (1e-5) for the LoRA norms; the spec's 1e-6 is the real model's
+  d.lora_eps =
+      kEps;  // the third-party project used rms_eps (1e-5) for the LoRA norms; the spec's 1e-6 is the real model's
   d.output_gate = true;
   return d;
 }
@@ -186,7 +187,8 @@ TEST(ThirdPartyLayers, Mla) {
   for (auto algo : {k3::MlaAlgo::Expanded, k3::MlaAlgo::Absorbed}) {
     const char* an = algo == k3::MlaAlgo::Expanded ? "Expanded" : "Absorbed";
     // Whole prompt in one call, then the same tokens fed as 4 + 2 and one at a time (cache reuse).
-    for (const auto& split : {std::vector<int64_t>{6}, std::vector<int64_t>{4, 2}, std::vector<int64_t>{1, 1, 1, 1, 1, 1}}) {
+    for (const auto& split :
+         {std::vector<int64_t>{6}, std::vector<int64_t>{4, 2}, std::vector<int64_t>{1, 1, 1, 1, 1, 1}}) {
       SCOPED_TRACE(std::string(an) + " calls=" + std::to_string(split.size()));
       k3::ModelDims md;
       md.mla = d;
@@ -275,7 +277,8 @@ TEST(ThirdPartyLayers, KdaLayer8) {
 void run_moe(const k3::MoeWeights& w, const float* x, int64_t n, float* out,
              k3::StepNumerics num = k3::StepNumerics::Exact) {
   k3::LayerRunner seq(k3::ModelDims{}, {});
-  seq.step(n, [&](const k3::StepCtx& c) { k3::moe_sublayer(c, moe_dims(), w, x, out, nullptr); }, num);
+  seq.step(
+      n, [&](const k3::StepCtx& c) { k3::moe_sublayer(c, moe_dims(), w, x, out, nullptr); }, num);
 }
 // moe.json — in [1,3,128] = [T, hidden] fed straight to moe_sublayer (already post-norm); out [1,3,128]
 // = routed (latent, normed aggregate, up) + shared MLP. Weight layout as in bind_moe.

@@ -157,7 +157,8 @@ TEST(ThirdPartyOps, KdaDecay) {
 // state_out [4,16,16] = [H, Dk, Dv] (key rows), the same layout as ops.h; the transposed reading fails.
 void check_kda_recur(const char* file) {
   Fixture f = open_fx(file);
-  const int64_t T = f.val<int64_t>("T"), H = f.val<int64_t>("H"), Dk = f.val<int64_t>("d_k"), Dv = f.val<int64_t>("d_v");
+  const int64_t T = f.val<int64_t>("T"), H = f.val<int64_t>("H"), Dk = f.val<int64_t>("d_k"),
+                Dv = f.val<int64_t>("d_v");
   const float qs = f.val<float>("q_scale");
   ASSERT_FLOAT_EQ(qs, 1.0f / std::sqrt(float(Dk)));
   std::vector<float> q = f.arr("q", {T, H, Dk});
@@ -175,19 +176,22 @@ void check_kda_recur(const char* file) {
     int kind;  // 0 ops recurrent, 1 ref recurrent, 2 ops chunked, 3 ref chunked
     int64_t chunk;
   };
-  const Run runs[] = {{"ops::kda_recurrent", 0, 0},   {"ref::kda_recurrent", 1, 0}, {"ops::kda_chunked(1)", 2, 1},
-                      {"ops::kda_chunked(3)", 2, 3},  {"ops::kda_chunked(64)", 2, 64},
-                      {"ref::kda_chunked(64)", 3, 64}};
+  const Run runs[] = {{"ops::kda_recurrent", 0, 0},  {"ref::kda_recurrent", 1, 0},    {"ops::kda_chunked(1)", 2, 1},
+                      {"ops::kda_chunked(3)", 2, 3}, {"ops::kda_chunked(64)", 2, 64}, {"ref::kda_chunked(64)", 3, 64}};
   for (const auto& r : runs) {
     SCOPED_TRACE(std::string(file) + " " + r.name);
     std::vector<float> S(static_cast<size_t>(H * Dk * Dv), 0.0f);
     auto o = nan_vec(e_o.size());
-    if (r.kind == 0) k3::ops::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
-    if (r.kind == 1) k3::ref::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
+    if (r.kind == 0)
+      k3::ops::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
+    if (r.kind == 1)
+      k3::ref::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
     if (r.kind == 2)
-      k3::ops::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(), o.data());
+      k3::ops::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
+                           o.data());
     if (r.kind == 3)
-      k3::ref::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(), o.data());
+      k3::ref::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
+                           o.data());
     EXPECT_EQ(count_nan(o), 0u);
     EXPECT_TRUE(all_close(o, e_o, kAbs, kRel)) << "out";
     EXPECT_TRUE(all_close(S, e_S, kAbs, kRel)) << "state_out";
@@ -259,8 +263,7 @@ TEST(ThirdPartyOps, Attnres) {
   EXPECT_TRUE(all_close(fold, hint, kAbs, kRel)) << "fold = norm ⊙ proj";
   std::vector<std::vector<float>> blocks(size_t(NB), std::vector<float>(size_t(T * H)));
   for (int64_t j = 0; j < NB; ++j)
-    for (int64_t t = 0; t < T; ++t)
-      std::copy_n(br.begin() + (t * NB + j) * H, H, blocks[size_t(j)].begin() + t * H);
+    for (int64_t t = 0; t < T; ++t) std::copy_n(br.begin() + (t * NB + j) * H, H, blocks[size_t(j)].begin() + t * H);
   std::vector<const float*> src;
   for (const auto& b : blocks) src.push_back(b.data());
   src.push_back(ps.data());

@@ -73,8 +73,8 @@ void expect_bitwise_equal(const std::vector<float>& a, const std::vector<float>&
 // Tensor bytes of one routed expert, from the checkpoint's names (independent of the cache).
 uint64_t expert_bytes_by_name(const k3::Model& m, int64_t layer, int32_t e) {
   uint64_t n = 0;
-  const std::string p = "language_model.model.layers." + std::to_string(layer) + ".block_sparse_moe.experts." +
-                        std::to_string(e) + ".";
+  const std::string p =
+      "language_model.model.layers." + std::to_string(layer) + ".block_sparse_moe.experts." + std::to_string(e) + ".";
   for (const char* w : {"w1", "w2", "w3"})
     for (const char* suffix : {".weight_packed", ".weight_scale", ".weight"})
       if (const k3::TensorView* t = m.checkpoint().find(p + w + suffix)) n += t->nbytes;
@@ -269,7 +269,8 @@ TEST(ExpertCache, BudgetsBelowTheMinimumAreOneLineErrors) {
   const int32_t bad_id[1] = {int32_t(m.dims().moe.experts)};
   EXPECT_NE(error_of_call([&] { c.fetch(1, bad_id, 1, out); }).find("outside"), std::string::npos);
   const int32_t one[1] = {0};
-  EXPECT_NE(error_of_call([&] { c.fetch(0, one, 1, out); }).find("no routed experts"), std::string::npos);  // dense layer 0
+  EXPECT_NE(error_of_call([&] { c.fetch(0, one, 1, out); }).find("no routed experts"),
+            std::string::npos);  // dense layer 0
   const int32_t twice[2] = {2, 2};
   EXPECT_NE(error_of_call([&] { c.fetch(1, twice, 2, out); }).find("twice"), std::string::npos);
   const int32_t many[4] = {0, 1, 2, 3};
@@ -283,7 +284,8 @@ TEST(ExpertCache, ShortReadsAndChangedShardsAreOneLineErrors) {
   fs::remove_all(dir);
   fs::copy(tiny_dir(), dir);
   const auto m = k3::Model::load(dir.string());
-  const auto loc = m->checkpoint().locate(static_cast<const uint8_t*>(m->layers.back().moe.experts.back().down.data), 1);
+  const auto loc =
+      m->checkpoint().locate(static_cast<const uint8_t*>(m->layers.back().moe.experts.back().down.data), 1);
   ASSERT_TRUE(loc.has_value());
   const int64_t k = m->dims().moe.top_k;
   for (bool direct : {false, true}) {
@@ -331,6 +333,7 @@ TEST(ExpertCache, PrefaultCanSkipTheExperts) {
   EXPECT_EQ(a->offset, b->offset);
   EXPECT_EQ(a->path, b->path);
   EXPECT_TRUE(k3::is_routed_expert_tensor(n));
-  EXPECT_FALSE(k3::is_routed_expert_tensor("language_model.model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"));
+  EXPECT_FALSE(
+      k3::is_routed_expert_tensor("language_model.model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"));
   EXPECT_FALSE(k3::is_routed_expert_tensor("language_model.model.layers.1.block_sparse_moe.gate.weight"));
 }

@@ -49,7 +49,9 @@ std::vector<float> last_logits(const k3::Model& m, const std::vector<int32_t>& i
   return l;
 }
 
-fs::path tmp_file(const std::string& name) { return fs::temp_directory_path() / ("k3rt_" + std::to_string(::getpid()) + "_" + name); }
+fs::path tmp_file(const std::string& name) {
+  return fs::temp_directory_path() / ("k3rt_" + std::to_string(::getpid()) + "_" + name);
+}
 
 }  // namespace
 
@@ -62,10 +64,13 @@ TEST(Prefill, PiecesEqualOnePassAndReportProgress) {
   std::vector<float> l(size_t(m.dims().vocab), k3test::qnan());
   std::vector<int64_t> seen;
   k3::GenStats st;
-  ASSERT_TRUE(k3::prefill(m, s, ids, 8, {}, l.data(), [&](int64_t d, int64_t n) {
-    EXPECT_EQ(n, 37);
-    seen.push_back(d);
-  }, nullptr, &st));
+  ASSERT_TRUE(k3::prefill(
+      m, s, ids, 8, {}, l.data(),
+      [&](int64_t d, int64_t n) {
+        EXPECT_EQ(n, 37);
+        seen.push_back(d);
+      },
+      nullptr, &st));
   EXPECT_EQ(seen, (std::vector<int64_t>{8, 16, 24, 32, 37}));
   EXPECT_EQ(st.prompt_tokens, 37);
   EXPECT_EQ(k3test::count_nan(l), 0u);
@@ -79,7 +84,8 @@ TEST(Prefill, InterruptStopsBetweenPieces) {
   k3::Session s(m);
   std::vector<float> l(size_t(m.dims().vocab));
   std::atomic<bool> stop{false};
-  const bool done = k3::prefill(m, s, ids, 5, {}, l.data(), [&](int64_t d, int64_t) { stop = d >= 10; }, &stop);
+  const bool done = k3::prefill(
+      m, s, ids, 5, {}, l.data(), [&](int64_t d, int64_t) { stop = d >= 10; }, &stop);
   EXPECT_FALSE(done);
   EXPECT_EQ(s.position(), 10);
 }
@@ -123,7 +129,11 @@ TEST(Session, SaveLoadRoundTripIsBitExact) {
   m.forward(r, b.data(), int64_t(b.size()), false, l2.data());
   EXPECT_EQ(l, l2);
   // Truncated and foreign files are refused and leave the session untouched.
-  const std::string img = [&] { std::stringstream o; s.save(o); return o.str(); }();
+  const std::string img = [&] {
+    std::stringstream o;
+    s.save(o);
+    return o.str();
+  }();
   for (size_t cut : {size_t(3), size_t(20), img.size() / 2, img.size() - 1}) {
     std::stringstream t(img.substr(0, cut));
     k3::Session x(m);
@@ -198,7 +208,8 @@ TEST(Decode, StopsOnEndTokenMaxTokensAndCallback) {
   EXPECT_EQ(free_run.reason, k3::StopReason::MaxTokens);
   lim.end_tokens = {free_run.tokens[4]};
   const auto eos = run(lim, {});
-  const size_t first = size_t(std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[4]) - free_run.tokens.begin());
+  const size_t first =
+      size_t(std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[4]) - free_run.tokens.begin());
   EXPECT_EQ(eos.reason, k3::StopReason::EndToken);
   EXPECT_EQ(eos.tokens.size(), first + 1);
   lim.end_tokens.clear();
@@ -372,5 +383,6 @@ TEST(Memory, PlanAndSizes) {
   EXPECT_EQ(k3::parse_size("2K", "x"), 2048u);
   EXPECT_EQ(k3::parse_size("1.5GiB", "x"), uint64_t(1.5 * 1024 * 1024 * 1024));
   EXPECT_EQ(k3::parse_size("24g", "x"), uint64_t(24) << 30);
-  for (const char* bad : {"", "G", "-1", "1X", "1.2.3M", "0"}) EXPECT_THROW(k3::parse_size(bad, "--mem-limit"), k3::Error) << bad;
+  for (const char* bad : {"", "G", "-1", "1X", "1.2.3M", "0"})
+    EXPECT_THROW(k3::parse_size(bad, "--mem-limit"), k3::Error) << bad;
 }

@@ -5,6 +5,7 @@
 // naive reference below (full sort, written straight from the order in sampler.h).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -17,10 +18,9 @@
 #include <set>
 #include <string>
 #include <vector>
-#include <unistd.h>
 
-#include "core/error.h"
 #include "common/error_util.h"
+#include "core/error.h"
 #include "runtime/sampler.h"
 
 namespace {
@@ -63,8 +63,10 @@ Dist reference(const std::vector<float>& logits, const SamplingParams& p, const 
   std::vector<double> z(logits.begin(), logits.end());
   // 1. penalties over the window
   size_t first = 0;
-  if (p.penalty_last_n == 0) first = history.size();
-  else if (p.penalty_last_n > 0 && history.size() > size_t(p.penalty_last_n)) first = history.size() - p.penalty_last_n;
+  if (p.penalty_last_n == 0)
+    first = history.size();
+  else if (p.penalty_last_n > 0 && history.size() > size_t(p.penalty_last_n))
+    first = history.size() - p.penalty_last_n;
   std::map<int32_t, int> counts;
   for (size_t i = first; i < history.size(); ++i) counts[history[i]]++;
   for (const auto& [t, c] : counts) {
@@ -353,9 +355,9 @@ class SamplerCutoffs : public ::testing::Test {
 };
 
 TEST_F(SamplerCutoffs, TopP) {
-  expect_same_dist(dist(0.8f, 0), expected({0, 1}), 1e-12);           // 0.5 + 0.3 reaches 0.8
+  expect_same_dist(dist(0.8f, 0), expected({0, 1}), 1e-12);  // 0.5 + 0.3 reaches 0.8
   expect_same_dist(dist(0.81f, 0), expected({0, 1, 2}), 1e-12);
-  expect_same_dist(dist(0.5f, 0), expected({0}), 1e-12);              // the first alone reaches 0.5
+  expect_same_dist(dist(0.5f, 0), expected({0}), 1e-12);  // the first alone reaches 0.5
   expect_same_dist(dist(0.3f, 0), expected({0}), 1e-12);
   expect_same_dist(dist(0.95f, 0), expected({0, 1, 2}), 1e-12);
   expect_same_dist(dist(0.96f, 0), expected({0, 1, 2, 3}), 1e-12);
@@ -369,7 +371,7 @@ TEST_F(SamplerCutoffs, MinP) {
   expect_same_dist(dist(1, 0.2f), expected({0, 1, 2}), 1e-12);  // drops p < 0.1: only 0.05
   expect_same_dist(dist(1, 0.3f), expected({0, 1, 2}), 1e-12);  // 0.15 == 0.3 * 0.5 is kept
   expect_same_dist(dist(1, 0.31f), expected({0, 1}), 1e-12);
-  expect_same_dist(dist(1, 0.6f), expected({0, 1}), 1e-12);     // 0.3 == 0.6 * 0.5 is kept
+  expect_same_dist(dist(1, 0.6f), expected({0, 1}), 1e-12);  // 0.3 == 0.6 * 0.5 is kept
   expect_same_dist(dist(1, 0.61f), expected({0}), 1e-12);
   expect_same_dist(dist(1, 1.0f), expected({0}), 1e-12);
   expect_same_dist(dist(1, 0.09f), expected({0, 1, 2, 3}), 1e-12);
@@ -384,7 +386,8 @@ TEST_F(SamplerCutoffs, TemperatureBeforeFilters) {
   expect_same_dist(dist(0.7f, 0, 2.0f), expected({0, 1, 2}, 2.0f), 1e-12);
   expect_same_dist(dist(1, 0.2f, 2.0f), expected({0, 1, 2, 3}, 2.0f), 1e-12);
   const Dist all = dist(1, 0, 2.0f);
-  EXPECT_NEAR(all[0].second, std::sqrt(0.5) / (std::sqrt(0.5) + std::sqrt(0.3) + std::sqrt(0.15) + std::sqrt(0.05)), 1e-6);
+  EXPECT_NEAR(all[0].second, std::sqrt(0.5) / (std::sqrt(0.5) + std::sqrt(0.3) + std::sqrt(0.15) + std::sqrt(0.05)),
+              1e-6);
 }
 
 TEST_F(SamplerCutoffs, SampleStaysInsideTheCut) {
@@ -559,18 +562,24 @@ TEST(SamplerValidation, EachBadValueNamesItsFlag) {
   EXPECT_EQ(err([](SamplingParams& p) { p.top_p = 1.5f; }), "top-p must be in (0, 1], got 1.5");
   EXPECT_EQ(err([](SamplingParams& p) { p.top_p = 0; }), "top-p must be in (0, 1], got 0");
   EXPECT_EQ(err([&](SamplingParams& p) { p.top_p = nan; }), "top-p must be in (0, 1], got nan");
-  EXPECT_EQ(err([](SamplingParams& p) { p.temperature = -0.5f; }), "temp must be a finite number >= 0 (0 = greedy), got -0.5");
+  EXPECT_EQ(err([](SamplingParams& p) { p.temperature = -0.5f; }),
+            "temp must be a finite number >= 0 (0 = greedy), got -0.5");
   EXPECT_NE(err([&](SamplingParams& p) { p.temperature = inf; }).find("temp must be"), std::string::npos);
   EXPECT_NE(err([&](SamplingParams& p) { p.temperature = nan; }).find("temp must be"), std::string::npos);
-  EXPECT_EQ(err([](SamplingParams& p) { p.top_k = -1; }), "top-k must be an integer in [0, 2147483647] (0 = off), got -1");
+  EXPECT_EQ(err([](SamplingParams& p) { p.top_k = -1; }),
+            "top-k must be an integer in [0, 2147483647] (0 = off), got -1");
   EXPECT_EQ(err([](SamplingParams& p) { p.min_p = 1.25f; }), "min-p must be in [0, 1], got 1.25");
   EXPECT_EQ(err([](SamplingParams& p) { p.min_p = -0.1f; }), "min-p must be in [0, 1], got -0.1");
-  EXPECT_EQ(err([](SamplingParams& p) { p.repetition_penalty = 0; }), "repeat-penalty must be a finite number > 0 (1 = off), got 0");
+  EXPECT_EQ(err([](SamplingParams& p) { p.repetition_penalty = 0; }),
+            "repeat-penalty must be a finite number > 0 (1 = off), got 0");
   EXPECT_NE(err([](SamplingParams& p) { p.repetition_penalty = -1; }).find("repeat-penalty"), std::string::npos);
   EXPECT_NE(err([&](SamplingParams& p) { p.repetition_penalty = inf; }).find("repeat-penalty"), std::string::npos);
-  EXPECT_EQ(err([&](SamplingParams& p) { p.presence_penalty = nan; }), "presence-penalty must be a finite number (0 = off), got nan");
-  EXPECT_EQ(err([&](SamplingParams& p) { p.frequency_penalty = -inf; }), "frequency-penalty must be a finite number (0 = off), got -inf");
-  EXPECT_EQ(err([](SamplingParams& p) { p.penalty_last_n = -2; }), "repeat-last-n must be an integer >= -1 (-1 = all, 0 = off), got -2");
+  EXPECT_EQ(err([&](SamplingParams& p) { p.presence_penalty = nan; }),
+            "presence-penalty must be a finite number (0 = off), got nan");
+  EXPECT_EQ(err([&](SamplingParams& p) { p.frequency_penalty = -inf; }),
+            "frequency-penalty must be a finite number (0 = off), got -inf");
+  EXPECT_EQ(err([](SamplingParams& p) { p.penalty_last_n = -2; }),
+            "repeat-last-n must be an integer >= -1 (-1 = all, 0 = off), got -2");
 
   // Boundaries are accepted; the constructor validates too.
   SamplingParams ok;
@@ -654,8 +663,9 @@ TEST_F(SamplerGenConfig, ValidFile) {
   EXPECT_EQ(p.presence_penalty, 0.25f);
   EXPECT_EQ(p.frequency_penalty, -0.5f);
   EXPECT_EQ(p.penalty_last_n, 64);  // not a generation_config key
-  EXPECT_EQ(src, "generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty, "
-                 "presence_penalty, frequency_penalty)");
+  EXPECT_EQ(src,
+            "generation_config.json (temperature, top_k, top_p, min_p, repetition_penalty, "
+            "presence_penalty, frequency_penalty)");
 
   write(R"({"temperature": 0.7, "top_p": 0.8, "top_k": null})");  // null = unset
   const SamplingParams q = k3::sampling_defaults_from_dir(dir.string(), &src);
@@ -690,8 +700,10 @@ TEST_F(SamplerGenConfig, WrongTypesAndRangesNameFileAndKey) {
   EXPECT_EQ(err(R"({"top_k": -3})"), file() + ": key top_k must be an integer in [0, 2147483647] (0 = off), got -3");
   EXPECT_EQ(err(R"({"top_p": 1.5})"), file() + ": key top_p must be in (0, 1], got 1.5");
   EXPECT_EQ(err(R"({"min_p": true})"), file() + ": key min_p must be a number, got true");
-  EXPECT_EQ(err(R"({"repetition_penalty": 0})"), file() + ": key repetition_penalty must be a finite number > 0 (1 = off), got 0");
-  EXPECT_EQ(err(R"({"temperature": -1})"), file() + ": key temperature must be a finite number >= 0 (0 = greedy), got -1");
+  EXPECT_EQ(err(R"({"repetition_penalty": 0})"),
+            file() + ": key repetition_penalty must be a finite number > 0 (1 = off), got 0");
+  EXPECT_EQ(err(R"({"temperature": -1})"),
+            file() + ": key temperature must be a finite number >= 0 (0 = greedy), got -1");
   EXPECT_EQ(err(R"({"do_sample": "yes"})"), file() + ": key do_sample must be true or false, got \"yes\"");
   EXPECT_EQ(err(R"({"presence_penalty": [1]})"), file() + ": key presence_penalty must be a number, got [1]");
   const std::string bad_json = err(R"({"temperature": 0.7,)");

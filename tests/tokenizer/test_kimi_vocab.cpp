@@ -28,10 +28,10 @@ const Tokenizer* kimi() {
   return t.get();
 }
 
-#define REQUIRE_KIMI()                                                                                      \
-  if (!kimi())                                                                                              \
-  GTEST_SKIP() << "Kimi vocabulary not found in " << data_dir()                                             \
-               << "/kimi: run tools/tokenizer/setup_vocab.py --out " << data_dir() << " (needs pip packages " \
+#define REQUIRE_KIMI()                                                                                                \
+  if (!kimi())                                                                                                        \
+  GTEST_SKIP() << "Kimi vocabulary not found in " << data_dir() << "/kimi: run tools/tokenizer/setup_vocab.py --out " \
+               << data_dir() << " (needs pip packages "                                                               \
                << "from tools/tokenizer/requirements.txt)"
 
 }  // namespace

@@ -128,12 +128,31 @@ TEST(PreTokenizerOracle, PatternCompilesInIcu) {
 TEST(PreTokenizerOracle, HandPickedCasesAgree) {
   Oracle o;
   ASSERT_TRUE(o.ok());
-  const std::vector<std::string> cases = {
-      "Hello, world! It's DON'T we'RE they'll I'M", "中文English混合", "x = f(a,b);\n\n\treturn 42;\r\n",
-      "   leading and trailing   ", "\n\n\n", " \n \n x", "ǅemal ǅ Ǆ", "ʰʰa", "e\u0301te\u0301", "\u0301\u0301",
-      "中、文々〇ー", "١٢٣٤ ½Ⅻ", "🙂🙂 hi🙂", "a\u00a0b\u3000c", "tab\tand\vvtab\x0b\x0bz", "x\x1c\x1cy",
-      "ſ's 'S 'Re 'LL'd", "'s", "$$$\n\nfoo", " !!\r\n", "ΑΒΓαβγ Привет мир", "한국어 日本語です カタカナ",
-      std::string("nul\0byte", 8), "\x7f\x01", "\xc2\x85\xc2\x85x"};
+  const std::vector<std::string> cases = {"Hello, world! It's DON'T we'RE they'll I'M",
+                                          "中文English混合",
+                                          "x = f(a,b);\n\n\treturn 42;\r\n",
+                                          "   leading and trailing   ",
+                                          "\n\n\n",
+                                          " \n \n x",
+                                          "ǅemal ǅ Ǆ",
+                                          "ʰʰa",
+                                          "e\u0301te\u0301",
+                                          "\u0301\u0301",
+                                          "中、文々〇ー",
+                                          "١٢٣٤ ½Ⅻ",
+                                          "🙂🙂 hi🙂",
+                                          "a\u00a0b\u3000c",
+                                          "tab\tand\vvtab\x0b\x0bz",
+                                          "x\x1c\x1cy",
+                                          "ſ's 'S 'Re 'LL'd",
+                                          "'s",
+                                          "$$$\n\nfoo",
+                                          " !!\r\n",
+                                          "ΑΒΓαβγ Привет мир",
+                                          "한국어 日本語です カタカナ",
+                                          std::string("nul\0byte", 8),
+                                          "\x7f\x01",
+                                          "\xc2\x85\xc2\x85x"};
   for (const auto& c : cases) EXPECT_EQ(ours(c), o.split(c)) << c;
 }
 
@@ -141,11 +160,11 @@ TEST(PreTokenizerOracle, RandomStringsAgree) {
   Oracle o;
   ASSERT_TRUE(o.ok());
   std::mt19937 rng(12345);
-  const std::vector<uint32_t> picks = {'a', 'Z', 'q', '0', '7', ' ', ' ', '\t', '\n', '\r', 0x0B, 0x0C, '\'', 's',
-                                       'T', 'l', 'e', 'R', '.', ',', '!', '-', 0x4E2D, 0x6587, 0x3005, 0x3007,
-                                       0x3001, 0x30FC, 0x30AB, 0xD55C, 0x01C5, 0x02B0, 0x0301, 0x0308, 0x017F,
-                                       0x0663, 0x216B, 0xBD, 0xA0, 0x3000, 0x85, 0x2028, 0x1C, 0x1F642, 0x200D,
-                                       0xFE0F, 0xDF, 0x130, 0x3A9, 0xE9, 0x200B, 0xFEFF, 0x1D518, 0x20000, 0x0, 0x7F};
+  const std::vector<uint32_t> picks = {
+      'a',    'Z',     'q',    '0',    '7',    ' ',    ' ',    '\t',   '\n',   '\r',   0x0B,    0x0C,    '\'',   's',
+      'T',    'l',     'e',    'R',    '.',    ',',    '!',    '-',    0x4E2D, 0x6587, 0x3005,  0x3007,  0x3001, 0x30FC,
+      0x30AB, 0xD55C,  0x01C5, 0x02B0, 0x0301, 0x0308, 0x017F, 0x0663, 0x216B, 0xBD,   0xA0,    0x3000,  0x85,   0x2028,
+      0x1C,   0x1F642, 0x200D, 0xFE0F, 0xDF,   0x130,  0x3A9,  0xE9,   0x200B, 0xFEFF, 0x1D518, 0x20000, 0x0,    0x7F};
   size_t checked = 0;
   for (int iter = 0; iter < 40000; ++iter) {
     std::string s;

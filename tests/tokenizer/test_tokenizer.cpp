@@ -9,8 +9,8 @@
 
 #include "core/error.h"
 #include "tokenizer/pre_tokenizer.h"
-#include "tokenizer/tokenizer.h"
 #include "tokenizer/tok_test_util.h"
+#include "tokenizer/tokenizer.h"
 
 using k3::tok::TokenId;
 using k3::tok::Tokenizer;
@@ -197,8 +197,10 @@ TEST(Loader, RejectsBrokenFilesWithOneLineErrors) {
   auto dir = temp_dir("bad");
   auto expect_error = [&](const std::string& model, const std::string& config, const std::string& needle) {
     write(dir / "tiktoken.model", model);
-    if (!config.empty()) write(dir / "tokenizer_config.json", config);
-    else std::filesystem::remove(dir / "tokenizer_config.json");
+    if (!config.empty())
+      write(dir / "tokenizer_config.json", config);
+    else
+      std::filesystem::remove(dir / "tokenizer_config.json");
     try {
       Tokenizer::load_dir(dir.string());
       ADD_FAILURE() << "no error for case " << needle;

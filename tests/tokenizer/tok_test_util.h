@@ -24,7 +24,8 @@ inline std::vector<RefCase> read_reference_tsv(const std::string& path) {
     const size_t tab = line.find('\t');
     RefCase c;
     const std::string hex = line.substr(0, tab);
-    for (size_t i = 0; i + 1 < hex.size(); i += 2) c.input.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    for (size_t i = 0; i + 1 < hex.size(); i += 2)
+      c.input.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
     std::istringstream ids(tab == std::string::npos ? "" : line.substr(tab + 1));
     uint32_t v;
     while (ids >> v) c.ids.push_back(v);

@@ -39,8 +39,8 @@ TEST(DType, F16) {
 }
 
 TEST(DType, Fp8E4M3) {
-  EXPECT_EQ(fp8_e4m3_to_f32(0x38), 1.0f);      // exp 7, man 0
-  EXPECT_EQ(fp8_e4m3_to_f32(0x7e), 448.0f);    // max finite
+  EXPECT_EQ(fp8_e4m3_to_f32(0x38), 1.0f);    // exp 7, man 0
+  EXPECT_EQ(fp8_e4m3_to_f32(0x7e), 448.0f);  // max finite
   EXPECT_EQ(fp8_e4m3_to_f32(0x01), std::ldexp(1.0f, -9));
   EXPECT_EQ(fp8_e4m3_to_f32(0xb8), -1.0f);
   EXPECT_TRUE(std::isnan(fp8_e4m3_to_f32(0x7f)));

@@ -36,8 +36,8 @@ inline vf vabs(vf x) {
 }
 inline vf vcopysign(vf mag, vf sgn) {
   const __m512i s = _mm512_set1_epi32(int(0x80000000u));
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(s, _mm512_castps_si512(mag)),
-                                             _mm512_and_si512(s, _mm512_castps_si512(sgn))));
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_andnot_si512(s, _mm512_castps_si512(mag)), _mm512_and_si512(s, _mm512_castps_si512(sgn))));
 }
 inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vf vscale2(vf y, vf n) { return _mm512_scalef_ps(y, n); }

@@ -42,8 +42,8 @@ struct AttendPart {
   const int64_t* lim = nullptr;  // [rows]
   int64_t s0 = 0, s1 = 0;
   float scale = 1;
-  float* m = nullptr;  // [rows]
-  float* z = nullptr;  // [rows]
+  float* m = nullptr;    // [rows]
+  float* z = nullptr;    // [rows]
   float* acc = nullptr;  // [rows] x vdim, row stride ldacc
   int64_t ldacc = 0;
   float* scratch = nullptr;  // >= rows * K3_ATT_BLOCK + 4 * rows floats
@@ -62,9 +62,9 @@ struct AttnKernels {
                              float* scratch);
   // Chunkwise KDA for head h; chunks of at most max_chunk (<= K3_KDA_MAX_CHUNK) tokens, cut earlier
   // where |Γ| would exceed K3_KDA_MAX_LOGDECAY. scratch: K3_KDA_CHUNK_SCRATCH(Dk, Dv) floats.
-  void (*kda_chunked_head)(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                           int64_t T, int64_t H, int64_t Dk, int64_t Dv, int64_t h, int64_t max_chunk, float* S_h,
-                           float* o, float* scratch);
+  void (*kda_chunked_head)(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
+                           int64_t H, int64_t Dk, int64_t Dv, int64_t h, int64_t max_chunk, float* S_h, float* o,
+                           float* scratch);
   // mode 0: C = A·B; mode 1: C += A·B; mode 2: C[m,:] = cscale[m]·C[m,:] + A[m,:]·B.
   // A [M,K] (lda), B [K,N] (ldb), C [M,N] (ldc).
   void (*gemm_nn)(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,

@@ -11,12 +11,12 @@
 #include <numeric>
 #include <vector>
 
+#include "core/error.h"
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
-#include "ops/cpu/scratch.h"
 #include "ops/cpu/scalar_dot.h"
+#include "ops/cpu/scratch.h"
 #include "ops/ops.h"
-#include "core/error.h"
 
 namespace k3::ops {
 
@@ -25,7 +25,6 @@ namespace {
 constexpr int64_t kParallelMin = int64_t(1) << 18;
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
 
 // SIMD levels: elementwise ops are split into blocks of about this many elements, and run in
 // parallel only above kElemParallelMin elements (a parallel region costs a few microseconds).
@@ -72,11 +71,9 @@ void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
 
 void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
   if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
-    return for_blocks(n, kElemBlock, 8,
-                      [&](int64_t i0, int64_t i1) { kern->situ_glu(g, u, i0, i1, b1, b2, out); });
+    return for_blocks(n, kElemBlock, 8, [&](int64_t i0, int64_t i1) { kern->situ_glu(g, u, i0, i1, b1, b2, out); });
   }
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = (b1 * std::tanh(g[i] / b1) * sigmoidf(g[i])) * (b2 * std::tanh(u[i] / b2));
+  for (int64_t i = 0; i < n; ++i) out[i] = (b1 * std::tanh(g[i] / b1) * sigmoidf(g[i])) * (b2 * std::tanh(u[i] / b2));
 }
 
 void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out) {
@@ -123,9 +120,8 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
   if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
     float* const a = cpu::scratch<float>(cpu::ScratchId::KdaGateA, H);
     for (int64_t h = 0; h < H; ++h) a[h] = std::exp(A_log[h]);
-    return for_blocks(T * H, kElemBlock / std::max<int64_t>(D, 1), D * 8, [&](int64_t r0, int64_t r1) {
-      kern->kda_gate(f, r0, r1, H, D, a, dt_bias, lower_bound, g);
-    });
+    return for_blocks(T * H, kElemBlock / std::max<int64_t>(D, 1), D * 8,
+                      [&](int64_t r0, int64_t r1) { kern->kda_gate(f, r0, r1, H, D, a, dt_bias, lower_bound, g); });
   }
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
@@ -374,7 +370,9 @@ void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const f
       std::vector<float> sc(static_cast<size_t>(n));
       const float* qh = q + (t * d.heads + h) * dq;
       for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot_f64acc(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) + dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) * d.scale;
+        sc[size_t(s)] = (dot_f64acc(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) +
+                         dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) *
+                        d.scale;
       softmax(sc.data(), n);
       float* oh = out + (t * d.heads + h) * d.v;
       std::fill(oh, oh + d.v, 0.0f);
@@ -394,7 +392,8 @@ void mla_absorbed(const float* q, int64_t T, const Latent& lat, int64_t S, int64
 #pragma omp parallel for schedule(static) if ((T + per_head) * S * d.heads * L > kParallelMin)
   for (int64_t h = 0; h < d.heads; ++h) {
     // This head's W_UK [nope, L] and W_UV [v, L], decoded once for all T queries.
-    std::vector<float> wuk(static_cast<size_t>(d.nope * L)), wuv(static_cast<size_t>(d.v * L)), qt(static_cast<size_t>(L)), ch(static_cast<size_t>(L));
+    std::vector<float> wuk(static_cast<size_t>(d.nope * L)), wuv(static_cast<size_t>(d.v * L)),
+        qt(static_cast<size_t>(L)), ch(static_cast<size_t>(L));
     for (int64_t i = 0; i < d.nope; ++i) dequant_row(kv_b, h * per_head + i, wuk.data() + i * L);
     for (int64_t j = 0; j < d.v; ++j) dequant_row(kv_b, h * per_head + d.nope + j, wuv.data() + j * L);
     std::vector<float> sc(static_cast<size_t>(S));
@@ -405,7 +404,8 @@ void mla_absorbed(const float* q, int64_t T, const Latent& lat, int64_t S, int64
         for (int64_t l = 0; l < L; ++l) qt[size_t(l)] += wuk[size_t(i * L + l)] * qh[i];
       const int64_t n = std::min(S, pos0 + t + 1);
       for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot_f64acc(qt.data(), lat.c_at(s), L) + dot_f64acc(qh + d.nope, lat.kr_at(s), d.rope)) * d.scale;
+        sc[size_t(s)] =
+            (dot_f64acc(qt.data(), lat.c_at(s), L) + dot_f64acc(qh + d.nope, lat.kr_at(s), d.rope)) * d.scale;
       softmax(sc.data(), n);
       std::fill(ch.begin(), ch.end(), 0.0f);
       for (int64_t s = 0; s < n; ++s) {
@@ -442,8 +442,8 @@ void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cac
   mla_absorbed(q, T, lat, S, pos0, kv_b, d, out);
 }
 
-void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,
-                 int32_t* idx, float* w) {
+void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale, int32_t* idx,
+                 float* w) {
   float* const s = cpu::scratch<float>(cpu::ScratchId::RouterScores, E);
   float* const sel = cpu::scratch<float>(cpu::ScratchId::RouterSelect, E);
   for (int64_t e = 0; e < E; ++e) {
@@ -452,9 +452,8 @@ void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, b
   }
   int32_t* const order = cpu::scratch<int32_t>(cpu::ScratchId::RouterOrder, E);
   std::iota(order, order + E, 0);
-  std::partial_sort(order, order + k, order + E, [&](int32_t a, int32_t b) {
-    return sel[a] > sel[b] || (sel[a] == sel[b] && a < b);
-  });
+  std::partial_sort(order, order + k, order + E,
+                    [&](int32_t a, int32_t b) { return sel[a] > sel[b] || (sel[a] == sel[b] && a < b); });
   double sum = 0;
   for (int64_t j = 0; j < k; ++j) sum += s[order[j]];
   for (int64_t j = 0; j < k; ++j) {

@@ -15,8 +15,8 @@
 #include "core/dtype.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
-#include "ops/cpu/scratch.h"
 #include "ops/cpu/scalar_dot.h"
+#include "ops/cpu/scratch.h"
 #include "ops/ops.h"
 
 namespace k3::ops {
@@ -52,9 +52,12 @@ constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
 const cpu::GemmKernels* kernels_for(CpuIsa isa) {
 #if defined(K3_HAVE_X86_KERNELS)
   switch (isa) {
-    case CpuIsa::Avx512: return &cpu::avx512::kGemm;
-    case CpuIsa::Avx2: return &cpu::avx2::kGemm;
-    case CpuIsa::Scalar: return nullptr;
+    case CpuIsa::Avx512:
+      return &cpu::avx512::kGemm;
+    case CpuIsa::Avx2:
+      return &cpu::avx2::kGemm;
+    case CpuIsa::Scalar:
+      return nullptr;
   }
 #endif
   (void)isa;
@@ -96,7 +99,7 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
 void matmul_scalar(const WeightMat& W, const float* X, int64_t T, float* Y) {
   constexpr int64_t kRows = 8;
   const int64_t nblocks = (W.rows + kRows - 1) / kRows;
-#pragma omp parallel if (W.rows * W.cols * std::max<int64_t>(T, 4) > kParallelMin)
+#pragma omp parallel if (W.rows * W.cols * std::max <int64_t>(T, 4) > kParallelMin)
   {
     std::vector<float> buf(static_cast<size_t>(kRows * W.cols));
 #pragma omp for schedule(static)
@@ -154,10 +157,10 @@ struct GemvChunk {
 
 // The input of T = 1 products, prepared once for all weights that share x.
 struct GemvInput {
-  const float* x = nullptr;      // natural order: BF16/F16/F32 weights
-  const float* xp_mx = nullptr;  // MXFP4: x, or its 8-bit dequantisation in fast mode, permuted
+  const float* x = nullptr;       // natural order: BF16/F16/F32 weights
+  const float* xp_mx = nullptr;   // MXFP4: x, or its 8-bit dequantisation in fast mode, permuted
   const float* xp_bf16[32] = {};  // BF16 with head h (cpu::bf16_head): x permuted from column h
-  bool q8 = false;               // MXFP4 through gemv_mxfp4_q8 (xq, xc, xs)
+  bool q8 = false;                // MXFP4 through gemv_mxfp4_q8 (xq, xc, xs)
   const int8_t* xq = nullptr;
   const int32_t* xc = nullptr;
   const float* xs = nullptr;
@@ -227,8 +230,8 @@ GemvInput prepare_gemv(const cpu::GemmKernels& K, const WeightMat* const* W, int
 // read at the same rate: a static half each left ~10% of decode samples waiting in the barrier,
 // ~6% after. Each output element is still computed by one kernel call with the same per-row
 // arithmetic, so the result does not depend on the thread count or on who took which chunk.
-void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* const* X,
-                   bool fast, float* const* Y) {
+void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t n, const float* const* X, bool fast,
+                   float* const* Y) {
   int64_t work = 0;
   GemvScratch& s = gemv_scratch();
   s.chunks.clear();
@@ -263,9 +266,12 @@ void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t
     if (w.fmt == WFormat::BF16) {
       const int64_t h = cpu::bf16_head(w.data, w.cols);
       K.gemv(w, in.x, h >= 0 ? in.xp_bf16[h] : nullptr, ch.r0, ch.r1, Y[ch.w]);
-    } else if (w.fmt != WFormat::MXFP4) K.gemv(w, in.x, nullptr, ch.r0, ch.r1, Y[ch.w]);
-    else if (in.q8) K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
-    else K.gemv(w, in.x, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
+    } else if (w.fmt != WFormat::MXFP4)
+      K.gemv(w, in.x, nullptr, ch.r0, ch.r1, Y[ch.w]);
+    else if (in.q8)
+      K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
+    else
+      K.gemv(w, in.x, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
   }
 }
 

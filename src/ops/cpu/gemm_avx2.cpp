@@ -128,9 +128,12 @@ void widen_row(const WeightMat& W, int64_t r, float* out) {
   int64_t c = 0;
   for (; c + 8 <= n; c += 8) {
     __m256 v;
-    if (W.fmt == WFormat::F32) v = load8<WFormat::F32>(base + r * rb, c);
-    else if (W.fmt == WFormat::F16) v = load8<WFormat::F16>(base + r * rb, c);
-    else v = load8<WFormat::BF16>(base + r * rb, c);
+    if (W.fmt == WFormat::F32)
+      v = load8<WFormat::F32>(base + r * rb, c);
+    else if (W.fmt == WFormat::F16)
+      v = load8<WFormat::F16>(base + r * rb, c);
+    else
+      v = load8<WFormat::BF16>(base + r * rb, c);
     _mm256_storeu_ps(out + c, v);
   }
   for (; c < n; ++c) out[c] = scalar_w(W.fmt, base + r * rb, c);
@@ -165,7 +168,7 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
   if (t < T) tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy);
 }
 
-constexpr int kDenseTile = 4;  // rows per dense GEMV tile (16 ymm registers: 8 accumulators, no more)
+constexpr int kDenseTile = 4;     // rows per dense GEMV tile (16 ymm registers: 8 accumulators, no more)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes

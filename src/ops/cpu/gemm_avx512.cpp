@@ -19,8 +19,8 @@ inline float e8m0(uint8_t s) {
 
 // E2M1 code -> value (bit 3 = sign), as one register for vpermps (which reads the low 4 index bits).
 inline __m512 e2m1_lut() {
-  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
-                        -4.0f, -6.0f);
+  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f,
+                        -6.0f);
 }
 
 inline __mmask16 tail16(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
@@ -85,7 +85,8 @@ inline void gemv_rows(const uint8_t* const* p, const float* x, const float* xp, 
       const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
       for (int i = 0; i < R; ++i) {
         _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + esize(F) * c), _MM_HINT_T1);
-        if constexpr (F == WFormat::F32) _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 4 * c + 64), _MM_HINT_T0);
+        if constexpr (F == WFormat::F32)
+          _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 4 * c + 64), _MM_HINT_T0);
         a[i] = _mm512_fmadd_ps(load16<F>(p[i], c), x0, a[i]);
         b[i] = _mm512_fmadd_ps(load16<F>(p[i], c + 16), x1, b[i]);
       }
@@ -126,8 +127,7 @@ bool scales_are_normal(const uint8_t* s, int64_t n) {
   const __m512i one = _mm512_set1_epi8(1);
   __mmask64 bad = 0;
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64)
-    bad |= _mm512_cmple_epu8_mask(_mm512_add_epi8(_mm512_loadu_si512(s + i), one), one);
+  for (; i + 64 <= n; i += 64) bad |= _mm512_cmple_epu8_mask(_mm512_add_epi8(_mm512_loadu_si512(s + i), one), one);
   if (i < n) {
     const __mmask64 m = (~__mmask64(0)) >> (64 - (n - i));
     bad |= _mm512_mask_cmple_epu8_mask(m, _mm512_add_epi8(_mm512_maskz_loadu_epi8(m, s + i), one), one);
@@ -136,8 +136,8 @@ bool scales_are_normal(const uint8_t* s, int64_t n) {
 }
 
 // ------------------------------------------------------------------ GEMV, MXFP4 on 8-bit activations
-// x quantised per 32-block to int8 with a float step (quantize_q8 below; its scalar twin is gemm.cpp: quantize_q8_scalar). Per four
-// blocks (64 packed bytes) and row: low and high nibbles through one byte table each to
+// x quantised per 32-block to int8 with a float step (quantize_q8 below; its scalar twin is gemm.cpp:
+// quantize_q8_scalar). Per four blocks (64 packed bytes) and row: low and high nibbles through one byte table each to
 // u8 = 2*E2M1 + 12 (0..24), then vpdpbusd against the int8 x of the even and odd columns: in each
 // dword lane j the four bytes 4j..4j+3 belong to block j/4 (of the four). The +12 offset adds
 // 12 * (sum of the lane's x), which the accumulator starts out subtracting (xc); the integer dot
@@ -311,10 +311,17 @@ inline void tiles_f32(const float* const* w, const float* X, int64_t T, int64_t 
   int64_t t = 0;
   for (; t + 4 <= T; t += 4) tile_f32<R, 4>(w, X + t * n, n, n, Y + t * ldy, ldy);
   switch (T - t) {
-    case 3: tile_f32<R, 3>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
-    case 2: tile_f32<R, 2>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
-    case 1: tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy); break;
-    default: break;
+    case 3:
+      tile_f32<R, 3>(w, X + t * n, n, n, Y + t * ldy, ldy);
+      break;
+    case 2:
+      tile_f32<R, 2>(w, X + t * n, n, n, Y + t * ldy, ldy);
+      break;
+    case 1:
+      tile_f32<R, 1>(w, X + t * n, n, n, Y + t * ldy, ldy);
+      break;
+    default:
+      break;
   }
 }
 
@@ -403,8 +410,8 @@ void pack_x_bf16(const float* X, int64_t cols, int64_t np, int64_t tpad, int64_t
 // Intel), over nkp pairs; out[i * 64 + token]. pf: the rows to prefetch meanwhile (the next tile's),
 // one cache line per 16 pairs.
 template <int R, int V, int H>
-inline void tok_tile(const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad,
-                     int64_t nkp, float* out) {
+inline void tok_tile(const uint32_t* const* w, const uint32_t* const* pf, const uint32_t* Xp, int64_t tpad, int64_t nkp,
+                     float* out) {
   __m512 a[R][V > 0 ? V : 1];
   __m256 h[R];
   for (int i = 0; i < R; ++i) {
@@ -480,15 +487,17 @@ void gemm_bf16(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np,
     for (int64_t i = nr; i < R; ++i) w[i] = pf[i] = w[0];  // a short last tile: rows computed, not stored
     for (int64_t t = 0; t < T; t += 64) {
       const int64_t nt = T - t < 64 ? T - t : 64;
-      if (R == 12) tok_tiles<12, 1>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
-      else tok_tiles<6, 3>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
+      if (R == 12)
+        tok_tiles<12, 1>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
+      else
+        tok_tiles<6, 3>(nt, w, pf, Xp + t, tpad, direct ? n / 2 : nkp, out);
       for (int64_t j = 0; j < nt; ++j)
         for (int64_t i = 0; i < nr; ++i) Y[(t + j) * ldy + r + i] = out[i * 64 + j];
     }
   }
 }
 
-constexpr int kDenseTile = 8;  // rows per dense GEMV tile (32 zmm registers hold 16 accumulators)
+constexpr int kDenseTile = 8;     // rows per dense GEMV tile (32 zmm registers hold 16 accumulators)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
 // ------------------------------------------------------------------ roofline probes

@@ -35,9 +35,12 @@ bool has_avx512() {
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::Scalar: return "scalar";
-    case CpuIsa::Avx2: return "avx2";
-    case CpuIsa::Avx512: return "avx512";
+    case CpuIsa::Scalar:
+      return "scalar";
+    case CpuIsa::Avx2:
+      return "avx2";
+    case CpuIsa::Avx512:
+      return "avx512";
   }
   return "?";
 }
@@ -58,7 +61,8 @@ CpuIsa parse_cpu_isa(const std::string& name) {
 void set_cpu_isa(CpuIsa isa) {
   const CpuIsa best = cpu_isa_detected();
   if (int(isa) > int(best))
-    fail(std::string("this CPU cannot run the ") + cpu_isa_name(isa) + " kernels (best level: " + cpu_isa_name(best) + ")");
+    fail(std::string("this CPU cannot run the ") + cpu_isa_name(isa) + " kernels (best level: " + cpu_isa_name(best) +
+         ")");
   g_isa.store(int(isa));
 }
 
@@ -78,9 +82,12 @@ CpuIsa cpu_isa() {
 
 const char* numerics_name(Numerics n) {
   switch (n) {
-    case Numerics::Exact: return "exact";
-    case Numerics::F32: return "fp32";
-    case Numerics::Fast: return "fast";
+    case Numerics::Exact:
+      return "exact";
+    case Numerics::F32:
+      return "fp32";
+    case Numerics::Fast:
+      return "fast";
   }
   return "?";
 }

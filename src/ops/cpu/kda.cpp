@@ -18,9 +18,12 @@ namespace cpu {
 const AttnKernels* attn_kernels() {
 #if defined(K3_HAVE_X86_KERNELS)
   switch (active_kernel_level()) {  // Scalar (nullptr) under Numerics::Exact
-    case CpuIsa::Avx512: return &avx512::kAttn;
-    case CpuIsa::Avx2: return &avx2::kAttn;
-    case CpuIsa::Scalar: return nullptr;
+    case CpuIsa::Avx512:
+      return &avx512::kAttn;
+    case CpuIsa::Avx2:
+      return &avx2::kAttn;
+    case CpuIsa::Scalar:
+      return nullptr;
   }
 #endif
   return nullptr;
@@ -34,12 +37,13 @@ constexpr int64_t kParallelMin = int64_t(1) << 18;
 constexpr int64_t kHeadParallelMin = int64_t(1) << 15;
 
 void kda_recurrent_scalar(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
-                   int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
+                          int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
   // The state is held in fp64 within a call (fp32 between calls, as the session stores it), the
   // same internal precision as kda_chunked, so prefill and decode paths agree to fp32 rounding.
 #pragma omp parallel for schedule(static) if (T * H * Dk * Dv > kParallelMin)
   for (int64_t h = 0; h < H; ++h) {
-    std::vector<double> s(S + h * Dk * Dv, S + (h + 1) * Dk * Dv), u(static_cast<size_t>(Dv)), ot(static_cast<size_t>(Dv));
+    std::vector<double> s(S + h * Dk * Dv, S + (h + 1) * Dk * Dv), u(static_cast<size_t>(Dv)),
+        ot(static_cast<size_t>(Dv));
     for (int64_t t = 0; t < T; ++t) {
       const float* qt = q + (t * H + h) * Dk;
       const float* kt = k + (t * H + h) * Dk;
@@ -72,7 +76,7 @@ void kda_recurrent_scalar(const float* q, const float* k, const float* v, const 
 }
 
 void kda_chunked_scalar(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
-                 int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o) {
+                        int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o) {
   // Chunkwise form (spec §3.5), per head and chunk of C tokens, with Γ_i = Σ_{j<=i} g_j in the chunk:
   //   R  = V − (exp(Γ) ⊙ K)·S                      (what the incoming state predicts is removed)
   //   Ṽ  = (I + M)⁻¹ Diag(β) R, M[i,j] = β_i Σ_d k_i k_j exp(Γ_i−Γ_j), j < i   (the UT transform,
@@ -86,7 +90,8 @@ void kda_chunked_scalar(const float* q, const float* k, const float* v, const fl
   for (int64_t h = 0; h < H; ++h) {
     std::vector<double> s(static_cast<size_t>(Dk * Dv));
     for (int64_t i = 0; i < Dk * Dv; ++i) s[size_t(i)] = S[h * Dk * Dv + i];
-    std::vector<double> G(static_cast<size_t>(chunk * Dk)), Vt(static_cast<size_t>(chunk * Dv)), A(static_cast<size_t>(chunk * chunk));
+    std::vector<double> G(static_cast<size_t>(chunk * Dk)), Vt(static_cast<size_t>(chunk * Dv)),
+        A(static_cast<size_t>(chunk * chunk));
     for (int64_t t0 = 0; t0 < T; t0 += chunk) {
       const int64_t C = std::min(chunk, T - t0);
       auto K_ = [&](int64_t i, int64_t d) { return double(k[((t0 + i) * H + h) * Dk + d]); };
@@ -111,7 +116,8 @@ void kda_chunked_scalar(const float* q, const float* k, const float* v, const fl
         for (int64_t j = 0; j < Dv; ++j) vt[j] *= bi;
         for (int64_t p = 0; p < i; ++p) {
           double m = 0;
-          for (int64_t d = 0; d < Dk; ++d) m += K_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
+          for (int64_t d = 0; d < Dk; ++d)
+            m += K_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
           m *= bi;
           const double* vp = &Vt[size_t(p * Dv)];
           for (int64_t j = 0; j < Dv; ++j) vt[j] -= m * vp[j];
@@ -128,7 +134,8 @@ void kda_chunked_scalar(const float* q, const float* k, const float* v, const fl
         }
         for (int64_t p = 0; p <= i; ++p) {
           double a = 0;
-          for (int64_t d = 0; d < Dk; ++d) a += Q_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
+          for (int64_t d = 0; d < Dk; ++d)
+            a += Q_(i, d) * K_(p, d) * std::exp(G[size_t(i * Dk + d)] - G[size_t(p * Dk + d)]);
           const double* vp = &Vt[size_t(p * Dv)];
           for (int64_t j = 0; j < Dv; ++j) acc[size_t(j)] += a * vp[j];
         }
@@ -157,7 +164,7 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
                    int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
   const cpu::AttnKernels* K = cpu::attn_kernels();
   if (!K) return kda_recurrent_scalar(q, k, v, g, beta, T, H, Dk, Dv, S, o);
-  // fp32 state updated in place, two passes over it per token (see attn_kernels.inc).
+    // fp32 state updated in place, two passes over it per token (see attn_kernels.inc).
 #pragma omp parallel if (H > 1 && T * H * Dk * Dv >= kHeadParallelMin)
   {
     float* const scratch = cpu::scratch_zeroed<float>(cpu::ScratchId::KdaHead, K3_KDA_REC_SCRATCH(Dk, Dv));

@@ -16,9 +16,7 @@
 namespace k3::ops {
 
 namespace {
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 const cpu::GemmKernels* probes() {
 #if defined(K3_HAVE_X86_KERNELS)

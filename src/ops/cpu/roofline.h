@@ -38,6 +38,6 @@ class ReadProbe {
 // Both probes with an existing read probe (its threads, its buffer).
 Roofline measure_roofline(const ReadProbe& probe, int reps = 5);
 double measure_peak_gflops(int threads, int reps);  // best of reps, GFLOP/s
-const char* peak_kind();                             // what measure_peak_gflops times
+const char* peak_kind();                            // what measure_peak_gflops times
 
 }  // namespace k3::ops

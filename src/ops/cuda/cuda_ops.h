@@ -8,8 +8,8 @@
 #pragma once
 #include <cstdint>
 
-#include "ops/ops.h"
 #include "ops/cuda/runtime.h"
+#include "ops/ops.h"
 #include "ops/weight.h"
 
 namespace k3::cuda {
@@ -112,8 +112,8 @@ void kda_chunked_varlen(const float* q, const float* k, const float* v, const fl
 // Depthwise causal conv + SiLU per sequence with its own carried inputs: state_pool [n_slots, C, K-1]
 // (same layout as short_conv_silu's state), sequence i uses state_pool + slots[i]*C*(K-1). x,out [rows,C].
 // Same bits as short_conv_silu on each sequence alone.
-void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K,
-                            float* state_pool, float* out, Stream s);
+void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K, float* state_pool,
+                            float* out, Stream s);
 
 // A paged MLA latent cache of one layer: pages [n_pages, page_tokens, kv_lora + rope] fp32; per token the
 // RMS-normed latent c (kv_lora floats) then the raw shared rope key k_r (rope floats). Token position p of
@@ -131,8 +131,8 @@ struct PagedCacheDev {
 // Appends the step's rows: row cu_rows[i]+j goes to position pos0[i]+j of sequence i:
 // c = RMSNorm_eps(ckv[row, :kv_lora]) * norm_w, k_r = ckv[row, kv_lora:kv_lora+rope]. ckv [rows, kv_lora+rope].
 // Same bits as mla_cache_append.
-void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora,
-                            int64_t rope, const float* norm_w, float eps, Stream s);
+void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora, int64_t rope,
+                            const float* norm_w, float eps, Stream s);
 // Absorbed MLA (same meaning as ops.h mla_attend_absorbed) for every sequence over its own pages, AFTER the
 // append: row cu_rows[i]+j sits at absolute position pos0[i]+j and attends to positions 0..pos0[i]+j.
 // q [rows, heads, nope+rope], out [rows, heads, v]; kv_b a device view. work: >= mla_paged_work_floats(...) floats.

@@ -4,17 +4,17 @@
 // embed_rows, argmax_rows, attnres_mix.
 // Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <type_traits>
+#include <utility>
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
@@ -34,7 +34,6 @@ unsigned ew_blocks(int64_t n) {
   const int64_t b = (n + kEwThreads - 1) / kEwThreads;
   return unsigned(std::max<int64_t>(1, std::min<int64_t>(b, 132 * 16)));
 }
-
 
 __device__ __forceinline__ double warp_sum(double v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -107,8 +106,8 @@ __global__ void norm_rows_block(const float* x, int64_t rows, int64_t n, const f
 // the fp64 partial sums differs.
 // Warp per row, RC float4 per lane (n <= 128·RC); 4 rows per 128-thread block.
 template <bool L2, int RC>
-__global__ void __launch_bounds__(128) norm_rows_warp_vec(const float* x, int64_t rows, int64_t n, const float* w,
-                                                          float eps, float scale, float* out) {
+__global__ void __launch_bounds__(128)
+    norm_rows_warp_vec(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out) {
   pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -146,17 +145,17 @@ __global__ void __launch_bounds__(128) norm_rows_warp_vec(const float* x, int64_
       const int i = lane + 32 * c;
       if (i >= nv) continue;
       const float4 a = v[c];
-      orow[i] = w ? make_float4(wv[c].x * (a.x * inv), wv[c].y * (a.y * inv), wv[c].z * (a.z * inv),
-                                wv[c].w * (a.w * inv))
-                  : make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+      orow[i] =
+          w ? make_float4(wv[c].x * (a.x * inv), wv[c].y * (a.y * inv), wv[c].z * (a.z * inv), wv[c].w * (a.w * inv))
+            : make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
     }
   }
 }
 
 // Block per row, at most 2 float4 per thread (n <= 8192 with 1024 threads).
 template <bool L2>
-__global__ void __launch_bounds__(1024) norm_rows_block_vec(const float* x, int64_t n, const float* w, float eps,
-                                                            float scale, float* out) {
+__global__ void __launch_bounds__(1024)
+    norm_rows_block_vec(const float* x, int64_t n, const float* w, float eps, float scale, float* out) {
   pdl_enter();
   __shared__ double red[32];
   const int64_t r = blockIdx.x;
@@ -198,8 +197,8 @@ __global__ void __launch_bounds__(1024) norm_rows_block_vec(const float* x, int6
 // Short rows (KDA heads of 128, LoRA latents of 512): a warp per row; long rows (the 7168-wide
 // hidden state): a block per row, sized so that each thread owns at most two float4.
 template <bool L2>
-void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out,
-                 Stream s, const char* name) {
+void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out, Stream s,
+                 const char* name) {
   if (rows <= 0 || n <= 0) return;
   const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = n % 4 == 0 && al16(x) && al16(out) && (L2 || !w || al16(w));
@@ -324,7 +323,8 @@ __global__ void short_conv_varlen_kernel(const float* x, const int32_t* cu_rows,
   const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   const int64_t vt = blockIdx.y;
-  const int i = last_le(n_seqs, [cu_rows](int j) { return int64_t(cu_rows[j] / kConvTile) + j; }, vt);
+  const int i = last_le(
+      n_seqs, [cu_rows](int j) { return int64_t(cu_rows[j] / kConvTile) + j; }, vt);
   const int64_t r0 = cu_rows[i], T = cu_rows[i + 1] - r0;
   const int64_t t0 = (vt - (r0 / kConvTile + i)) * kConvTile;
   if (t0 > 0 && t0 >= T) return;  // tile 0 always runs: with T = 0 it rewrites the state unchanged
@@ -469,13 +469,13 @@ __device__ __forceinline__ void mix_partials(const SrcList& src, int n_src, int6
 // Warp 0 of both AttnRes kernels: lane j < n_src holds source j's block-wide sums a = <x_j, fold>,
 // b = <x_j, x_j>; writes the fp64 softmax over the scores a / rms into p[0, n_src).
 __device__ __forceinline__ void mix_softmax(int lane, int n_src, double a, double b, int64_t H, float eps, float* p) {
-    const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
-    double mx = sc;
-    for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const double e = lane < n_src ? exp(sc - mx) : 0.0;
-    double z = e;
-    for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-    if (lane < n_src) p[lane] = float(e / z);
+  const double sc = lane < n_src ? a / sqrt(b / double(H) + double(eps)) : -INFINITY;
+  double mx = sc;
+  for (int o = 16; o > 0; o >>= 1) mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const double e = lane < n_src ? exp(sc - mx) : 0.0;
+  double z = e;
+  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  if (lane < n_src) p[lane] = float(e / z);
 }
 
 // out[t] over vectors i = first, first + stride, ... < last: Σ_j p[j] · x_j (fp32, in source order).
@@ -515,8 +515,8 @@ __device__ __forceinline__ void mix_weighted_sum(const SrcList& src, int n_src, 
 // slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
 // fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
 template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
-__global__ void __launch_bounds__(THREADS) attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold,
-                                                          float eps, float* out) {
+__global__ void __launch_bounds__(THREADS)
+    attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
   pdl_enter();
   __shared__ double red[THREADS / 32][2 * NS];
   __shared__ float p[NS];
@@ -603,11 +603,21 @@ void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* 
 template <class F>
 void with_conv_width(int64_t K, F&& f) {
   switch (K) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    default: f(std::integral_constant<int, 0>{}); break;
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 0>{});
+      break;
   }
 }
 
@@ -644,8 +654,8 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
   check_launch("short_conv_silu");
 }
 
-void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K,
-                            float* state_pool, float* out, Stream s) {
+void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K, float* state_pool,
+                            float* out, Stream s) {
   check_conv_width("short_conv_silu_varlen", K);
   check_varlen("short_conv_silu_varlen", b, true);
   if (C <= 0 || b.rows <= 0) return;  // no rows: every state stays as it is
@@ -691,10 +701,17 @@ void embed_rows(const WeightMat& E, const int32_t* ids, int64_t T, float* out, S
   if (T <= 0) return;
   const dim3 grid(unsigned(std::min<int64_t>((E.cols + kEwThreads - 1) / kEwThreads, 64)), unsigned(T));
   switch (E.fmt) {
-    case WFormat::F32: launch(embed_kernel<0>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
-    case WFormat::F16: launch(embed_kernel<1>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
-    case WFormat::BF16: launch(embed_kernel<2>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out); break;
-    case WFormat::MXFP4: fail("embed_rows: an MXFP4 embedding table is not supported on the GPU (F32/F16/BF16 only)");
+    case WFormat::F32:
+      launch(embed_kernel<0>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out);
+      break;
+    case WFormat::F16:
+      launch(embed_kernel<1>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out);
+      break;
+    case WFormat::BF16:
+      launch(embed_kernel<2>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out);
+      break;
+    case WFormat::MXFP4:
+      fail("embed_rows: an MXFP4 embedding table is not supported on the GPU (F32/F16/BF16 only)");
   }
   check_launch("embed_rows");
 }

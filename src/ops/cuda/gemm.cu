@@ -98,8 +98,8 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
   uint4 v;
   // volatile: keeps the issue order the pipelined loops rely on (loads ahead of math and barriers).
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
   return v;
 }
 __device__ __forceinline__ float4 ld_x4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
@@ -326,16 +326,17 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
       for (int u = 0; u < U; ++u) {
         const int64_t j = j0 + 32 * u;
         if (j < nch)
-          chunk_fma<F, T, R>(wv[u], sc[u],
-                             [&](int t, int k) {
-                               float4 v = ld_x4(xt[t] + (j * E4 + k) * 4);
-                               v.x *= kLift;
-                               v.y *= kLift;
-                               v.z *= kLift;
-                               v.w *= kLift;
-                               return v;
-                             },
-                             acc);
+          chunk_fma<F, T, R>(
+              wv[u], sc[u],
+              [&](int t, int k) {
+                float4 v = ld_x4(xt[t] + (j * E4 + k) * 4);
+                v.x *= kLift;
+                v.y *= kLift;
+                v.z *= kLift;
+                v.w *= kLift;
+                return v;
+              },
+              acc);
       }
     }
   } else {
@@ -361,8 +362,8 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
 // share the activations (token t at x0 + t x_stride).
 template <WFormat F, int T>
 __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
-                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active,
-                                                int64_t cols, const float* x0, int64_t x_stride,
+                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
+                                                const float* x0, int64_t x_stride,
                                                 float (&acc)[GemvCfg<F, T>::rows()][T]) {
   using C = GemvCfg<F, T>;
   constexpr int R = C::rows(), U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
@@ -381,13 +382,13 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
     sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
   }
   constexpr int kStage = (T * kTileF4 + kGemvThreads - 1) / kGemvThreads;  // float4s each thread stages
-  constexpr int kBatch = kStage < 4 ? kStage : 4;                             // loaded before any is stored
+  constexpr int kBatch = kStage < 4 ? kStage : 4;                          // loaded before any is stored
   uint4 wv[U][R], wn[U][R];
   uint32_t sc[U][R], sn[U][R];
   load_chunks<F, R, U>(wr, sr, lane, nch, active, wv, sc);
   for (int64_t jt = 0; jt < nch; jt += 32 * U) {
     load_chunks<F, R, U>(wr, sr, jt + 32 * U + lane, nch, active, wn, sn);  // next tile, in flight meanwhile
-    const int nf = int(min(int64_t(32 * U), nch - jt)) * E4;  // float4s per token in this tile
+    const int nf = int(min(int64_t(32 * U), nch - jt)) * E4;                // float4s per token in this tile
 #pragma unroll
     for (int i0 = 0; i0 < kStage; i0 += kBatch) {
       float4 v[kBatch];
@@ -416,7 +417,8 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
       for (int u = 0; u < U; ++u) {
         const int jl = lane + 32 * u;
         if (jt + jl < nch)
-          chunk_fma<F, T, R>(wv[u], sc[u], [&](int t, int k) { return xs[t * kTileF4 + swz(jl * E4 + k)]; }, acc);
+          chunk_fma<F, T, R>(
+              wv[u], sc[u], [&](int t, int k) { return xs[t * kTileF4 + swz(jl * E4 + k)]; }, acc);
       }
     }
     __syncthreads();  // the next tile overwrites xs
@@ -465,8 +467,8 @@ __global__ void __launch_bounds__(kGemvThreads)
 // ids are read here, on the device, so a captured graph follows whatever the router wrote.
 template <WFormat F, bool VEC>
 __global__ void __launch_bounds__(kGemvThreads)
-    expert_gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E,
-                       const int32_t* ids, const float* X, int64_t x_div, float* Y) {
+    expert_gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E, const int32_t* ids,
+                       const float* X, int64_t x_div, float* Y) {
   using C = GemvCfg<F, 1>;
   constexpr int R = C::rows();
   constexpr bool kSmem = VEC && C::smem();
@@ -509,8 +511,8 @@ constexpr int kGroupRows = 256;
 constexpr int64_t kExpertPerTokenMaxN = 65535;
 template <WFormat F, bool VEC>
 __global__ void __launch_bounds__(kGemvThreads)
-    expert_group_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E,
-                        const int32_t* ids, int64_t N, const float* X, int64_t x_div, float* Y) {
+    expert_group_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E, const int32_t* ids,
+                        int64_t N, const float* X, int64_t x_div, float* Y) {
   constexpr int T = int(kGemvMaxT);
   using C = GemvCfg<F, T>;
   constexpr int R = C::rows();
@@ -557,7 +559,8 @@ __global__ void __launch_bounds__(kGemvThreads)
     const int c = cnt, full = c / T * T;
     for (int b = 0; b < full; b += T) run_batch(sel + b, T);
     __syncthreads();  // everyone is done with sel/cnt before the remainder moves to the front
-    if (threadIdx.x < c - full) sel[threadIdx.x] = sel[full + threadIdx.x];  // disjoint: full >= T > c - full, or full == 0
+    if (threadIdx.x < c - full)
+      sel[threadIdx.x] = sel[full + threadIdx.x];  // disjoint: full >= T > c - full, or full == 0
     if (threadIdx.x == 0) cnt = c - full;
     __syncthreads();
   }
@@ -572,9 +575,8 @@ __global__ void __launch_bounds__(kGemvThreads)
 // values, so the result is the fp32-accumulated product of the rounded activations).
 constexpr int kSimtTile = 64, kSimtBK = 16, kSimtThreads = 256;
 template <WFormat F, bool ROUND_X>
-__global__ void __launch_bounds__(kSimtThreads)
-    gemm_simt_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, int64_t T,
-                     float* Y) {
+__global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
+                                                                 int64_t cols, const float* X, int64_t T, float* Y) {
   __shared__ __align__(16) float Xs[kSimtBK][kSimtTile + 4];
   __shared__ __align__(16) float Ws[kSimtBK][kSimtTile + 4];
   const int tid = threadIdx.x, tr = tid % 16, tt = tid / 16;
@@ -627,7 +629,8 @@ __global__ void __launch_bounds__(kSimtThreads)
 // in fp32: scales never meet bf16 range limits or subnormal handling, and any truncation inside the
 // tensor-core accumulation is limited to 32 terms. Tiles are double-buffered through registers: the
 // next k-step's global loads are in flight during the current step's MMAs.
-constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8, kMmaThreads = 256;  // ld 40: conflict-free fragments
+constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8,
+              kMmaThreads = 256;  // ld 40: conflict-free fragments
 
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
@@ -642,14 +645,13 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__global__ void __launch_bounds__(kMmaThreads)
-    gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, int64_t T,
-                        float* Y) {
+__global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
+                                                                   int64_t cols, const float* X, int64_t T, float* Y) {
   __shared__ __align__(16) uint16_t Ws[2][kMmaBM][kMmaLd];
   __shared__ __align__(16) uint16_t Xs[2][kMmaBN][kMmaLd];
   __shared__ float Ss[2][kMmaBM];  // block scale of each weight row for the staged k-step
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, tq = lane & 3;    // mma fragment coordinates
+  const int g = lane >> 2, tq = lane & 3;   // mma fragment coordinates
   const int wm = warp & 3, wn = warp >> 2;  // warp tile: 32 rows x 32 tokens
   const int64_t r0 = int64_t(blockIdx.x) * kMmaBM, t0 = int64_t(blockIdx.y) * kMmaBN;
   const int nk = int(cols / kMmaBK);
@@ -753,10 +755,13 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 int64_t host_row_bytes(const WeightMat& W) {
   switch (W.fmt) {
-    case WFormat::F32: return W.cols * 4;
+    case WFormat::F32:
+      return W.cols * 4;
     case WFormat::F16:
-    case WFormat::BF16: return W.cols * 2;
-    case WFormat::MXFP4: return W.cols / 2;
+    case WFormat::BF16:
+      return W.cols * 2;
+    case WFormat::MXFP4:
+      return W.cols / 2;
   }
   return 0;
 }
@@ -798,14 +803,22 @@ void launch_gemv_t(const WeightMat& W, const float* X, float* Y, Stream s) {
 template <WFormat F>
 void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
   switch (T) {
-    case 1: return launch_gemv_t<F, 1>(W, X, Y, s);
-    case 2: return launch_gemv_t<F, 2>(W, X, Y, s);
-    case 3: return launch_gemv_t<F, 3>(W, X, Y, s);
-    case 4: return launch_gemv_t<F, 4>(W, X, Y, s);
-    case 5: return launch_gemv_t<F, 5>(W, X, Y, s);
-    case 6: return launch_gemv_t<F, 6>(W, X, Y, s);
-    case 7: return launch_gemv_t<F, 7>(W, X, Y, s);
-    default: return launch_gemv_t<F, 8>(W, X, Y, s);
+    case 1:
+      return launch_gemv_t<F, 1>(W, X, Y, s);
+    case 2:
+      return launch_gemv_t<F, 2>(W, X, Y, s);
+    case 3:
+      return launch_gemv_t<F, 3>(W, X, Y, s);
+    case 4:
+      return launch_gemv_t<F, 4>(W, X, Y, s);
+    case 5:
+      return launch_gemv_t<F, 5>(W, X, Y, s);
+    case 6:
+      return launch_gemv_t<F, 6>(W, X, Y, s);
+    case 7:
+      return launch_gemv_t<F, 7>(W, X, Y, s);
+    default:
+      return launch_gemv_t<F, 8>(W, X, Y, s);
   }
 }
 
@@ -874,8 +887,8 @@ void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y,
   cublas_check(cublasSetWorkspace(h, sc.ws.get(), sc.ws.bytes()), "set workspace");  // after SetStream (it resets it)
   // Column-major view: Y^T [rows, T] (ld rows) = W [rows, cols] (= W^T col-major, ld cols)^T . X^T [cols, T] (ld cols).
   const float alpha = 1.0f, beta = 0.0f;
-  cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(W.rows), int(T), int(W.cols), &alpha, W.data,
-                            CUDA_R_16BF, int(W.cols), xb, CUDA_R_16BF, int(W.cols), &beta, Y, CUDA_R_32F, int(W.rows),
+  cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(W.rows), int(T), int(W.cols), &alpha, W.data, CUDA_R_16BF,
+                            int(W.cols), xb, CUDA_R_16BF, int(W.cols), &beta, Y, CUDA_R_32F, int(W.rows),
                             CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
                "bf16 GEMM");
 }
@@ -913,10 +926,14 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
   if (T <= kGemvMaxT) {
     switch (W.fmt) {
-      case WFormat::F32: return launch_gemv_f<WFormat::F32>(W, X, T, Y, s);
-      case WFormat::F16: return launch_gemv_f<WFormat::F16>(W, X, T, Y, s);
-      case WFormat::BF16: return launch_gemv_f<WFormat::BF16>(W, X, T, Y, s);
-      case WFormat::MXFP4: return launch_gemv_f<WFormat::MXFP4>(W, X, T, Y, s);
+      case WFormat::F32:
+        return launch_gemv_f<WFormat::F32>(W, X, T, Y, s);
+      case WFormat::F16:
+        return launch_gemv_f<WFormat::F16>(W, X, T, Y, s);
+      case WFormat::BF16:
+        return launch_gemv_f<WFormat::BF16>(W, X, T, Y, s);
+      case WFormat::MXFP4:
+        return launch_gemv_f<WFormat::MXFP4>(W, X, T, Y, s);
     }
     return;
   }
@@ -944,10 +961,14 @@ void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s
           (long long)kGemvWideT);
   if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
   switch (W.fmt) {
-    case WFormat::F32: return launch_gemv_rows<WFormat::F32>(W, X, T, Y, s);
-    case WFormat::F16: return launch_gemv_rows<WFormat::F16>(W, X, T, Y, s);
-    case WFormat::BF16: return launch_gemv_rows<WFormat::BF16>(W, X, T, Y, s);
-    case WFormat::MXFP4: return launch_gemv_rows<WFormat::MXFP4>(W, X, T, Y, s);
+    case WFormat::F32:
+      return launch_gemv_rows<WFormat::F32>(W, X, T, Y, s);
+    case WFormat::F16:
+      return launch_gemv_rows<WFormat::F16>(W, X, T, Y, s);
+    case WFormat::BF16:
+      return launch_gemv_rows<WFormat::BF16>(W, X, T, Y, s);
+    case WFormat::MXFP4:
+      return launch_gemv_rows<WFormat::MXFP4>(W, X, T, Y, s);
   }
 }
 
@@ -959,15 +980,20 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
           (long long)R);
   if (x_div < 1) failf("expert_matmul: x_div must be >= 1");
   if (N <= 0) return;
-  if (N > (int64_t(1) << 31) - 1 || W.rows / R > 65534) failf("expert_matmul: too many slots or experts for the GPU kernels");
+  if (N > (int64_t(1) << 31) - 1 || W.rows / R > 65534)
+    failf("expert_matmul: too many slots or experts for the GPU kernels");
   if (W.cols == 0) return dev_memset(Y, 0, size_t(N * R) * sizeof(float), s);
   // Both precisions: fp32 activations (GEMV-style kernels, like the T <= kGemvMaxT matmul).
   (void)p;
   switch (W.fmt) {
-    case WFormat::F32: return launch_expert_f<WFormat::F32>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::F16: return launch_expert_f<WFormat::F16>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::BF16: return launch_expert_f<WFormat::BF16>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::MXFP4: return launch_expert_f<WFormat::MXFP4>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::F32:
+      return launch_expert_f<WFormat::F32>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::F16:
+      return launch_expert_f<WFormat::F16>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::BF16:
+      return launch_expert_f<WFormat::BF16>(W, R, ids, N, X, x_div, Y, s);
+    case WFormat::MXFP4:
+      return launch_expert_f<WFormat::MXFP4>(W, R, ids, N, X, x_div, Y, s);
   }
 }
 

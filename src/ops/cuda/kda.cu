@@ -25,7 +25,6 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kCols = 32;      // state columns (value channels) per block
 constexpr int kMaxDim = 256;   // Dk, Dv limit (one key channel per thread in the loads)
 
-
 // The delta rule is independent per value column j (u_j, δ_j, o_j and column j of S only involve
 // column j), so a head's state splits by columns across blocks: block = (head, 32 columns). That
 // gives H·Dv/32 blocks for decode (384 at K3 size) and keeps each block's state slice in registers.
@@ -163,11 +162,10 @@ __device__ __forceinline__ void kda_recurrent_block(const float* __restrict__ q,
 }
 
 template <int RPT>
-__global__ void __launch_bounds__(kThreads) kda_recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                                 const float* __restrict__ v, const float* __restrict__ g,
-                                                                 const float* __restrict__ beta, int64_t T, int64_t H,
-                                                                 int Dk, int Dv, float* __restrict__ S,
-                                                                 float* __restrict__ o) {
+__global__ void __launch_bounds__(kThreads)
+    kda_recurrent_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                         const float* __restrict__ g, const float* __restrict__ beta, int64_t T, int64_t H, int Dk,
+                         int Dv, float* __restrict__ S, float* __restrict__ o) {
   pdl_enter();
   const int64_t h = blockIdx.y;
   kda_recurrent_block<RPT>(q, k, v, g, beta, T, H, Dk, Dv, h, blockIdx.x * kCols, S + h * int64_t(Dk) * Dv, o);
@@ -199,10 +197,11 @@ __device__ __forceinline__ bool kda_seq(const int32_t* cu_rows, const int32_t* s
 }
 
 template <int RPT>
-__global__ void __launch_bounds__(kThreads) kda_recurrent_varlen_kernel(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
-    const float* __restrict__ beta, const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots,
-    int n_slots, int64_t H, int Dk, int Dv, float* __restrict__ S_pool, float* __restrict__ o) {
+__global__ void __launch_bounds__(kThreads)
+    kda_recurrent_varlen_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                                const float* __restrict__ g, const float* __restrict__ beta,
+                                const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots, int n_slots,
+                                int64_t H, int Dk, int Dv, float* __restrict__ S_pool, float* __restrict__ o) {
   pdl_enter();
   KdaSeq sq;
   if (!kda_seq(cu_rows, slots, n_slots, H, Dk, Dv, S_pool, o, &sq)) return;
@@ -389,7 +388,7 @@ __device__ __forceinline__ void kda_chunked_block(const float* __restrict__ q, c
     __syncthreads();
     // 3. P = KQ·S and the needed part of A = KQ·Knᵀ, as one list of 4×4 tiles.
     {
-      const int R = CQ + C;             // rows 0..R-1 (k rows < C, q rows in [CQ, CQ + C))
+      const int R = CQ + C;  // rows 0..R-1 (k rows < C, q rows in [CQ, CQ + C))
       const int mt = (R + 3) / 4;
       const int pt = mt * (kCols / 4), nt = (C + 3) / 4, total = pt + mt * nt;
       for (int tI = tid; tI < total; tI += kThreads) {
@@ -496,20 +495,20 @@ __device__ __forceinline__ void kda_chunked_block(const float* __restrict__ q, c
   }
 }
 
-__global__ void __launch_bounds__(kThreads) kda_chunked_kernel(const float* __restrict__ q, const float* __restrict__ k,
-                                                               const float* __restrict__ v, const float* __restrict__ g,
-                                                               const float* __restrict__ beta, int64_t T, int64_t H,
-                                                               int Dk, int Dv, int CM, float* __restrict__ S,
-                                                               float* __restrict__ o) {
+__global__ void __launch_bounds__(kThreads)
+    kda_chunked_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                       const float* __restrict__ g, const float* __restrict__ beta, int64_t T, int64_t H, int Dk,
+                       int Dv, int CM, float* __restrict__ S, float* __restrict__ o) {
   pdl_enter();
   const int64_t h = blockIdx.y;
   kda_chunked_block(q, k, v, g, beta, T, H, Dk, Dv, CM, h, blockIdx.x * kCols, S + h * int64_t(Dk) * Dv, o);
 }
 
-__global__ void __launch_bounds__(kThreads) kda_chunked_varlen_kernel(
-    const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v, const float* __restrict__ g,
-    const float* __restrict__ beta, const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots,
-    int n_slots, int64_t H, int Dk, int Dv, int CM, float* __restrict__ S_pool, float* __restrict__ o) {
+__global__ void __launch_bounds__(kThreads)
+    kda_chunked_varlen_kernel(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+                              const float* __restrict__ g, const float* __restrict__ beta,
+                              const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ slots, int n_slots,
+                              int64_t H, int Dk, int Dv, int CM, float* __restrict__ S_pool, float* __restrict__ o) {
   pdl_enter();
   KdaSeq sq;
   if (!kda_seq(cu_rows, slots, n_slots, H, Dk, Dv, S_pool, o, &sq)) return;
@@ -556,7 +555,9 @@ bool allow_max_smem(const void* kernel) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem) == cudaSuccess;
 }
 void require_smem(bool ok, const char* what) {
-  if (!ok) fail(std::string(what) + ": this GPU cannot give " + std::to_string(kMaxSmem) + " bytes of shared memory per block");
+  if (!ok)
+    fail(std::string(what) + ": this GPU cannot give " + std::to_string(kMaxSmem) +
+         " bytes of shared memory per block");
 }
 
 }  // namespace

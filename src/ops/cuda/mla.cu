@@ -24,7 +24,6 @@ namespace k3::cuda {
 
 namespace {
 
-
 // ---------------------------------------------------------------- cache append
 // One block per new token: RMSNorm of the latent (fp64 sum of squares, fp32 w·(x·inv) as the CPU
 // rmsnorm) into c_dst [L], and the raw k_r copied into kr_dst [R]. The contiguous and the paged
@@ -97,10 +96,10 @@ __device__ __forceinline__ float load_w(const void* p, int64_t i) {
 constexpr int kGM = 32, kGN = 64, kGK = 16;
 
 template <int FMT, bool NT>
-__global__ void __launch_bounds__(256) head_gemm_kernel(const float* __restrict__ X, int64_t ldx_t, int64_t ldx_h,
-                                                        const void* __restrict__ W, int64_t wcols, int64_t per,
-                                                        int64_t row_off, int64_t T, int K, int N,
-                                                        float* __restrict__ Y, int64_t ldy_t, int64_t ldy_h) {
+__global__ void __launch_bounds__(256)
+    head_gemm_kernel(const float* __restrict__ X, int64_t ldx_t, int64_t ldx_h, const void* __restrict__ W,
+                     int64_t wcols, int64_t per, int64_t row_off, int64_t T, int K, int N, float* __restrict__ Y,
+                     int64_t ldy_t, int64_t ldy_h) {
   pdl_enter();
   __shared__ float As[kGK][kGM + 4];
   __shared__ float Bs[kGK][kGN + 4];
@@ -120,13 +119,14 @@ __global__ void __launch_bounds__(256) head_gemm_kernel(const float* __restrict_
       if (NT) {  // weight rows are n: read along k (contiguous)
         n = idx / kGK;
         kk = idx % kGK;
-      } else {   // weight rows are k: read along n (contiguous)
+      } else {  // weight rows are k: read along n (contiguous)
         kk = idx / kGN;
         n = idx % kGN;
       }
       float b = 0.0f;
       if (k0 + kk < K && n0 + n < N)
-        b = NT ? load_w<FMT>(W, (wrow0 + n0 + n) * wcols + k0 + kk) : load_w<FMT>(W, (wrow0 + k0 + kk) * wcols + n0 + n);
+        b = NT ? load_w<FMT>(W, (wrow0 + n0 + n) * wcols + k0 + kk)
+               : load_w<FMT>(W, (wrow0 + k0 + kk) * wcols + n0 + n);
       Bs[kk][n] = b;
     }
     __syncthreads();
@@ -192,16 +192,15 @@ struct WVec {  // 16 bytes of weights: 4 fp32 or 8 fp16/bf16, decoded exactly
 // blocks stream kv_b (one block per head left most of the GPU idle at decode). Row groups meet in
 // shared memory in a fixed order (deterministic).
 template <int FMT>
-__global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restrict__ q, int64_t dq,
-                                                            const void* __restrict__ W, int64_t wcols, int64_t per,
-                                                            int64_t T, int64_t heads, int nope, int L, int CGB,
-                                                            float* __restrict__ ql) {
+__global__ void __launch_bounds__(256)
+    qlat_gemv_vec_kernel(const float* __restrict__ q, int64_t dq, const void* __restrict__ W, int64_t wcols,
+                         int64_t per, int64_t T, int64_t heads, int nope, int L, int CGB, float* __restrict__ ql) {
   pdl_enter();
   constexpr int N = WVec<FMT>::N;
   extern __shared__ float gsm[];
   const int CG = L / N, RG = 256 / CGB, nr = (nope + RG - 1) / RG, WB = CGB * N;
-  float* qs = gsm;                 // [T][nope]
-  float* red = gsm + T * nope;     // [RG][T][WB]
+  float* qs = gsm;              // [T][nope]
+  float* red = gsm + T * nope;  // [RG][T][WB]
   const int64_t h = blockIdx.x;
   const int tid = threadIdx.x, cg = tid % CGB, rg = tid / CGB, cg0 = blockIdx.y * CGB;
   for (int idx = tid; idx < T * nope; idx += 256) {
@@ -247,9 +246,9 @@ __global__ void __launch_bounds__(256) qlat_gemv_vec_kernel(const float* __restr
 // out[t, h, j] = Σ_l kv_b[h·per + nope + j, l] · o_lat[t, h, l]; a warp per (h, j), 16-byte
 // weight loads along l.
 template <int FMT>
-__global__ void __launch_bounds__(256) out_gemv_vec_kernel(const float* __restrict__ ol, const void* __restrict__ W,
-                                                           int64_t wcols, int64_t per, int64_t T, int64_t heads,
-                                                           int nope, int dv, int L, float* __restrict__ out) {
+__global__ void __launch_bounds__(256)
+    out_gemv_vec_kernel(const float* __restrict__ ol, const void* __restrict__ W, int64_t wcols, int64_t per, int64_t T,
+                        int64_t heads, int nope, int dv, int L, float* __restrict__ out) {
   pdl_enter();
   constexpr int N = WVec<FMT>::N;
   const int lane = threadIdx.x & 31;
@@ -287,9 +286,9 @@ __global__ void __launch_bounds__(256) out_gemv_vec_kernel(const float* __restri
 
 // Any shape: thread per (h, l) column, rows in a loop.
 template <int FMT>
-__global__ void __launch_bounds__(256) qlat_gemv_kernel(const float* __restrict__ q, int64_t dq, const void* __restrict__ W,
-                                                        int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
-                                                        int L, float* __restrict__ ql) {
+__global__ void __launch_bounds__(256)
+    qlat_gemv_kernel(const float* __restrict__ q, int64_t dq, const void* __restrict__ W, int64_t wcols, int64_t per,
+                     int64_t T, int64_t heads, int nope, int L, float* __restrict__ ql) {
   pdl_enter();
   extern __shared__ float qs[];  // [T][nope]
   const int64_t h = blockIdx.y;
@@ -316,9 +315,9 @@ __global__ void __launch_bounds__(256) qlat_gemv_kernel(const float* __restrict_
 
 // Any shape: a warp per (h, j), lanes along l.
 template <int FMT>
-__global__ void __launch_bounds__(256) out_gemv_kernel(const float* __restrict__ ol, const void* __restrict__ W,
-                                                       int64_t wcols, int64_t per, int64_t T, int64_t heads, int nope,
-                                                       int dv, int L, float* __restrict__ out) {
+__global__ void __launch_bounds__(256)
+    out_gemv_kernel(const float* __restrict__ ol, const void* __restrict__ W, int64_t wcols, int64_t per, int64_t T,
+                    int64_t heads, int nope, int dv, int L, float* __restrict__ out) {
   pdl_enter();
   const int lane = threadIdx.x & 31;
   const int64_t r = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);  // (h, j) pair
@@ -741,9 +740,9 @@ __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total, int64_t* red)
   return x - v + (warp > 0 ? red[warp - 1] : 0);
 }
 
-__global__ void __launch_bounds__(kPlanThreads) mla_paged_plan_kernel(const int32_t* __restrict__ cu_rows,
-                                                                      const int32_t* __restrict__ pos0, int n_seqs,
-                                                                      int64_t rows, int64_t slots, PagedPlan p) {
+__global__ void __launch_bounds__(kPlanThreads)
+    mla_paged_plan_kernel(const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ pos0, int n_seqs,
+                          int64_t rows, int64_t slots, PagedPlan p) {
   pdl_enter();
   __shared__ int64_t red[32];
   int64_t sum_keys = 0, part = 0;
@@ -821,11 +820,10 @@ void head_products_fmt(bool nt, const float* X, const WeightMat& W, const MlaAtt
     if (nt) {
       const unsigned blocks = unsigned((H * d.v + 7) / 8);
       if (vec)
-        launch(out_gemv_vec_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v),
-               int(L), Y);
-      else
-        launch(out_gemv_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L),
+        launch(out_gemv_vec_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L),
                Y);
+      else
+        launch(out_gemv_kernel<FMT>, blocks, 256, 0, s, X, W.data, W.cols, per, T, H, int(d.nope), int(d.v), int(L), Y);
     } else {
       // 16 column groups per block (16 row groups of nope/16 rows): H · L/(16N) blocks.
       const int64_t CG = L / N, CGB = std::min<int64_t>(CG, 16);
@@ -844,21 +842,28 @@ void head_products_fmt(bool nt, const float* X, const WeightMat& W, const MlaAtt
   }
   if (nt) {
     const dim3 grid(unsigned((d.v + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
-    launch(head_gemm_kernel<FMT, true>, grid, 256, 0, s, X, H * L, L, W.data, W.cols, per, d.nope, T, int(L),
-           int(d.v), Y, H * d.v, d.v);
+    launch(head_gemm_kernel<FMT, true>, grid, 256, 0, s, X, H * L, L, W.data, W.cols, per, d.nope, T, int(L), int(d.v),
+           Y, H * d.v, d.v);
   } else {
     const dim3 grid(unsigned((L + kGN - 1) / kGN), unsigned((T + kGM - 1) / kGM), unsigned(H));
-    launch(head_gemm_kernel<FMT, false>, grid, 256, 0, s, X, H * dq, dq, W.data, W.cols, per, 0, T, int(d.nope),
-           int(L), Y, H * L, L);
+    launch(head_gemm_kernel<FMT, false>, grid, 256, 0, s, X, H * dq, dq, W.data, W.cols, per, 0, T, int(d.nope), int(L),
+           Y, H * L, L);
   }
 }
 
 void head_products(bool nt, const float* X, const WeightMat& W, const MlaAttnDims& d, int64_t T, float* Y, Stream s) {
   switch (W.fmt) {
-    case WFormat::F32: head_products_fmt<0>(nt, X, W, d, T, Y, s); break;
-    case WFormat::F16: head_products_fmt<1>(nt, X, W, d, T, Y, s); break;
-    case WFormat::BF16: head_products_fmt<2>(nt, X, W, d, T, Y, s); break;
-    case WFormat::MXFP4: fail("mla_attend_absorbed: kv_b_proj in MXFP4 is not supported on the GPU (F32/F16/BF16 only)");
+    case WFormat::F32:
+      head_products_fmt<0>(nt, X, W, d, T, Y, s);
+      break;
+    case WFormat::F16:
+      head_products_fmt<1>(nt, X, W, d, T, Y, s);
+      break;
+    case WFormat::BF16:
+      head_products_fmt<2>(nt, X, W, d, T, Y, s);
+      break;
+    case WFormat::MXFP4:
+      fail("mla_attend_absorbed: kv_b_proj in MXFP4 is not supported on the GPU (F32/F16/BF16 only)");
   }
 }
 
@@ -868,7 +873,9 @@ void launch_attend(const AttnArgs& a, dim3 grid, size_t smem, Stream s) {
     return cudaFuncSetAttribute(mla_attend_kernel<LM>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxAttSmem) ==
            cudaSuccess;
   }();
-  if (!attr_set) fail("mla_attend_absorbed: this GPU cannot give " + std::to_string(kMaxAttSmem) + " bytes of shared memory per block");
+  if (!attr_set)
+    fail("mla_attend_absorbed: this GPU cannot give " + std::to_string(kMaxAttSmem) +
+         " bytes of shared memory per block");
   launch(mla_attend_kernel<LM>, grid, kAttThreads, smem, s, a);
 }
 
@@ -963,8 +970,8 @@ void mla_cache_append(const float* ckv, int64_t T, int64_t kv_lora, int64_t rope
   check_launch("mla_cache_append");
 }
 
-void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora,
-                            int64_t rope, const float* norm_w, float eps, Stream s) {
+void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCacheDev& c, int64_t kv_lora, int64_t rope,
+                            const float* norm_w, float eps, Stream s) {
   check_varlen("mla_cache_append_paged", b, false);
   check_paged("mla_cache_append_paged", c);
   if (b.rows <= 0) return;

@@ -30,10 +30,9 @@ __device__ __forceinline__ bool before(double va, int ia, double vb, int ib) {
 // lower index) and leaves the candidate set. Each thread owns experts tid, tid + 256, ... and keeps
 // the best of them in registers; only the owner of a round's winner rescans. One barrier a round
 // (the per-warp candidates are double-buffered).
-__global__ void __launch_bounds__(kRouterThreads) router_kernel(const float* __restrict__ logits,
-                                                                const float* __restrict__ bias, int E, int k,
-                                                                bool renorm, float scale, int32_t* __restrict__ idx,
-                                                                float* __restrict__ w) {
+__global__ void __launch_bounds__(kRouterThreads)
+    router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, bool renorm,
+                  float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
   extern __shared__ double rsm[];
   double* s = rsm;      // [E] unbiased scores
   double* key = s + E;  // [E] selection scores; -inf once selected
@@ -139,10 +138,9 @@ __device__ __forceinline__ void warp_best(double& v, int& i, int width) {
   }
 }
 
-__global__ void __launch_bounds__(32 * kFastWarps) router_fast_kernel(const float* __restrict__ logits,
-                                                                      const float* __restrict__ bias, int E, int k,
-                                                                      bool renorm, float scale,
-                                                                      int32_t* __restrict__ idx, float* __restrict__ w) {
+__global__ void __launch_bounds__(32 * kFastWarps)
+    router_fast_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, bool renorm,
+                       float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
   __shared__ double s_score[kFastMaxE];  // unbiased σ(logit) per expert
   __shared__ double cv[kFastWarps][kFastMaxK];
   __shared__ int ci[kFastWarps][kFastMaxK];
@@ -201,8 +199,8 @@ __global__ void __launch_bounds__(32 * kFastWarps) router_fast_kernel(const floa
     for (int j = 0; j < k; ++j) {
       double bv = v;
       int bi = i;
-      warp_best(bv, bi, kFastWarps);             // lanes 0..7 agree
-      bi = __shfl_sync(0xffffffffu, bi, 0);      // and tell the rest
+      warp_best(bv, bi, kFastWarps);         // lanes 0..7 agree
+      bi = __shfl_sync(0xffffffffu, bi, 0);  // and tell the rest
       if (lane < nw && i == bi) {
         ++pos;
         v = pos < k ? cv[lane][pos] : -INFINITY;
@@ -242,8 +240,8 @@ __global__ void combine_kernel(const float* __restrict__ y, const float* __restr
 void router_topk(const float* logits, const float* bias, int64_t T, int64_t E, int64_t k, bool renorm, float scale,
                  int32_t* idx, float* w, Stream s) {
   if (E < 1 || E > kMaxExperts || k < 1 || k > E || k > 256)
-    fail("router_topk: " + std::to_string(E) + " experts, top-" + std::to_string(k) + " is outside what the GPU kernel takes (E <= " +
-         std::to_string(kMaxExperts) + ", k <= min(E, 256))");
+    fail("router_topk: " + std::to_string(E) + " experts, top-" + std::to_string(k) +
+         " is outside what the GPU kernel takes (E <= " + std::to_string(kMaxExperts) + ", k <= min(E, 256))");
   if (T <= 0) return;
   if (E <= kFastMaxE && k <= kFastMaxK) {
     const int warps = int((E + 32 * kFastPerLane - 1) / (32 * kFastPerLane));

@@ -52,9 +52,9 @@ double measure_bf16_gemm_tflops(int n) {
   if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cannot create a handle for the GEMM probe");
   const float one = 1.0f, zero = 0.0f;
   const auto gemm = [&] {
-    const cublasStatus_t st = cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(),
-                                           CUDA_R_16BF, n, &zero, C.get(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F,
-                                           CUBLAS_GEMM_DEFAULT);
+    const cublasStatus_t st =
+        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(), CUDA_R_16BF, n,
+                     &zero, C.get(), CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     if (st != CUBLAS_STATUS_SUCCESS) {
       cublasDestroy(h);
       fail("cuBLAS: GEMM probe failed (status " + std::to_string(int(st)) + ")");

@@ -116,7 +116,9 @@ void host_free_pinned(void* p) noexcept {
   if (p) cudaFreeHost(p);
 }
 
-void capture_begin(Stream s) { check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin graph capture"); }
+void capture_begin(Stream s) {
+  check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "begin graph capture");
+}
 GraphExec capture_end(Stream s) {
   cudaGraph_t g = nullptr;
   check(cudaStreamEndCapture(s, &g), "end graph capture");

@@ -35,8 +35,8 @@ std::string unavailable_reason();
 // Device memory. dev_alloc throws k3::Error naming the size and what was asked for on failure.
 void* dev_alloc(size_t bytes, const char* what);
 void dev_free(void* p) noexcept;
-void h2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);   // async on s, then the
-void d2h(void* dst, const void* src, size_t bytes, Stream s = nullptr);   // d2h variant syncs s
+void h2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // async on s, then the
+void d2h(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // d2h variant syncs s
 void d2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);
 void dev_memset(void* dst, int value, size_t bytes, Stream s = nullptr);
 void sync(Stream s = nullptr);
@@ -49,14 +49,26 @@ class DevBuf {
   DevBuf() = default;
   DevBuf(size_t bytes, const char* what) : p_(dev_alloc(bytes, what)), n_(bytes) {}
   ~DevBuf() { dev_free(p_); }
-  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr; o.n_ = 0; }
+  DevBuf(DevBuf&& o) noexcept : p_(o.p_), n_(o.n_) {
+    o.p_ = nullptr;
+    o.n_ = 0;
+  }
   DevBuf& operator=(DevBuf&& o) noexcept {
-    if (this != &o) { dev_free(p_); p_ = o.p_; n_ = o.n_; o.p_ = nullptr; o.n_ = 0; }
+    if (this != &o) {
+      dev_free(p_);
+      p_ = o.p_;
+      n_ = o.n_;
+      o.p_ = nullptr;
+      o.n_ = 0;
+    }
     return *this;
   }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(p_); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
   void* get() const { return p_; }
   size_t bytes() const { return n_; }
   explicit operator bool() const { return p_ != nullptr; }

@@ -33,7 +33,8 @@ __device__ __forceinline__ int last_le(int n, Key key, int64_t x) {
 // The sequence holding `row` (cu_rows[i] <= row < cu_rows[i+1]); with empty sequences the last one
 // starting at or before the row, which is the one that holds it.
 __device__ __forceinline__ int seq_of_row(const int32_t* cu_rows, int n_seqs, int64_t row) {
-  return last_le(n_seqs, [cu_rows](int i) { return int64_t(cu_rows[i]); }, row);
+  return last_le(
+      n_seqs, [cu_rows](int i) { return int64_t(cu_rows[i]); }, row);
 }
 
 // Host checks shared by the varlen ops. `slots`: whether the op reads per-sequence state slots.

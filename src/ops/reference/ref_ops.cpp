@@ -81,7 +81,8 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t i = h * D + d;
-        g[t * H * D + i] = float(lower_bound * sigmoid(std::exp(double(A_log[h])) * (double(f[t * H * D + i]) + dt_bias[i])));
+        g[t * H * D + i] =
+            float(lower_bound * sigmoid(std::exp(double(A_log[h])) * (double(f[t * H * D + i]) + dt_bias[i])));
       }
 }
 
@@ -185,8 +186,8 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
     }
 }
 
-void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,
-                 int32_t* idx, float* w) {
+void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale, int32_t* idx,
+                 float* w) {
   std::vector<double> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     s[size_t(e)] = sigmoid(logits[e]);
