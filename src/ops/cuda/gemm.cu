@@ -497,75 +497,12 @@ __global__ void __launch_bounds__(kGemvThreads)
     if (lane == r && r0 + r < R_exp) y[r0 + r] = acc[r][0];
 }
 
-// Routed experts for many n (prefill): block (tile, e) finds the n routed to expert e (a scan of
-// ids, amortized over kGroupRows rows) and reads each weight once per kGemvMaxT of them (direct
-// activation loads: warps run different row counts, so no block barriers inside). The extra block
-// row e == E turns ids outside [0, E) into NaN rows instead of reading outside W.
-constexpr int kGroupRows = 256;
-// Up to this many slots (the grid's limit) the per-slot kernel is used. The grouped kernel reads
-// each weight once per kGemvMaxT slots but every warp loads its slots' activations from L1 for
-// every two rows, which bounds it far below the memory roof: on the H200, 256 decode slots (32
-// sequences x top-8, gpu-bench) took 1.4 ms per expert product grouped and the per-slot kernel,
-// reading an expert once per slot, several times less. Long chunks group on the host instead
-// (one GEMM per selected expert).
-constexpr int64_t kExpertPerTokenMaxN = 65535;
-template <WFormat F, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads)
-    expert_group_kernel(const uint8_t* W, const uint8_t* S, int64_t R_exp, int64_t cols, int64_t E, const int32_t* ids,
-                        int64_t N, const float* X, int64_t x_div, float* Y) {
-  constexpr int T = int(kGemvMaxT);
-  using C = GemvCfg<F, T>;
-  constexpr int R = C::rows();
-  __shared__ int sel[kGemvThreads + T];
-  __shared__ int cnt;
-  const int64_t e = blockIdx.y;
-  const int64_t lo = int64_t(blockIdx.x) * kGroupRows, hi = min(lo + int64_t(kGroupRows), R_exp);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-
-  // Rows [lo, hi) of expert e for the batch b[0, c) (1 <= c <= T; padded with the last entry).
-  auto run_batch = [&](const int* b, int c) {
-    if (e == E) {
-      for (int64_t i = threadIdx.x; i < int64_t(c) * (hi - lo); i += kGemvThreads)
-        Y[int64_t(b[i / (hi - lo)]) * R_exp + lo + i % (hi - lo)] = __uint_as_float(0x7fc00000u);
-      return;
-    }
-    const float* xt[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) xt[t] = X + (int64_t(b[min(t, c - 1)]) / x_div) * cols;
-    for (int64_t r0 = lo + int64_t(warp) * R; r0 < hi; r0 += int64_t(kGemvWarps) * R) {
-      int64_t row[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) row[r] = e * R_exp + min(r0 + r, hi - 1);
-      float acc[R][T];
-      warp_gemv<F, T, R, C::U(), VEC>(W, S, row, cols, xt, acc);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int t = 0; t < T; ++t)
-          if (lane == (r * T + t) % 32 && t < c && r0 + r < hi) Y[int64_t(b[t]) * R_exp + r0 + r] = acc[r][t];
-    }
-  };
-
-  if (threadIdx.x == 0) cnt = 0;
-  __syncthreads();
-  for (int64_t base = 0; base < N; base += kGemvThreads) {
-    const int64_t i = base + threadIdx.x;
-    if (i < N) {
-      const int64_t id = __ldg(ids + i);
-      const bool mine = e == E ? (id < 0 || id >= E) : id == e;
-      if (mine) sel[atomicAdd(&cnt, 1)] = int(i);
-    }
-    __syncthreads();
-    const int c = cnt, full = c / T * T;
-    for (int b = 0; b < full; b += T) run_batch(sel + b, T);
-    __syncthreads();  // everyone is done with sel/cnt before the remainder moves to the front
-    if (threadIdx.x < c - full)
-      sel[threadIdx.x] = sel[full + threadIdx.x];  // disjoint: full >= T > c - full, or full == 0
-    if (threadIdx.x == 0) cnt = c - full;
-    __syncthreads();
-  }
-  if (cnt > 0) run_batch(sel, cnt);
-}
+// Slots per launch of the per-slot kernel (the grid's y limit). It reads an expert once per slot,
+// which measured faster than grouping slots by expert inside a kernel: a grouped kernel without
+// shared-memory staging of the activations took 1.4 ms per expert product for 256 decode slots
+// (32 sequences x top-8, gpu-bench, H200), 30 of the 38.6 ms step. Long chunks group on the host
+// instead (one GEMM per selected expert).
+constexpr int64_t kExpertSlotsPerLaunch = 65535;
 
 // ------------------------------------------------------------------ T > kGemvMaxT: fp32 SIMT tiles
 
@@ -898,22 +835,20 @@ void launch_expert_f(const WeightMat& W, int64_t R, const int32_t* ids, int64_t 
                      float* Y, Stream s) {
   const int64_t E = W.rows / R;
   const auto* w = static_cast<const uint8_t*>(W.data);
-  const bool vec = gemv_vec_ok(W, X);
-  if (N <= kExpertPerTokenMaxN) {
-    constexpr int Rw = GemvCfg<F, 1>::rows();
-    const dim3 grid(unsigned((R + int64_t(kGemvWarps) * Rw - 1) / (int64_t(kGemvWarps) * Rw)), unsigned(N));
-    if (vec)
-      expert_gemv_kernel<F, true><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, X, x_div, Y);
+  constexpr int Rw = GemvCfg<F, 1>::rows();
+  // Launches of whole x_div groups, so each launch's slots start at an activation row.
+  const int64_t per = std::max<int64_t>(x_div, kExpertSlotsPerLaunch / x_div * x_div);
+  for (int64_t n0 = 0; n0 < N; n0 += per) {
+    const int64_t n = std::min(per, N - n0);
+    const float* x = X + (n0 / x_div) * W.cols;
+    const dim3 grid(unsigned((R + int64_t(kGemvWarps) * Rw - 1) / (int64_t(kGemvWarps) * Rw)), unsigned(n));
+    if (gemv_vec_ok(W, x))
+      expert_gemv_kernel<F, true>
+          <<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids + n0, x, x_div, Y + n0 * R);
     else
-      expert_gemv_kernel<F, false><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, X, x_div, Y);
+      expert_gemv_kernel<F, false>
+          <<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids + n0, x, x_div, Y + n0 * R);
     check_launch("expert gemv kernel");
-  } else {
-    const dim3 grid(unsigned((R + kGroupRows - 1) / kGroupRows), unsigned(E + 1));
-    if (vec)
-      expert_group_kernel<F, true><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, N, X, x_div, Y);
-    else
-      expert_group_kernel<F, false><<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids, N, X, x_div, Y);
-    check_launch("expert group kernel");
   }
 }
 
@@ -978,7 +913,7 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
   if (R <= 0 || W.rows % R != 0)
     failf("expert_matmul: %lld stacked rows are not a multiple of %lld rows per expert", (long long)W.rows,
           (long long)R);
-  if (x_div < 1) failf("expert_matmul: x_div must be >= 1");
+  if (x_div < 1 || x_div > kExpertSlotsPerLaunch) failf("expert_matmul: x_div must be in 1..65535");
   if (N <= 0) return;
   if (N > (int64_t(1) << 31) - 1 || W.rows / R > 65534)
     failf("expert_matmul: too many slots or experts for the GPU kernels");
