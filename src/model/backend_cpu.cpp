@@ -417,10 +417,16 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
       return;
     }
     const ops::Numerics numerics = ops::current_numerics();  // thread-local: hand it to the workers
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
+    // Which thread takes which expert varies from step to step, so every thread sizes its GEMM
+    // buffers for the largest expert of the batch first (a repeated step then allocates nothing).
+    int64_t most = 0, widest = latent;
+    for (int64_t i = 0; i < n; ++i) most = std::max(most, n_rows(ids[i])), widest = std::max(widest, ew[i]->gate.rows);
+#pragma omp parallel
+    {
+      ops::reserve_matmul(most, widest);
       const ops::NumericsScope scope(numerics);
-      expert_out(i, ids[i], *ew[i]);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < n; ++i) expert_out(i, ids[i], *ew[i]);
     }
     for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };

@@ -75,6 +75,11 @@ struct LatentPages {
 // up to the order of fp32 sums at page ends).
 void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                                const WeightMat& kv_b, const MlaAttnDims& d, float* out);
+// Sizes the calling thread's GEMM buffers for matmuls of up to T rows of `cols` inputs, so that a
+// later call of that size allocates nothing on this thread. For parallel regions whose threads
+// take matmuls of different sizes in dynamic order (whole experts), where a thread would
+// otherwise first meet its largest size at any later step.
+void reserve_matmul(int64_t T, int64_t cols);
 }  // namespace ops
 namespace ref {
 K3_OPS_DECLARE

@@ -361,6 +361,13 @@ void quantize_q8_scalar(const float* x, int64_t cols, int8_t* xq, int32_t* xc, f
 
 void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W, r, out); }
 
+void reserve_matmul(int64_t T, int64_t cols) {
+  // The bf16 GEMM's buffers (gemm_threaded): the packed activations and one row tile.
+  const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16;
+  aligned64(tl_xp_buf(), size_t(tpad * np / 2));
+  aligned64(tl_rows_buf(), size_t(6 * np));
+}
+
 bool fast_applies(const WeightMat& W, int64_t T) {
   return current_numerics() == Numerics::Fast && (T >= kFastMinRows || (T == 1 && W.fmt == WFormat::MXFP4));
 }
