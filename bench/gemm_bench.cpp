@@ -48,10 +48,9 @@ int main(int argc, char** argv) {
     k3::ops::set_cpu_isa(want);
   }
   const int threads = omp_get_max_threads();
-  const k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
   const double peak = k3::ops::measure_peak_gflops(threads, 5);
   std::printf("k3_gemm_bench: %d threads, level %s, fast numerics, peak %.1f GFLOP/s (%s)\n", threads,
-              k3::ops::cpu_isa_name(k3::ops::active_kernel_level()), peak, k3::ops::peak_kind());
+              k3::ops::cpu_isa_name(k3::ops::kFast.level()), peak, k3::ops::peak_kind());
   k3bench::Pool P;
   struct Case {
     bool mx;
@@ -74,12 +73,12 @@ int main(int argc, char** argv) {
     std::vector<float> X(size_t(c.T * c.cols)), Y(size_t(c.T * c.rows));
     for (auto& v : X) v = u(rng);
     for (int cold = 0; cold < 2; ++cold) {
-      k3::ops::matmul(pool[0], X.data(), c.T, Y.data());  // warm-up
+      k3::ops::matmul(k3::ops::kFast, pool[0], X.data(), c.T, Y.data());  // warm-up
       int64_t n = 0;
       const auto t0 = Clock::now();
       double el = 0;
       do {
-        k3::ops::matmul(pool[size_t(cold ? n % pool_n : 0)], X.data(), c.T, Y.data());
+        k3::ops::matmul(k3::ops::kFast, pool[size_t(cold ? n % pool_n : 0)], X.data(), c.T, Y.data());
         ++n;
         el = std::chrono::duration<double>(Clock::now() - t0).count();
       } while (el < min_s);

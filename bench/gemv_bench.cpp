@@ -71,10 +71,9 @@ int main(int argc, char** argv) {
     k3::ops::set_cpu_isa(want);
   }
   const int threads = omp_get_max_threads();
-  const k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
   const k3::ops::Roofline roof = k3::ops::measure_roofline(threads);
   std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read bandwidth %.1f GB/s\n", threads,
-              k3::ops::cpu_isa_name(k3::ops::active_kernel_level()), roof.read_gbs);
+              k3::ops::cpu_isa_name(k3::ops::kFast.level()), roof.read_gbs);
   k3bench::Pool P;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -87,7 +86,7 @@ int main(int argc, char** argv) {
     size_t next = 0;
     const double r = rate(min_s, [&] {
       const k3::WeightMat& w = W[next++ % W.size()];
-      k3::ops::matmul(w, x.data(), 1, y.data());
+      k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());
       return bytes_of(w);
     });
     std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n", "bf16 gemv [2048,4096], rows split", r / 1e9,
@@ -107,12 +106,11 @@ int main(int argc, char** argv) {
       double bytes = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(+ : bytes)
       for (int i = 0; i < 8; ++i) {
-        const k3::ops::NumericsScope s(k3::ops::Numerics::Fast);
         const Glu& g = E[size_t(ids[i])];
         float* o = out[size_t(i)].data();
-        k3::ops::matmul(g.gate, x.data(), 1, o);
-        k3::ops::matmul(g.up, x.data(), 1, o + 768);
-        k3::ops::matmul(g.down, o, 1, o + 1024);
+        k3::ops::matmul(k3::ops::kFast, g.gate, x.data(), 1, o);
+        k3::ops::matmul(k3::ops::kFast, g.up, x.data(), 1, o + 768);
+        k3::ops::matmul(k3::ops::kFast, g.down, o, 1, o + 1024);
         bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
       }
       return bytes;
@@ -137,8 +135,8 @@ int main(int argc, char** argv) {
           dn[i] = &g.down, dx[i] = o, dy[i] = o + 1024;
           bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
         }
-        k3::ops::matmul_shared_input(gu, 16, x.data(), 1, gy);
-        k3::ops::matmul_many(dn, dx, 8, 1, dy);
+        k3::ops::matmul_shared_input(k3::ops::kFast, gu, 16, x.data(), 1, gy);
+        k3::ops::matmul_many(k3::ops::kFast, dn, dx, 8, 1, dy);
         return bytes;
       });
     };

@@ -196,7 +196,6 @@ int main(int argc, char** argv) {
 
     k3::ForwardOptions opt;
     opt.numerics = k3::ops::parse_numerics(numerics);
-    const k3::ops::NumericsScope scope(opt.numerics);
     // The read probe before and after the timings (a shared machine's bandwidth moves within
     // seconds): the ratio divides by the larger.
     const k3::ops::ReadProbe probe(omp_get_max_threads(), uint64_t(1) << 30);
@@ -255,7 +254,7 @@ int main(int argc, char** argv) {
     std::vector<double> lt;
     for (int64_t r = 0; r <= reps; ++r) {
       const double t0 = now_s();
-      k3::ops::matmul(lm_head, x.data(), 1, logits.data());
+      k3::ops::matmul(k3::ops::Exec{opt.numerics}, lm_head, x.data(), 1, logits.data());
       if (r > 0) lt.push_back(now_s() - t0);
     }
     const double head = median(lt);

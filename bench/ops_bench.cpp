@@ -92,17 +92,19 @@ int main(int argc, char** argv) {
     if (int(level) > int(k3::ops::cpu_isa_detected())) continue;
     k3::ops::set_cpu_isa(level);
     const char* ln = k3::ops::cpu_isa_name(level);
+    // The scalar kernels run under exact numerics, the SIMD ones under fp32.
+    const k3::ops::Exec ex{level == k3::ops::CpuIsa::Scalar ? k3::ops::Numerics::Exact : k3::ops::Numerics::F32};
     for (Kda* c : {&dec96, &dec16}) {
       const double s = time_per_call(min_s, [&] {
-        k3::ops::kda_recurrent(c->q.data(), c->k.data(), c->v.data(), c->g.data(), c->beta.data(), 1, c->H, c->D, c->D,
-                               c->S.data(), c->o.data());
+        k3::ops::kda_recurrent(ex, c->q.data(), c->k.data(), c->v.data(), c->g.data(), c->beta.data(), 1, c->H, c->D,
+                               c->D, c->S.data(), c->o.data());
       });
       const std::string name = "kda_recurrent T=1 H=" + std::to_string(c->H) + " D=128";
       row(name.c_str(), ln, s, 2.0 * double(c->H * c->D * c->D) * 4 / s / 1e9, "GB/s (state r+w)");
     }
     {
       const double s = time_per_call(min_s, [&] {
-        k3::ops::kda_chunked(pre.q.data(), pre.k.data(), pre.v.data(), pre.g.data(), pre.beta.data(), pre.T, pre.H,
+        k3::ops::kda_chunked(ex, pre.q.data(), pre.k.data(), pre.v.data(), pre.g.data(), pre.beta.data(), pre.T, pre.H,
                              pre.D, pre.D, 64, pre.S.data(), pre.o.data());
       });
       row("kda_chunked T=512 H=16 D=128", ln, s, 6.0 * double(pre.T * pre.H * pre.D * pre.D) / s / 1e9,
@@ -110,7 +112,7 @@ int main(int argc, char** argv) {
     }
     {
       const double s = time_per_call(min_s, [&] {
-        k3::ops::mla_attend_absorbed(mq.data(), 1, mc.data(), mkr.data(), S, S - 1, kvb, d, mo.data());
+        k3::ops::mla_attend_absorbed(ex, mq.data(), 1, mc.data(), mkr.data(), S, S - 1, kvb, d, mo.data());
       });
       const double flops = 2.0 * double(heads) * double(nope * L + S * (L + rope) + S * L + vd * L);
       const double bytes = double(S * (L + rope)) * 4 + double(wb.size()) * 2;

@@ -2,7 +2,7 @@
 // scalar fp64-accumulating ones under exact numerics). Per-sequence ops run each sequence from its
 // slot; the routed experts are grouped by expert over the step's rows, with row-parallel GEMVs for a
 // one-row step and experts streamed from an ExpertSource on request.
-// Must not: hold model state between steps beyond the numerics scope of the step in flight.
+// Must not: hold model state between steps beyond the numerics of the step in flight.
 #include "model/backends.h"
 
 #include <omp.h>
@@ -13,7 +13,6 @@
 #include <cstring>
 #include <memory>
 #include <new>
-#include <optional>
 
 #include "core/error.h"
 #include "model/layers.h"
@@ -54,15 +53,15 @@ class CpuBackend final : public Backend {
   void place(ModelWeights&) override {}  // the mapping is read as it is
 
   bool begin_step(const StepView& v, const int32_t*, StepNumerics n, bool) override {
-    scope_.emplace(to_ops(n));
+    ex_ = ops::Exec{to_ops(n)};
     step_rows_ = v.rows;
     step_cu_.assign(v.cu_rows, v.cu_rows + v.n_seqs + 1);
     // Room for every page of the longest sequence, grown ahead (a decode step allocates nothing).
     if (page_ptrs_.capacity() < size_t(v.max_pages)) page_ptrs_.reserve(std::max<size_t>(2 * size_t(v.max_pages), 64));
     return true;
   }
-  void end_step() override { scope_.reset(); }
-  void abort_step() noexcept override { scope_.reset(); }
+  void end_step() override { ex_ = ops::kExact; }
+  void abort_step() noexcept override { ex_ = ops::kExact; }
 
   void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
     for (int64_t t = 0; t < R; ++t) ops::dequant_row(E, ids[t], out + t * E.cols);
@@ -85,17 +84,17 @@ class CpuBackend final : public Backend {
     products(W, x, n, R, y, nullptr, nullptr, 0);
   }
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
-    ops::rmsnorm(x, R, n, w, eps, out);
+    ops::rmsnorm(ex_, x, R, n, w, eps, out);
   }
   void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
-    ops::l2norm_scale(x, rows, n, eps, scale);
+    ops::l2norm_scale(ex_, x, rows, n, eps, scale);
   }
   void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
-    ops::situ_glu(g, u, n, b1, b2, out);
+    ops::situ_glu(ex_, g, u, n, b1, b2, out);
   }
   void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias, float lb,
                 float* g) override {
-    ops::kda_gate(f, R, H, D, A_log, dt_bias, lb, g);
+    ops::kda_gate(ex_, f, R, H, D, A_log, dt_bias, lb, g);
   }
   void sigmoid(float* x, int64_t n) override {
     for (int64_t i = 0; i < n; ++i) x[i] = 1.0f / (1.0f + std::exp(-x[i]));
@@ -108,7 +107,7 @@ class CpuBackend final : public Backend {
   }
   void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
                    float* out) override {
-    ops::attnres_mix(src, n_src, R, H, fold, eps, out);
+    ops::attnres_mix(ex_, src, n_src, R, H, fold, eps, out);
   }
   void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst) override {
     for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * width, src + int64_t(rows[i]) * width, size_t(width) * 4);
@@ -119,7 +118,7 @@ class CpuBackend final : public Backend {
     const int64_t per = C * (K - 1);
     for (int64_t i = 0; i < s.n_seqs; ++i) {
       const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0;
-      ops::short_conv_silu(x + r0 * C, T, C, w, K, state + s.slots[i] * per, out + r0 * C);
+      ops::short_conv_silu(ex_, x + r0 * C, T, C, w, K, state + s.slots[i] * per, out + r0 * C);
     }
   }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
@@ -129,11 +128,11 @@ class CpuBackend final : public Backend {
       const int64_t r0 = s.cu_rows[i], T = s.cu_rows[i + 1] - r0;
       float* S = S_pool + s.slots[i] * per;
       if (algo == KdaAlgo::Chunked && T > 1)
-        ops::kda_chunked(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H, Dk,
-                         Dv, chunk, S, o + r0 * H * Dv);
+        ops::kda_chunked(ex_, q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H,
+                         Dk, Dv, chunk, S, o + r0 * H * Dv);
       else
-        ops::kda_recurrent(q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H, Dk,
-                           Dv, S, o + r0 * H * Dv);
+        ops::kda_recurrent(ex_, q + r0 * H * Dk, k + r0 * H * Dk, v + r0 * H * Dv, g + r0 * H * Dk, beta + r0 * H, T, H,
+                           Dk, Dv, S, o + r0 * H * Dv);
     }
   }
   void mla_append(const float* ckv, const StepView& s, int64_t L, int64_t rope, const float* norm_w, float eps,
@@ -143,7 +142,7 @@ class CpuBackend final : public Backend {
       for (int64_t r = s.cu_rows[i]; r < s.cu_rows[i + 1]; ++r) {
         const int64_t pos = s.pos0[i] + (r - s.cu_rows[i]);
         float* dst = pages.pages + (int64_t(s.block_table[i * s.max_pages + pos / P]) * P + pos % P) * W;
-        ops::rmsnorm(ckv + r * W, 1, L, norm_w, eps, dst);
+        ops::rmsnorm(ex_, ckv + r * W, 1, L, norm_w, eps, dst);
         std::memcpy(dst + L, ckv + r * W + L, size_t(rope) * 4);
       }
   }
@@ -158,7 +157,7 @@ class CpuBackend final : public Backend {
         page_ptrs_[size_t(p)] = pages.pages + int64_t(s.block_table[i * s.max_pages + p]) * P * W;
       const ops::LatentPages lp{page_ptrs_.data(), P, W};
       if (algo == MlaAlgo::Absorbed) {
-        ops::mla_attend_absorbed_paged(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
+        ops::mla_attend_absorbed_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
       } else {
         mla_expanded(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
       }
@@ -167,15 +166,15 @@ class CpuBackend final : public Backend {
 
   void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
                    int32_t* idx, float* w) override {
-    for (int64_t t = 0; t < R; ++t) ops::router_topk(logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
+    for (int64_t t = 0; t < R; ++t)
+      ops::router_topk(ex_, logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override {
     // Under fast numerics an expert's GEMM rounds its rows when it has >= 4 of them, so each
     // sequence's rows go through the experts as they would alone; otherwise every row of the step
     // at once (each selected expert read once).
-    if (ops::current_numerics() != ops::Numerics::Fast || R != step_rows_)
-      return moe_rows(w, latent, situ, z, idx, wt, R, top_k, agg, source);
+    if (!ex_.fast() || R != step_rows_) return moe_rows(w, latent, situ, z, idx, wt, R, top_k, agg, source);
     for (size_t i = 0; i + 1 < step_cu_.size(); ++i) {
       const int64_t r0 = step_cu_[i], n = step_cu_[i + 1] - r0;
       moe_rows(w, latent, situ, z + r0 * latent, idx + r0 * top_k, wt + r0 * top_k, n, top_k, agg + r0 * latent,
@@ -203,14 +202,14 @@ class CpuBackend final : public Backend {
       std::memcpy(c.data() + t * L, src, size_t(L) * 4);
       std::memcpy(kr.data() + t * d.rope, src + L, size_t(d.rope) * 4);
     }
-    ops::matmul(kv_b, c.data(), S, kv.data());
+    ops::matmul(ex_, kv_b, c.data(), S, kv.data());
     for (int64_t t = 0; t < S; ++t)
       for (int64_t h = 0; h < d.heads; ++h) {
         const float* src = kv.data() + (t * d.heads + h) * per_head;
         std::memcpy(kn.data() + (t * d.heads + h) * d.nope, src, size_t(d.nope) * 4);
         std::memcpy(vv.data() + (t * d.heads + h) * d.v, src + d.nope, size_t(d.v) * 4);
       }
-    ops::mla_attend_expanded(q, T, kn.data(), kr.data(), vv.data(), S, pos0, d, out);
+    ops::mla_attend_expanded(ex_, q, T, kn.data(), kr.data(), vv.data(), S, pos0, d, out);
   }
 
   // ---- fast numerics by sequence
@@ -245,10 +244,11 @@ class CpuBackend final : public Backend {
     return runs_;
   }
 
-  // y[i] = W[i]·x[i] on rows [r0, r0 + k) for the weights `pick` selects, as one matmul_many call.
+  // y[i] = W[i]·x[i] on rows [r0, r0 + k) for the weights `pick` selects, as one matmul_many call
+  // in the numerics of ex.
   template <class Pick>
-  static void products_on(const WeightMat* const* W, const float* const* X, int64_t n, float* const* Y, int64_t r0,
-                          int64_t k, Pick&& pick) {
+  static void products_on(ops::Exec ex, const WeightMat* const* W, const float* const* X, int64_t n, float* const* Y,
+                          int64_t r0, int64_t k, Pick&& pick) {
     const WeightMat* w[kMaxProducts];
     const float* x[kMaxProducts];
     float* y[kMaxProducts];
@@ -259,7 +259,7 @@ class CpuBackend final : public Backend {
         x[m] = X[i] + r0 * W[i]->cols;
         y[m++] = Y[i] + r0 * W[i]->rows;
       }
-    if (m) ops::matmul_many(w, x, m, k, y);
+    if (m) ops::matmul_many(ex, w, x, m, k, y);
   }
 
   // The products of a step, by row class under fast numerics (fp32[i]: weight i wants unrounded
@@ -268,36 +268,28 @@ class CpuBackend final : public Backend {
                 const bool* fp32, const int32_t* groups, int64_t ng) {
     if (n > kMaxProducts) fail("matmul: at most 8 products per call");
     const auto all = [](int64_t) { return true; };
-    if (ops::current_numerics() != ops::Numerics::Fast) return products_on(W, X, n, Y, 0, R, all);
+    if (!ex_.fast()) return products_on(ex_, W, X, n, Y, 0, R, all);
     const auto flagged = [&](int64_t i) { return fp32 && fp32[i]; };
     const auto mx = [&](int64_t i) { return W[i]->fmt == WFormat::MXFP4; };
     for (const Run& run : runs(R, groups, ng)) {
       switch (run.cls) {
-        case RowClass::Chunk: {
-          products_on(W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !flagged(i); });
-          const ops::NumericsScope f32(ops::Numerics::F32);
-          products_on(W, X, n, Y, run.r0, run.n, flagged);
+        case RowClass::Chunk:
+          products_on(ex_, W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !flagged(i); });
+          products_on(ops::kF32, W, X, n, Y, run.r0, run.n, flagged);
           break;
-        }
-        case RowClass::Few: {
-          const ops::NumericsScope f32(ops::Numerics::F32);
-          products_on(W, X, n, Y, run.r0, run.n, all);
+        case RowClass::Few:
+          products_on(ops::kF32, W, X, n, Y, run.r0, run.n, all);
           break;
-        }
-        case RowClass::One: {
-          {
-            const ops::NumericsScope f32(ops::Numerics::F32);
-            products_on(W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !mx(i) || flagged(i); });
-          }
+        case RowClass::One:
+          products_on(ops::kF32, W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !mx(i) || flagged(i); });
           for (int64_t r = run.r0; r < run.r0 + run.n; ++r)
-            products_on(W, X, n, Y, r, 1, [&](int64_t i) { return mx(i) && !flagged(i); });
+            products_on(ex_, W, X, n, Y, r, 1, [&](int64_t i) { return mx(i) && !flagged(i); });
           break;
-        }
       }
     }
   }
 
-  std::optional<ops::NumericsScope> scope_;
+  ops::Exec ex_ = ops::kExact;  // the numerics of the step in flight
   std::vector<const float*> page_ptrs_;
   int64_t step_rows_ = 0;
   std::vector<int32_t> step_cu_;
@@ -368,9 +360,9 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
     for (int64_t k = 0; k < n; ++k) std::memcpy(zin + k * latent, z + r[k] * latent, size_t(latent) * 4);
     const WeightMat* wv[] = {&ew.gate, &ew.up};
     float* yv[] = {g, u};
-    ops::matmul_shared_input(wv, 2, zin, n, yv);
-    ops::situ_glu(g, u, n * I, situ.beta, situ.linear_beta, g);
-    ops::matmul(ew.down, g, n, ye);
+    ops::matmul_shared_input(ex_, wv, 2, zin, n, yv);
+    ops::situ_glu(ex_, g, u, n * I, situ.beta, situ.linear_beta, g);
+    ops::matmul(ex_, ew.down, g, n, ye);
   };
   const auto add_expert = [&](int64_t i, int32_t e) {
     const int64_t n = n_rows(e), s0 = m.start[size_t(e)];
@@ -391,15 +383,15 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
       m.wv.push_back(&ew[i]->gate), m.wv.push_back(&ew[i]->up);
       m.yv.push_back(m.g.data() + m.io[size_t(i)]), m.yv.push_back(m.u.data() + m.io[size_t(i)]);
     }
-    ops::matmul_shared_input(m.wv.data(), 2 * n, z, 1, m.yv.data());
-    ops::situ_glu(m.g.data(), m.u.data(), m.io[size_t(n)], situ.beta, situ.linear_beta, m.g.data());
+    ops::matmul_shared_input(ex_, m.wv.data(), 2 * n, z, 1, m.yv.data());
+    ops::situ_glu(ex_, m.g.data(), m.u.data(), m.io[size_t(n)], situ.beta, situ.linear_beta, m.g.data());
     m.wv.clear(), m.yv.clear();
     for (int64_t i = 0; i < n; ++i) {
       m.wv.push_back(&ew[i]->down);
       m.xv.push_back(m.g.data() + m.io[size_t(i)]);
       m.yv.push_back(m.ye.data() + i * latent);
     }
-    ops::matmul_many(m.wv.data(), m.xv.data(), n, 1, m.yv.data());
+    ops::matmul_many(ex_, m.wv.data(), m.xv.data(), n, 1, m.yv.data());
     for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
   // A batch of experts runs either one after another (each expert's matmuls split across the
@@ -416,7 +408,6 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
       }
       return;
     }
-    const ops::Numerics numerics = ops::current_numerics();  // thread-local: hand it to the workers
     // Which thread takes which expert varies from step to step, so every thread sizes its GEMM
     // buffers for the largest expert of the batch first (a repeated step then allocates nothing).
     int64_t most = 0, widest = latent;
@@ -424,7 +415,6 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
 #pragma omp parallel
     {
       ops::reserve_matmul(most, widest);
-      const ops::NumericsScope scope(numerics);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) expert_out(i, ids[i], *ew[i]);
     }

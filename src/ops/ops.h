@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops/cpu/isa.h"
 #include "ops/weight.h"
 
 namespace k3 {
@@ -15,55 +16,58 @@ struct MlaAttnDims {
   float scale = 0;  // softmax scale = (nope + rope)^-1/2
 };
 
-#define K3_OPS_DECLARE                                                                                              \
-  /* Y[T, rows] = X[T, cols] · Wᵀ  (W in any WFormat, fp32 accumulate on CPU, fp64 in ref). */                   \
-  void matmul(const WeightMat& W, const float* X, int64_t T, float* Y);                                             \
-  /* Y[i] = matmul(*W[i], X, T) for n weights of equal cols sharing the input, with the same results; the           \
-     CPU does a decode step's (T = 1) products in one parallel region and prepares X once. */                       \
-  void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y);       \
-  /* Y[i] = matmul(*W[i], X[i], T) for n weights, each with its own input, with the same results; the CPU does      \
-     a decode step's products in one parallel region and prepares each distinct X[i] once. */                       \
-  void matmul_many(const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y);        \
-  /* out[cols] = row r of W decoded exactly. */                                                                     \
-  void dequant_row(const WeightMat& W, int64_t r, float* out);                                                      \
-  /* out[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps) for T rows of n; w == nullptr means ones. */                    \
-  void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out);                        \
-  /* In place, per row of n: x ← scale · x / sqrt(Σx² + eps)  (KDA q/k L2 norm, eps inside). */                \
-  void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale);                                     \
-  /* out = [b1·tanh(g/b1)·σ(g)] · [b2·tanh(u/b2)]  (SiTU-GLU; σ of the uncapped gate). */                     \
-  void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out);                         \
-  /* Depthwise causal conv + SiLU. x,out [T,C]; w [C,K] (w[c,K-1] multiplies the current input);                    \
-     state [C,K-1] holds the previous K-1 inputs oldest→newest and is updated. */                                 \
-  void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out);  \
-  /* KDA log-decay: g[t,h,d] = lb·σ(exp(A_log[h])·(f[t,h,d] + dt_bias[h,d])). f,g [T,H*D]. */                    \
-  void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,          \
-                float lower_bound, float* g);                                                                       \
-  /* Gated delta rule, token by token. q (pre-normalised and scaled), k [T,H,Dk]; v [T,H,Dv];                       \
-     g log-decay [T,H,Dk]; beta [T,H]; S [H,Dk,Dv] in/out; o [T,H,Dv]. */                                           \
-  void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,  \
-                     int64_t H, int64_t Dk, int64_t Dv, float* S, float* o);                                        \
-  /* Same result by the chunkwise-parallel UT/WY form with chunk size `chunk`. */                                   \
-  void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,    \
-                   int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o);                           \
-  /* MLA over expanded heads. q [T,heads,nope+rope]; k_nope [S,heads,nope]; k_r [S,rope] shared by heads;           \
-     v [S,heads,v]; query t sits at absolute position pos0+t and sees s <= pos0+t. out [T,heads,v]. */              \
-  void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const float* k_r, const float* v,        \
-                           int64_t S, int64_t pos0, const MlaAttnDims& d, float* out);                              \
-  /* MLA absorbed over the latent cache: c [S,kv_lora] (post-norm), k_r [S,rope]; kv_b [heads*(nope+v), kv_lora]    \
-     (per head rows [0,nope) = W_UK, [nope,nope+v) = W_UV). Same output as the expanded form. */                    \
-  void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,    \
-                           const WeightMat& kv_b, const MlaAttnDims& d, float* out);                                \
-  /* Router for one token: s = σ(logits); select top-k of s + bias; weights from the UNBIASED s,                   \
-     renormalised (Σ + 1e-20) when renorm, times scale. idx/w [k], in descending order of s + bias. */             \
-  void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,          \
-                   int32_t* idx, float* w);                                                                         \
-  /* Block AttnRes for T tokens: out[t] = Σ_j softmax_j(<v_j[t], fold> / rms(v_j[t])) · v_j[t], where src[j] is a \
-     [T,H] array and fold = w_norm ⊙ w_proj. Values are the RAW sources. */                                       \
-  void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps,      \
-                   float* out);
+#define K3_OPS_DECLARE(...)                                                                                            \
+  /* Y[T, rows] = X[T, cols] · Wᵀ  (W in any WFormat, fp32 accumulate on CPU, fp64 in ref). */                      \
+  void matmul(__VA_ARGS__ const WeightMat& W, const float* X, int64_t T, float* Y);                                    \
+  /* Y[i] = matmul(*W[i], X, T) for n weights of equal cols sharing the input, with the same results; the              \
+     CPU does a decode step's (T = 1) products in one parallel region and prepares X once. */                          \
+  void matmul_shared_input(__VA_ARGS__ const WeightMat* const* W, int64_t n, const float* X, int64_t T,                \
+                           float* const* Y);                                                                           \
+  /* Y[i] = matmul(*W[i], X[i], T) for n weights, each with its own input, with the same results; the CPU does         \
+     a decode step's products in one parallel region and prepares each distinct X[i] once. */                          \
+  void matmul_many(__VA_ARGS__ const WeightMat* const* W, const float* const* X, int64_t n, int64_t T,                 \
+                   float* const* Y);                                                                                   \
+  /* out[cols] = row r of W decoded exactly. */                                                                        \
+  void dequant_row(const WeightMat& W, int64_t r, float* out);                                                         \
+  /* out[t] = w ⊙ x[t] / sqrt(mean(x[t]²) + eps) for T rows of n; w == nullptr means ones. */                       \
+  void rmsnorm(__VA_ARGS__ const float* x, int64_t T, int64_t n, const float* w, float eps, float* out);               \
+  /* In place, per row of n: x ← scale · x / sqrt(Σx² + eps)  (KDA q/k L2 norm, eps inside). */                   \
+  void l2norm_scale(__VA_ARGS__ float* x, int64_t rows, int64_t n, float eps, float scale);                            \
+  /* out = [b1·tanh(g/b1)·σ(g)] · [b2·tanh(u/b2)]  (SiTU-GLU; σ of the uncapped gate). */                        \
+  void situ_glu(__VA_ARGS__ const float* g, const float* u, int64_t n, float b1, float b2, float* out);                \
+  /* Depthwise causal conv + SiLU. x,out [T,C]; w [C,K] (w[c,K-1] multiplies the current input);                       \
+     state [C,K-1] holds the previous K-1 inputs oldest→newest and is updated. */                                    \
+  void short_conv_silu(__VA_ARGS__ const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state,      \
+                       float* out);                                                                                    \
+  /* KDA log-decay: g[t,h,d] = lb·σ(exp(A_log[h])·(f[t,h,d] + dt_bias[h,d])). f,g [T,H*D]. */                       \
+  void kda_gate(__VA_ARGS__ const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias, \
+                float lower_bound, float* g);                                                                          \
+  /* Gated delta rule, token by token. q (pre-normalised and scaled), k [T,H,Dk]; v [T,H,Dv];                          \
+     g log-decay [T,H,Dk]; beta [T,H]; S [H,Dk,Dv] in/out; o [T,H,Dv]. */                                              \
+  void kda_recurrent(__VA_ARGS__ const float* q, const float* k, const float* v, const float* g, const float* beta,    \
+                     int64_t T, int64_t H, int64_t Dk, int64_t Dv, float* S, float* o);                                \
+  /* Same result by the chunkwise-parallel UT/WY form with chunk size `chunk`. */                                      \
+  void kda_chunked(__VA_ARGS__ const float* q, const float* k, const float* v, const float* g, const float* beta,      \
+                   int64_t T, int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o);                   \
+  /* MLA over expanded heads. q [T,heads,nope+rope]; k_nope [S,heads,nope]; k_r [S,rope] shared by heads;              \
+     v [S,heads,v]; query t sits at absolute position pos0+t and sees s <= pos0+t. out [T,heads,v]. */                 \
+  void mla_attend_expanded(__VA_ARGS__ const float* q, int64_t T, const float* k_nope, const float* k_r,               \
+                           const float* v, int64_t S, int64_t pos0, const MlaAttnDims& d, float* out);                 \
+  /* MLA absorbed over the latent cache: c [S,kv_lora] (post-norm), k_r [S,rope]; kv_b [heads*(nope+v), kv_lora]       \
+     (per head rows [0,nope) = W_UK, [nope,nope+v) = W_UV). Same output as the expanded form. */                       \
+  void mla_attend_absorbed(__VA_ARGS__ const float* q, int64_t T, const float* c, const float* k_r, int64_t S,         \
+                           int64_t pos0, const WeightMat& kv_b, const MlaAttnDims& d, float* out);                     \
+  /* Router for one token: s = σ(logits); select top-k of s + bias; weights from the UNBIASED s,                      \
+     renormalised (Σ + 1e-20) when renorm, times scale. idx/w [k], in descending order of s + bias. */                \
+  void router_topk(__VA_ARGS__ const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale, \
+                   int32_t* idx, float* w);                                                                            \
+  /* Block AttnRes for T tokens: out[t] = Σ_j softmax_j(<v_j[t], fold> / rms(v_j[t])) · v_j[t], where src[j] is a    \
+     [T,H] array and fold = w_norm ⊙ w_proj. Values are the RAW sources. */                                          \
+  void attnres_mix(__VA_ARGS__ const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold,        \
+                   float eps, float* out);
 
 namespace ops {
-K3_OPS_DECLARE
+K3_OPS_DECLARE(Exec ex, )
 
 // A latent cache in pages (the state pool's MLA layout): token s at pages[s / page_tokens] +
 // (s % page_tokens) * stride, its post-norm latent c (kv_lora floats) first, then k_r (rope floats).
@@ -73,7 +77,7 @@ struct LatentPages {
 };
 // mla_attend_absorbed over a paged cache (same results as over the same tokens stored contiguously,
 // up to the order of fp32 sums at page ends).
-void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                                const WeightMat& kv_b, const MlaAttnDims& d, float* out);
 // Sizes the calling thread's GEMM buffers for matmuls of up to T rows of `cols` inputs, so that a
 // later call of that size allocates nothing on this thread. For parallel regions whose threads
@@ -82,7 +86,7 @@ void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cac
 void reserve_matmul(int64_t T, int64_t cols);
 }  // namespace ops
 namespace ref {
-K3_OPS_DECLARE
+K3_OPS_DECLARE()
 }
 
 }  // namespace k3

@@ -120,7 +120,6 @@ TEST(GemmLevels, DetectedLevelIsReported) {
 
 TEST(GemmLevels, F32MatchesTwinOnEveryLevel) {
   LevelGuard guard;
-  const k3::ops::NumericsScope f32(k3::ops::Numerics::F32);
   for (CpuIsa level : levels()) {
     k3::ops::set_cpu_isa(level);
     std::mt19937 rng(77);
@@ -130,7 +129,7 @@ TEST(GemmLevels, F32MatchesTwinOnEveryLevel) {
       Unaligned U(W.w, data_bytes(W.w));
       const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
       auto y = nan_vec(size_t(c.T * c.rows)), y_ref = nan_vec(size_t(c.T * c.rows));
-      k3::ops::matmul(U.w, X.data(), c.T, y.data());
+      k3::ops::matmul(k3::ops::kF32, U.w, X.data(), c.T, y.data());
       k3::ref::matmul(W.w, X.data(), c.T, y_ref.data());
       ASSERT_EQ(count_nan(y), 0u);
       EXPECT_LT(rel_l2(y, y_ref), kTolExact);
@@ -152,22 +151,13 @@ TEST(GemmLevels, FastIsExactProductOfRoundedActivations) {
       for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
       if (c.T == 1 && c.fmt == k3::WFormat::MXFP4) Xr = q8_dequant(X);
       auto y = nan_vec(size_t(c.T * c.rows)), y_rounded = nan_vec(y.size()), y_exact = nan_vec(y.size());
-      {
-        k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
-        k3::ops::matmul(W.w, X.data(), c.T, y.data());
-      }
+      k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, y.data());
       k3::ref::matmul(W.w, Xr.data(), c.T, y_rounded.data());
       k3::ref::matmul(W.w, X.data(), c.T, y_exact.data());
       ASSERT_EQ(count_nan(y), 0u);
-      bool rounds;
-      {
-        k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
-        rounds = k3::ops::fast_applies(W.w, c.T);
-      }
-      if (!rounds) {  // the product is then the F32 one
-        const k3::ops::NumericsScope f32(k3::ops::Numerics::F32);
-        k3::ops::matmul(W.w, X.data(), c.T, y.data());
-      }
+      const bool rounds = k3::ops::fast_applies(k3::ops::kFast, W.w, c.T);
+      EXPECT_FALSE(k3::ops::fast_applies(k3::ops::kF32, W.w, c.T));
+      if (!rounds) k3::ops::matmul(k3::ops::kF32, W.w, X.data(), c.T, y.data());  // then the F32 product
       EXPECT_EQ(rounds, c.T >= k3::ops::kFastMinRows || (c.T == 1 && c.fmt == k3::WFormat::MXFP4));
       if (!rounds) {
         EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
@@ -194,9 +184,8 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
       for (int threads : {1, 2, 3}) {
         omp_set_num_threads(threads);
         for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-          k3::ops::NumericsScope scope(num);
           outs.push_back(nan_vec(size_t(c.T * c.rows)));
-          k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
+          k3::ops::matmul(k3::ops::Exec{num}, W.w, X.data(), c.T, outs.back().data());
         }
       }
       for (size_t i = 2; i < outs.size(); ++i)
@@ -218,14 +207,13 @@ TEST(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
       SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
       k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
       const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-      const k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
       auto all = nan_vec(size_t(c.T * c.rows));
-      k3::ops::matmul(W.w, X.data(), c.T, all.data());
+      k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, all.data());
       ASSERT_EQ(count_nan(all), 0u);
       // Tokens [3, 3 + n) alone, for n = 4 (a short tile), 9 (a full tile and a short one), 17.
       for (int64_t n : {4, 9, 17}) {
         auto part = nan_vec(size_t(n * c.rows));
-        k3::ops::matmul(W.w, X.data() + 3 * c.cols, n, part.data());
+        k3::ops::matmul(k3::ops::kFast, W.w, X.data() + 3 * c.cols, n, part.data());
         EXPECT_EQ(std::memcmp(part.data(), all.data() + 3 * c.rows, part.size() * 4), 0) << "n = " << n;
       }
     }
@@ -243,9 +231,10 @@ TEST(GemmLevels, ExactIsTheScalarLevelEverywhere) {
     std::vector<std::vector<float>> outs;
     for (CpuIsa level : levels()) {
       k3::ops::set_cpu_isa(level);
-      EXPECT_EQ(k3::ops::active_kernel_level(), CpuIsa::Scalar);  // default numerics: Exact
+      EXPECT_EQ(k3::ops::kExact.level(), CpuIsa::Scalar);
+      EXPECT_EQ(k3::ops::kF32.level(), level);
       outs.push_back(nan_vec(size_t(c.T * c.rows)));
-      k3::ops::matmul(W.w, X.data(), c.T, outs.back().data());
+      k3::ops::matmul(k3::ops::kExact, W.w, X.data(), c.T, outs.back().data());
     }
     for (size_t i = 1; i < outs.size(); ++i)
       EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0);
@@ -279,10 +268,7 @@ TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
     const auto x = k3test::rand_vec(rng, 224, 0.05f, 1.0f);
     const std::vector<float> xr = q8_dequant(x);
     auto y = nan_vec(9), y_ref = nan_vec(9);
-    {
-      k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
-      k3::ops::matmul(W.w, x.data(), 1, y.data());
-    }
+    k3::ops::matmul(k3::ops::kFast, W.w, x.data(), 1, y.data());
     k3::ref::matmul(W.w, xr.data(), 1, y_ref.data());
     for (int r = 0; r < 9; ++r) {
       SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " row " + std::to_string(r));
@@ -312,10 +298,7 @@ TEST(GemmLevels, FastMxfp4GemmSpecialScales) {
     std::vector<float> Xr(X.size());
     for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
     auto y = nan_vec(size_t(T * rows)), y_ref = nan_vec(size_t(T * rows));
-    {
-      k3::ops::NumericsScope fast(k3::ops::Numerics::Fast);
-      k3::ops::matmul(W.w, X.data(), T, y.data());
-    }
+    k3::ops::matmul(k3::ops::kFast, W.w, X.data(), T, y.data());
     k3::ref::matmul(W.w, Xr.data(), T, y_ref.data());
     for (int64_t t = 0; t < T; ++t)
       for (int64_t r = 0; r < rows; ++r) {
@@ -379,7 +362,7 @@ TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
       for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
         SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
                      k3::ops::numerics_name(num));
-        k3::ops::NumericsScope scope(num);
+        const k3::ops::Exec ex{num};
         std::vector<const k3::WeightMat*> ws;
         std::vector<std::vector<float>> sep, fused;
         std::vector<float*> ys;
@@ -387,10 +370,10 @@ TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
           ws.push_back(&w.w);
           sep.push_back(nan_vec(size_t(T * w.w.rows)));
           fused.push_back(nan_vec(size_t(T * w.w.rows)));
-          k3::ops::matmul(w.w, X.data(), T, sep.back().data());
+          k3::ops::matmul(ex, w.w, X.data(), T, sep.back().data());
         }
         for (auto& f : fused) ys.push_back(f.data());
-        k3::ops::matmul_shared_input(ws.data(), int64_t(ws.size()), X.data(), T, ys.data());
+        k3::ops::matmul_shared_input(ex, ws.data(), int64_t(ws.size()), X.data(), T, ys.data());
         for (size_t i = 0; i < W.size(); ++i) {
           EXPECT_EQ(count_nan(fused[i]), 0u) << "weight " << i;
           EXPECT_EQ(std::memcmp(fused[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
@@ -424,7 +407,7 @@ TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
       for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
         SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
                      k3::ops::numerics_name(num));
-        k3::ops::NumericsScope scope(num);
+        const k3::ops::Exec ex{num};
         std::vector<const k3::WeightMat*> ws;
         std::vector<std::vector<float>> sep, many;
         std::vector<float*> ys;
@@ -432,10 +415,10 @@ TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
           ws.push_back(&W[i].w);
           sep.push_back(nan_vec(size_t(T * W[i].w.rows)));
           many.push_back(nan_vec(size_t(T * W[i].w.rows)));
-          k3::ops::matmul(W[i].w, xs[i], T, sep.back().data());
+          k3::ops::matmul(ex, W[i].w, xs[i], T, sep.back().data());
         }
         for (auto& m : many) ys.push_back(m.data());
-        k3::ops::matmul_many(ws.data(), xs.data(), int64_t(ws.size()), T, ys.data());
+        k3::ops::matmul_many(ex, ws.data(), xs.data(), int64_t(ws.size()), T, ys.data());
         for (size_t i = 0; i < W.size(); ++i) {
           EXPECT_EQ(count_nan(many[i]), 0u) << "weight " << i;
           EXPECT_EQ(std::memcmp(many[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
@@ -444,7 +427,7 @@ TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
         std::vector<float> a = nan_vec(size_t(T * W[0].w.rows)), b = nan_vec(size_t(T * W[1].w.rows));
         const k3::WeightMat* pair[] = {&W[0].w, &W[1].w};
         float* pys[] = {a.data(), b.data()};
-        k3::ops::matmul_shared_input(pair, 2, Xa.data(), T, pys);
+        k3::ops::matmul_shared_input(ex, pair, 2, Xa.data(), T, pys);
         EXPECT_EQ(std::memcmp(a.data(), sep[0].data(), a.size() * 4), 0);
         EXPECT_EQ(std::memcmp(b.data(), sep[1].data(), b.size() * 4), 0);
       }
@@ -476,8 +459,7 @@ TEST(GemmLevels, Bf16GemvAnyAlignment) {
         k3::WeightMat w = W.w;
         w.data = p;
         auto y = nan_vec(size_t(rows));
-        k3::ops::NumericsScope scope(k3::ops::Numerics::Fast);  // BF16 GEMVs stay fp32 in fast mode
-        k3::ops::matmul(w, x.data(), 1, y.data());
+        k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());  // BF16 GEMVs stay fp32 in fast mode
         EXPECT_EQ(count_nan(y), 0u);
         EXPECT_LT(rel_l2(y, y_ref), kTolExact);
       }

@@ -45,8 +45,8 @@ constexpr double kTolExpRel = 2.5e-7;
 
 std::string level_name(const ::testing::TestParamInfo<CpuIsa>& i) { return k3::ops::cpu_isa_name(i.param); }
 
-// Sets the level under test (skipping levels this CPU lacks) in F32 numerics (Exact would run the
-// scalar kernels on every level) and restores the defaults after.
+// Sets the level under test (skipping levels this CPU lacks) and restores the default after. Every
+// op runs in F32 numerics (kF32: Exact would run the scalar kernels on every level).
 class OpsLevels : public ::testing::TestWithParam<CpuIsa> {
  protected:
   void SetUp() override {
@@ -54,15 +54,8 @@ class OpsLevels : public ::testing::TestWithParam<CpuIsa> {
       GTEST_SKIP() << "this CPU lacks the " << k3::ops::cpu_isa_name(GetParam())
                    << " level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()) << ")";
     k3::ops::set_cpu_isa(GetParam());
-    numerics_ = std::make_unique<k3::ops::NumericsScope>(k3::ops::Numerics::F32);
   }
-  void TearDown() override {
-    numerics_.reset();
-    k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected());
-  }
-
- private:
-  std::unique_ptr<k3::ops::NumericsScope> numerics_;
+  void TearDown() override { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
 };
 
 // Runs fn once per OpenMP thread count and expects bit-identical outputs (fn returns them).
@@ -83,7 +76,7 @@ void expect_thread_independent(Fn&& fn) {
 
 // ================================================================ vector exp
 TEST_P(OpsLevels, VectorExpAccuracy) {
-  const k3::ops::cpu::AttnKernels* kern = k3::ops::cpu::attn_kernels();
+  const k3::ops::cpu::AttnKernels* kern = k3::ops::cpu::attn_kernels(k3::ops::kF32);
   if (GetParam() == CpuIsa::Scalar) {
     EXPECT_EQ(kern, nullptr);
     GTEST_SKIP() << "the scalar level has no vector exp (it calls libm)";
@@ -111,14 +104,14 @@ TEST_P(OpsLevels, VectorExpAccuracy) {
   kern->exp_n(&nan_in, 1, &nan_out);
   EXPECT_TRUE(std::isnan(nan_out));
   float g = nan_in, u = 1.0f, s = 0;
-  k3::ops::situ_glu(&g, &u, 1, 4.0f, 25.0f, &s);
+  k3::ops::situ_glu(k3::ops::kF32, &g, &u, 1, 4.0f, 25.0f, &s);
   EXPECT_TRUE(std::isnan(s));
 }
 
 // The weight decode the absorbed MLA uses (F32/F16/BF16 rows widened in the vector kernels): exact,
 // every column including vector tails, from unaligned data as in an mmap'd shard.
 TEST_P(OpsLevels, WidenRowsIsExact) {
-  const k3::ops::cpu::AttnKernels* kern = k3::ops::cpu::attn_kernels();
+  const k3::ops::cpu::AttnKernels* kern = k3::ops::cpu::attn_kernels(k3::ops::kF32);
   if (!kern) GTEST_SKIP() << "the scalar level decodes with dequant_row";
   std::mt19937 rng(100);
   for (k3::WFormat fmt : {k3::WFormat::F32, k3::WFormat::F16, k3::WFormat::BF16}) {
@@ -146,12 +139,12 @@ TEST_P(OpsLevels, Rmsnorm) {
       const auto x = rand_vec(rng, size_t(T * n), 0.05f, 3.0f);
       const auto w = rand_vec(rng, size_t(n), 0.5f, 1.5f);
       auto a = nan_vec(size_t(T * n)), b = nan_vec(size_t(T * n));
-      k3::ops::rmsnorm(x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, a.data());
+      k3::ops::rmsnorm(k3::ops::kF32, x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, a.data());
       k3::ref::rmsnorm(x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, b.data());
       ASSERT_EQ(count_nan(a), 0u);
       EXPECT_LT(rel_l2(a, b), kTolElementwise);
       auto inplace = x;  // the model normalises in place (o_norm, q_a_norm)
-      k3::ops::rmsnorm(inplace.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, inplace.data());
+      k3::ops::rmsnorm(k3::ops::kF32, inplace.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, inplace.data());
       EXPECT_EQ(inplace, a);
     }
   }
@@ -164,7 +157,7 @@ TEST_P(OpsLevels, L2normScale) {
     const auto x = rand_vec(rng, size_t(rows * n), 0.05f, 2.0f);
     auto a = x, b = x;
     const float scale = 1.0f / std::sqrt(float(n));
-    k3::ops::l2norm_scale(a.data(), rows, n, 1e-6f, scale);
+    k3::ops::l2norm_scale(k3::ops::kF32, a.data(), rows, n, 1e-6f, scale);
     k3::ref::l2norm_scale(b.data(), rows, n, 1e-6f, scale);
     EXPECT_LT(rel_l2(a, b), kTolElementwise);
   }
@@ -177,7 +170,7 @@ TEST_P(OpsLevels, SituGlu) {
       SCOPED_TRACE("n=" + std::to_string(n) + " hi=" + std::to_string(hi));
       const auto g = rand_vec(rng, size_t(n), 0.001f, hi), u = rand_vec(rng, size_t(n), 0.001f, hi);
       auto a = nan_vec(size_t(n)), b = nan_vec(size_t(n));
-      k3::ops::situ_glu(g.data(), u.data(), n, 4.0f, 25.0f, a.data());
+      k3::ops::situ_glu(k3::ops::kF32, g.data(), u.data(), n, 4.0f, 25.0f, a.data());
       k3::ref::situ_glu(g.data(), u.data(), n, 4.0f, 25.0f, b.data());
       ASSERT_EQ(count_nan(a), 0u);
       EXPECT_LT(rel_l2(a, b), kTolElementwise);
@@ -196,7 +189,7 @@ TEST_P(OpsLevels, KdaGate) {
     const auto A_log = rand_vec(rng, size_t(H), 0.05f, 1.0f);
     const auto dt = rand_vec(rng, size_t(H * D), 0.05f, 1.0f);
     auto a = nan_vec(f.size()), b = nan_vec(f.size());
-    k3::ops::kda_gate(f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, a.data());
+    k3::ops::kda_gate(k3::ops::kF32, f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, a.data());
     k3::ref::kda_gate(f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, b.data());
     ASSERT_EQ(count_nan(a), 0u);
     EXPECT_LT(rel_l2(a, b), kTolElementwise);
@@ -223,7 +216,7 @@ TEST_P(OpsLevels, ShortConvSiluWithCarriedState) {
     const auto s0 = rand_vec(rng, size_t(C * P), 0.05f, 1.0f);
     auto st_ops = s0, st_ref = s0;
     auto o_ops = nan_vec(size_t(T * C)), o_ref = nan_vec(size_t(T * C));
-    k3::ops::short_conv_silu(x.data(), T, C, w.data(), K, st_ops.data(), o_ops.data());
+    k3::ops::short_conv_silu(k3::ops::kF32, x.data(), T, C, w.data(), K, st_ops.data(), o_ops.data());
     k3::ref::short_conv_silu(x.data(), T, C, w.data(), K, st_ref.data(), o_ref.data());
     ASSERT_EQ(count_nan(o_ops), 0u);
     EXPECT_LT(rel_l2(o_ops, o_ref), kTolConv);
@@ -231,8 +224,8 @@ TEST_P(OpsLevels, ShortConvSiluWithCarriedState) {
     // Two calls carrying the state equal one call (bitwise: a one-token call takes its own path).
     auto st = s0;
     auto o2 = nan_vec(size_t(T * C));
-    k3::ops::short_conv_silu(x.data(), T1, C, w.data(), K, st.data(), o2.data());
-    k3::ops::short_conv_silu(x.data() + T1 * C, T2, C, w.data(), K, st.data(), o2.data() + T1 * C);
+    k3::ops::short_conv_silu(k3::ops::kF32, x.data(), T1, C, w.data(), K, st.data(), o2.data());
+    k3::ops::short_conv_silu(k3::ops::kF32, x.data() + T1 * C, T2, C, w.data(), K, st.data(), o2.data() + T1 * C);
     ASSERT_EQ(count_nan(o2), 0u);
     EXPECT_EQ(o2, o_ops);
     EXPECT_EQ(st, st_ops);
@@ -255,7 +248,7 @@ TEST_P(OpsLevels, AttnresMix) {
     for (auto& s : src) ptr.push_back(s.data());
     const auto fold = rand_vec(rng, size_t(H), 0.05f, 0.3f);
     auto a = nan_vec(size_t(T * H)), b = nan_vec(size_t(T * H));
-    k3::ops::attnres_mix(ptr.data(), n_src, T, H, fold.data(), 1e-5f, a.data());
+    k3::ops::attnres_mix(k3::ops::kF32, ptr.data(), n_src, T, H, fold.data(), 1e-5f, a.data());
     k3::ref::attnres_mix(ptr.data(), n_src, T, H, fold.data(), 1e-5f, b.data());
     ASSERT_EQ(count_nan(a), 0u);
     EXPECT_LT(rel_l2(a, b), kTolReduce);
@@ -275,11 +268,11 @@ void kda_ops(bool chunked, const KdaInputs& in, int64_t t0, int64_t t1, int64_t 
              int64_t chunk, std::vector<float>& S, float* o) {
   const int64_t T = t1 - t0, qk = t0 * H * Dk, vo = t0 * H * Dv, b = t0 * H;
   if (chunked)
-    k3::ops::kda_chunked(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk, in.beta.data() + b, T,
-                         H, Dk, Dv, chunk, S.data(), o);
+    k3::ops::kda_chunked(k3::ops::kF32, in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk,
+                         in.beta.data() + b, T, H, Dk, Dv, chunk, S.data(), o);
   else
-    k3::ops::kda_recurrent(in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk, in.beta.data() + b,
-                           T, H, Dk, Dv, S.data(), o);
+    k3::ops::kda_recurrent(k3::ops::kF32, in.q.data() + qk, in.k.data() + qk, in.v.data() + vo, in.g.data() + qk,
+                           in.beta.data() + b, T, H, Dk, Dv, S.data(), o);
 }
 
 KdaRun kda_twin(const KdaInputs& in, int64_t T, int64_t H, int64_t Dk, int64_t Dv) {
@@ -470,8 +463,10 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
     const size_t nO = size_t(c.T * c.heads * c.v);
     auto e_ref = nan_vec(nO), e_ops = nan_vec(nO), a_ops = nan_vec(nO), a_ref = nan_vec(nO);
     k3::ref::mla_attend_expanded(m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0, m.d, e_ref.data());
-    k3::ops::mla_attend_expanded(m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0, m.d, e_ops.data());
-    k3::ops::mla_attend_absorbed(m.q.data(), c.T, m.cl.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d, a_ops.data());
+    k3::ops::mla_attend_expanded(k3::ops::kF32, m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0, m.d,
+                                 e_ops.data());
+    k3::ops::mla_attend_absorbed(k3::ops::kF32, m.q.data(), c.T, m.cl.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d,
+                                 a_ops.data());
     ASSERT_EQ(count_nan(e_ops), 0u);
     ASSERT_EQ(count_nan(a_ops), 0u);
     EXPECT_LT(rel_l2(e_ops, e_ref), kTolMla) << "expanded: ops vs ref";
@@ -485,7 +480,8 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
       auto cl2 = m.cl;
       for (int64_t l = 0; l < c.kv_lora; ++l) cl2[size_t((c.S - 1) * c.kv_lora + l)] += 0.5f;
       auto a2 = nan_vec(nO);
-      k3::ops::mla_attend_absorbed(m.q.data(), c.T, cl2.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d, a2.data());
+      k3::ops::mla_attend_absorbed(k3::ops::kF32, m.q.data(), c.T, cl2.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d,
+                                   a2.data());
       const size_t per_t = size_t(c.heads * c.v);
       EXPECT_EQ(std::memcmp(a2.data(), a_ops.data(), (size_t(c.T) - 1) * per_t * 4), 0) << "future token leaked";
       EXPECT_NE(std::memcmp(a2.data() + (c.T - 1) * per_t, a_ops.data() + (c.T - 1) * per_t, per_t * 4), 0);
@@ -503,12 +499,14 @@ TEST_P(OpsLevels, MlaThreadCountIndependent) {
     const size_t nO = size_t(c.T * c.heads * c.v);
     expect_thread_independent([&] {
       auto a = nan_vec(nO);
-      k3::ops::mla_attend_absorbed(m.q.data(), c.T, m.cl.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d, a.data());
+      k3::ops::mla_attend_absorbed(k3::ops::kF32, m.q.data(), c.T, m.cl.data(), m.kr.data(), c.S, pos0, m.kvb.w, m.d,
+                                   a.data());
       return a;
     });
     expect_thread_independent([&] {
       auto e = nan_vec(nO);
-      k3::ops::mla_attend_expanded(m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0, m.d, e.data());
+      k3::ops::mla_attend_expanded(k3::ops::kF32, m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0,
+                                   m.d, e.data());
       return e;
     });
   }

@@ -13,6 +13,7 @@
 
 #include "common/kda_inputs.h"
 #include "common/num_util.h"
+#include "common/op_call.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "core/dtype.h"
@@ -57,7 +58,7 @@ TEST(OpsTwins, MatmulAllFormats) {
     OwnedW W = make_weight(rng, c.fmt, c.rows, c.cols);
     const auto X = rand_vec(rng, size_t(c.T * c.cols));
     auto y_ops = nan_vec(size_t(c.T * c.rows)), y_ref = nan_vec(size_t(c.T * c.rows));
-    k3::ops::matmul(W.w, X.data(), c.T, y_ops.data());
+    k3::ops::matmul(k3::ops::kExact, W.w, X.data(), c.T, y_ops.data());
     k3::ref::matmul(W.w, X.data(), c.T, y_ref.data());
     ASSERT_EQ(count_nan(y_ops), 0u);
     ASSERT_EQ(count_nan(y_ref), 0u);
@@ -112,7 +113,7 @@ TEST(OpsTwins, Mxfp4LowNibbleIsEvenColumn) {
     std::vector<float> x(64, 0.0f);
     x[size_t(col)] = 1.0f;
     float y_ops = k3test::qnan(), y_ref = k3test::qnan();
-    k3::ops::matmul(W, x.data(), 1, &y_ops);
+    k3::ops::matmul(k3::ops::kExact, W, x.data(), 1, &y_ops);
     k3::ref::matmul(W, x.data(), 1, &y_ref);
     EXPECT_EQ(y_ops, d_ops[size_t(col)]) << "col " << col;
     EXPECT_EQ(y_ref, d_ops[size_t(col)]) << "col " << col;
@@ -128,7 +129,7 @@ TEST(OpsTwins, Rmsnorm) {
       const auto x = rand_vec(rng, size_t(T * n), 0.05f, 3.0f);
       const auto w = rand_vec(rng, size_t(n), 0.5f, 1.5f);
       auto a = nan_vec(size_t(T * n)), b = nan_vec(size_t(T * n));
-      k3::ops::rmsnorm(x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, a.data());
+      k3::ops::rmsnorm(k3::ops::kExact, x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, a.data());
       k3::ref::rmsnorm(x.data(), T, n, with_w ? w.data() : nullptr, 1e-5f, b.data());
       ASSERT_EQ(count_nan(a), 0u);
       ASSERT_EQ(count_nan(b), 0u);
@@ -150,7 +151,7 @@ TEST(OpsTwins, L2normScale) {
     const auto x = rand_vec(rng, size_t(rows * n), 0.05f, 2.0f);
     auto a = x, b = x;
     const float scale = 1.0f / std::sqrt(float(n));
-    k3::ops::l2norm_scale(a.data(), rows, n, 1e-6f, scale);
+    k3::ops::l2norm_scale(k3::ops::kExact, a.data(), rows, n, 1e-6f, scale);
     k3::ref::l2norm_scale(b.data(), rows, n, 1e-6f, scale);
     EXPECT_LT(rel_l2(a, b), kTolElementwise);
     for (int64_t r = 0; r < rows; ++r) {
@@ -168,7 +169,7 @@ TEST(OpsTwins, SituGlu) {
     // Magnitudes up to 60 so both soft caps (4 and 25) saturate on some elements.
     const auto g = rand_vec(rng, size_t(n), 0.01f, 60.0f), u = rand_vec(rng, size_t(n), 0.01f, 60.0f);
     auto a = nan_vec(size_t(n)), b = nan_vec(size_t(n));
-    k3::ops::situ_glu(g.data(), u.data(), n, 4.0f, 25.0f, a.data());
+    k3::ops::situ_glu(k3::ops::kExact, g.data(), u.data(), n, 4.0f, 25.0f, a.data());
     k3::ref::situ_glu(g.data(), u.data(), n, 4.0f, 25.0f, b.data());
     ASSERT_EQ(count_nan(a), 0u);
     ASSERT_EQ(count_nan(b), 0u);
@@ -185,7 +186,7 @@ TEST(OpsTwins, KdaGate) {
     const auto A_log = rand_vec(rng, size_t(H), 0.05f, 1.0f);
     const auto dt = rand_vec(rng, size_t(H * D), 0.05f, 1.0f);
     auto a = nan_vec(f.size()), b = nan_vec(f.size());
-    k3::ops::kda_gate(f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, a.data());
+    k3::ops::kda_gate(k3::ops::kExact, f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, a.data());
     k3::ref::kda_gate(f.data(), T, H, D, A_log.data(), dt.data(), -5.0f, b.data());
     ASSERT_EQ(count_nan(a), 0u);
     ASSERT_EQ(count_nan(b), 0u);
@@ -215,7 +216,7 @@ TEST(OpsTwins, ShortConvSiluTwinAndCarriedState) {
     // One call on the whole sequence: ops vs ref (outputs and state).
     auto st_ops = s0, st_ref = s0;
     auto o_ops = nan_vec(size_t(T * C)), o_ref = nan_vec(size_t(T * C));
-    k3::ops::short_conv_silu(x.data(), T, C, w.data(), K, st_ops.data(), o_ops.data());
+    k3::ops::short_conv_silu(k3::ops::kExact, x.data(), T, C, w.data(), K, st_ops.data(), o_ops.data());
     k3::ref::short_conv_silu(x.data(), T, C, w.data(), K, st_ref.data(), o_ref.data());
     ASSERT_EQ(count_nan(o_ops), 0u);
     ASSERT_EQ(count_nan(o_ref), 0u);
@@ -231,7 +232,8 @@ TEST(OpsTwins, ShortConvSiluTwinAndCarriedState) {
       }
     // Split into two calls carrying the state: same outputs and final state as one call.
     for (int impl = 0; impl < 2; ++impl) {
-      auto fn = impl == 0 ? &k3::ops::short_conv_silu : &k3::ref::short_conv_silu;
+      const k3test::OpImpl im{impl == 0 ? "ops" : "ref", impl != 0, k3::ops::kExact};
+      auto fn = K3_OP(im, short_conv_silu);
       auto st = s0;
       auto o = nan_vec(size_t(T * C));
       fn(x.data(), T1, C, w.data(), K, st.data(), o.data());
@@ -269,8 +271,8 @@ TEST(OpsTwins, KdaRecurrentTwin) {
     const auto in = make_kda(rng, T, H, Dk, Dv);
     auto S_ops = in.S0, S_ref = in.S0;
     auto o_ops = nan_vec(size_t(T * H * Dv)), o_ref = nan_vec(size_t(T * H * Dv));
-    k3::ops::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv,
-                           S_ops.data(), o_ops.data());
+    k3::ops::kda_recurrent(k3::ops::kExact, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H,
+                           Dk, Dv, S_ops.data(), o_ops.data());
     k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv,
                            S_ref.data(), o_ref.data());
     ASSERT_EQ(count_nan(o_ops), 0u);
@@ -297,9 +299,9 @@ TEST(OpsTwins, KdaRecurrentOneStepByHand) {
   for (int impl = 0; impl < 3; ++impl) {
     auto S = S0;
     auto out = nan_vec(3);
-    if (impl == 0) k3::ops::kda_recurrent(q, k, v, g, &beta, 1, 1, 2, 3, S.data(), out.data());
+    if (impl == 0) k3::ops::kda_recurrent(k3::ops::kExact, q, k, v, g, &beta, 1, 1, 2, 3, S.data(), out.data());
     if (impl == 1) k3::ref::kda_recurrent(q, k, v, g, &beta, 1, 1, 2, 3, S.data(), out.data());
-    if (impl == 2) k3::ops::kda_chunked(q, k, v, g, &beta, 1, 1, 2, 3, 64, S.data(), out.data());
+    if (impl == 2) k3::ops::kda_chunked(k3::ops::kExact, q, k, v, g, &beta, 1, 1, 2, 3, 64, S.data(), out.data());
     for (int j = 0; j < 3; ++j) {
       EXPECT_NEAR(out[size_t(j)], o[j], 1e-6) << "impl " << impl << " j " << j;
       EXPECT_NEAR(S[size_t(j)], Sd[0][j], 1e-6) << "impl " << impl;
@@ -331,8 +333,8 @@ TEST(OpsTwins, KdaChunkedMatchesRecurrenceWithCarriedState) {
       // One call.
       auto S = in.S0;
       auto o = nan_vec(nO);
-      k3::ops::kda_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), c.T, c.H, c.Dk, c.Dv,
-                           chunk, S.data(), o.data());
+      k3::ops::kda_chunked(k3::ops::kExact, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), c.T,
+                           c.H, c.Dk, c.Dv, chunk, S.data(), o.data());
       ASSERT_EQ(count_nan(o), 0u);
       EXPECT_LT(rel_l2(o, o_ref), kTolKda) << "single call, output";
       EXPECT_LT(rel_l2(S, S_ref), kTolKda) << "single call, final state";
@@ -342,9 +344,9 @@ TEST(OpsTwins, KdaChunkedMatchesRecurrenceWithCarriedState) {
         auto o2 = nan_vec(nO);
         const int64_t T1 = c.split, T2 = c.T - c.split;
         const int64_t qk1 = T1 * c.H * c.Dk, v1 = T1 * c.H * c.Dv, b1 = T1 * c.H;
-        k3::ops::kda_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T1, c.H, c.Dk, c.Dv,
-                             chunk, S2.data(), o2.data());
-        k3::ops::kda_chunked(in.q.data() + qk1, in.k.data() + qk1, in.v.data() + v1, in.g.data() + qk1,
+        k3::ops::kda_chunked(k3::ops::kExact, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T1,
+                             c.H, c.Dk, c.Dv, chunk, S2.data(), o2.data());
+        k3::ops::kda_chunked(k3::ops::kExact, in.q.data() + qk1, in.k.data() + qk1, in.v.data() + v1, in.g.data() + qk1,
                              in.beta.data() + b1, T2, c.H, c.Dk, c.Dv, chunk, S2.data(), o2.data() + v1);
         ASSERT_EQ(count_nan(o2), 0u);
         EXPECT_LT(rel_l2(o2, o_ref), kTolKda) << "split at " << c.split << ", output";
@@ -370,8 +372,8 @@ TEST(OpsTwins, KdaChunkedStrongDecayNoOverflow) {
   auto o_ref = nan_vec(size_t(T * H * Dv)), o = nan_vec(size_t(T * H * Dv));
   k3::ref::kda_recurrent(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, S_ref.data(),
                          o_ref.data());
-  k3::ops::kda_chunked(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk, Dv, 64, S.data(),
-                       o.data());
+  k3::ops::kda_chunked(k3::ops::kExact, in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), T, H, Dk,
+                       Dv, 64, S.data(), o.data());
   ASSERT_EQ(count_nan(o), 0u);
   ASSERT_EQ(count_nan(S), 0u);
   EXPECT_LT(rel_l2(o, o_ref), kTolKda);
@@ -428,9 +430,11 @@ TEST(OpsTwins, MlaAbsorbedEqualsExpanded) {
     const size_t nO = size_t(c.T * c.heads * c.v);
     auto e_ref = nan_vec(nO), e_ops = nan_vec(nO), a_ref = nan_vec(nO), a_ops = nan_vec(nO);
     k3::ref::mla_attend_expanded(q.data(), c.T, kn.data(), kr.data(), vv.data(), c.S, pos0, d, e_ref.data());
-    k3::ops::mla_attend_expanded(q.data(), c.T, kn.data(), kr.data(), vv.data(), c.S, pos0, d, e_ops.data());
+    k3::ops::mla_attend_expanded(k3::ops::kExact, q.data(), c.T, kn.data(), kr.data(), vv.data(), c.S, pos0, d,
+                                 e_ops.data());
     k3::ref::mla_attend_absorbed(q.data(), c.T, cl.data(), kr.data(), c.S, pos0, kvb.w, d, a_ref.data());
-    k3::ops::mla_attend_absorbed(q.data(), c.T, cl.data(), kr.data(), c.S, pos0, kvb.w, d, a_ops.data());
+    k3::ops::mla_attend_absorbed(k3::ops::kExact, q.data(), c.T, cl.data(), kr.data(), c.S, pos0, kvb.w, d,
+                                 a_ops.data());
     for (const auto* o : {&e_ref, &e_ops, &a_ref, &a_ops}) ASSERT_EQ(count_nan(*o), 0u);
     EXPECT_LT(rel_l2(e_ops, e_ref), kTolMla) << "expanded: ops vs ref";
     EXPECT_LT(rel_l2(a_ref, e_ref), kTolMla) << "absorbed ref vs expanded ref";
@@ -461,7 +465,8 @@ TEST(OpsTwins, MlaAbsorbedEqualsExpanded) {
       auto cl2 = cl;
       for (int64_t l = 0; l < c.kv_lora; ++l) cl2[size_t((c.S - 1) * c.kv_lora + l)] += 0.5f;
       auto a2 = nan_vec(nO);
-      k3::ops::mla_attend_absorbed(q.data(), c.T, cl2.data(), kr.data(), c.S, pos0, kvb.w, d, a2.data());
+      k3::ops::mla_attend_absorbed(k3::ops::kExact, q.data(), c.T, cl2.data(), kr.data(), c.S, pos0, kvb.w, d,
+                                   a2.data());
       const size_t per_t = size_t(c.heads * c.v);
       for (size_t i = 0; i < (size_t(c.T) - 1) * per_t; ++i)
         EXPECT_EQ(a2[i], a_ops[i]) << "future token leaked, i=" << i;
@@ -495,7 +500,8 @@ TEST(OpsTwins, RouterTopkBiasChangesSelection) {
                      " scale=" + std::to_string(scale));
         int32_t idx[K] = {-1, -1};
         float w[K] = {k3test::qnan(), k3test::qnan()};
-        (impl == 0 ? k3::ops::router_topk : k3::ref::router_topk)(logits, bias, E, K, renorm, scale, idx, w);
+        const k3test::OpImpl im{impl == 0 ? "ops" : "ref", impl != 0, k3::ops::kExact};
+        K3_OP(im, router_topk)(logits, bias, E, K, renorm, scale, idx, w);
         EXPECT_EQ(idx[0], expect_idx[0]);
         EXPECT_EQ(idx[1], expect_idx[1]);
         const double sum = s[6] + s[5];
@@ -520,7 +526,7 @@ TEST(OpsTwins, RouterTopkRandomTwin) {
       const auto bias = rand_vec(rng, size_t(E), 0.001f, 0.2f);
       std::vector<int32_t> i_ops(static_cast<size_t>(K), -1), i_ref(size_t(K), -1);
       auto w_ops = nan_vec(size_t(K)), w_ref = nan_vec(size_t(K));
-      k3::ops::router_topk(logits.data(), bias.data(), E, K, true, 1.0f, i_ops.data(), w_ops.data());
+      k3::ops::router_topk(k3::ops::kExact, logits.data(), bias.data(), E, K, true, 1.0f, i_ops.data(), w_ops.data());
       k3::ref::router_topk(logits.data(), bias.data(), E, K, true, 1.0f, i_ref.data(), w_ref.data());
       ASSERT_EQ(count_nan(w_ops), 0u);
       EXPECT_EQ(i_ops, i_ref);
@@ -549,7 +555,7 @@ TEST(OpsTwins, AttnresMix) {
     for (auto& s : src) ptr.push_back(s.data());
     const auto fold = rand_vec(rng, size_t(H), 0.05f, 0.3f);
     auto a = nan_vec(size_t(T * H)), b = nan_vec(size_t(T * H));
-    k3::ops::attnres_mix(ptr.data(), n_src, T, H, fold.data(), 1e-5f, a.data());
+    k3::ops::attnres_mix(k3::ops::kExact, ptr.data(), n_src, T, H, fold.data(), 1e-5f, a.data());
     k3::ref::attnres_mix(ptr.data(), n_src, T, H, fold.data(), 1e-5f, b.data());
     ASSERT_EQ(count_nan(a), 0u);
     ASSERT_EQ(count_nan(b), 0u);

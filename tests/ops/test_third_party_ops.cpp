@@ -14,6 +14,7 @@
 
 #include "common/json_fixture.h"
 #include "common/num_util.h"
+#include "common/op_call.h"
 #include "ops/ops.h"
 #include "ops/weight.h"
 
@@ -30,12 +31,9 @@ constexpr double kRel = 1e-4;
 
 Fixture open_fx(const char* name) { return Fixture(k3test::third_party_ops_dir() / name); }
 
-// The two implementations of every op, selected by index so each check runs for both.
-struct Impl {
-  const char* name;
-  bool is_ref;
-};
-constexpr Impl kImpls[] = {{"k3::ops", false}, {"k3::ref", true}};
+// Every check runs on each implementation: the twin, the ops in exact numerics (scalar kernels)
+// and in fp32 (the SIMD kernels of this CPU).
+using k3test::kOpImpls;
 
 TEST(ThirdPartyOps, ManifestTolerance) {
   K3_REQUIRE_THIRD_PARTY_OPS();
@@ -51,10 +49,10 @@ TEST(ThirdPartyOps, Rmsnorm) {
   const auto& x = f.arr("in", {3, 128});
   const auto& w = f.arr("weight", {128});
   const auto& e = f.arr("out", {3, 128});
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
     auto out = nan_vec(e.size());
-    (im.is_ref ? k3::ref::rmsnorm : k3::ops::rmsnorm)(x.data(), 3, 128, w.data(), f.val<float>("eps"), out.data());
+    K3_OP(im, rmsnorm)(x.data(), 3, 128, w.data(), f.val<float>("eps"), out.data());
     EXPECT_EQ(count_nan(out), 0u);
     EXPECT_TRUE(all_close(out, e, kAbs, kRel));
   }
@@ -69,9 +67,9 @@ TEST(ThirdPartyOps, SituGlu) {
   const auto& x = f.arr("in", {6, 16});
   const auto& e = f.arr("out", {6, 8});
   const float b1 = f.val<float>("beta"), b2 = f.val<float>("linear_beta");
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
-    auto fn = im.is_ref ? k3::ref::situ_glu : k3::ops::situ_glu;
+    auto fn = K3_OP(im, situ_glu);
     auto out = nan_vec(e.size()), swapped = nan_vec(e.size());
     for (int64_t r = 0; r < 6; ++r) {
       fn(x.data() + r * 16, x.data() + r * 16 + 8, 8, b1, b2, out.data() + r * 8);
@@ -98,9 +96,9 @@ TEST(ThirdPartyOps, ShortConvCarriedState) {
   const auto& e_state = f.arr("state_after", {1, C, K - 1});
   const auto& x2 = f.arr("in_next", {1, 1, C});
   const auto& e2 = f.arr("out_next", {1, 1, C});
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
-    auto fn = im.is_ref ? k3::ref::short_conv_silu : k3::ops::short_conv_silu;
+    auto fn = K3_OP(im, short_conv_silu);
     std::vector<float> state(static_cast<size_t>(C * (K - 1)), 0.0f);
     auto out = nan_vec(e.size()), out2 = nan_vec(e2.size());
     fn(x.data(), 5, C, w.data(), K, state.data(), out.data());
@@ -126,10 +124,10 @@ TEST(ThirdPartyOps, KdaDecay) {
   const auto& e_g = f.arr("g", {1, 4, 4, 16});
   const auto& e_alpha = f.arr("alpha", {1, 4, 4, 16});
   const float lb = f.val<float>("lower_bound");
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
     auto g = nan_vec(e_g.size());
-    (im.is_ref ? k3::ref::kda_gate : k3::ops::kda_gate)(z.data(), 4, 4, 16, A_log.data(), dt.data(), lb, g.data());
+    K3_OP(im, kda_gate)(z.data(), 4, 4, 16, A_log.data(), dt.data(), lb, g.data());
     EXPECT_EQ(count_nan(g), 0u);
     EXPECT_TRUE(all_close(g, e_g, kAbs, kRel)) << "g";
     std::vector<float> alpha(g.size());
@@ -178,24 +176,27 @@ void check_kda_recur(const char* file) {
   };
   const Run runs[] = {{"ops::kda_recurrent", 0, 0},  {"ref::kda_recurrent", 1, 0},    {"ops::kda_chunked(1)", 2, 1},
                       {"ops::kda_chunked(3)", 2, 3}, {"ops::kda_chunked(64)", 2, 64}, {"ref::kda_chunked(64)", 3, 64}};
-  for (const auto& r : runs) {
-    SCOPED_TRACE(std::string(file) + " " + r.name);
-    std::vector<float> S(static_cast<size_t>(H * Dk * Dv), 0.0f);
-    auto o = nan_vec(e_o.size());
-    if (r.kind == 0)
-      k3::ops::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
-    if (r.kind == 1)
-      k3::ref::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
-    if (r.kind == 2)
-      k3::ops::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
-                           o.data());
-    if (r.kind == 3)
-      k3::ref::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
-                           o.data());
-    EXPECT_EQ(count_nan(o), 0u);
-    EXPECT_TRUE(all_close(o, e_o, kAbs, kRel)) << "out";
-    EXPECT_TRUE(all_close(S, e_S, kAbs, kRel)) << "state_out";
-  }
+  for (const k3::ops::Exec ex : {k3::ops::kExact, k3::ops::kF32})
+    for (const auto& r : runs) {
+      if (ex.numerics != k3::ops::Numerics::Exact && (r.kind == 1 || r.kind == 3)) continue;  // the twins once
+      SCOPED_TRACE(std::string(file) + " " + r.name + " " + k3::ops::numerics_name(ex.numerics));
+      std::vector<float> S(static_cast<size_t>(H * Dk * Dv), 0.0f);
+      auto o = nan_vec(e_o.size());
+      if (r.kind == 0)
+        k3::ops::kda_recurrent(ex, q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(),
+                               o.data());
+      if (r.kind == 1)
+        k3::ref::kda_recurrent(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, S.data(), o.data());
+      if (r.kind == 2)
+        k3::ops::kda_chunked(ex, q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
+                             o.data());
+      if (r.kind == 3)
+        k3::ref::kda_chunked(q.data(), k.data(), v.data(), g.data(), beta.data(), T, H, Dk, Dv, r.chunk, S.data(),
+                             o.data());
+      EXPECT_EQ(count_nan(o), 0u);
+      EXPECT_TRUE(all_close(o, e_o, kAbs, kRel)) << "out";
+      EXPECT_TRUE(all_close(S, e_S, kAbs, kRel)) << "state_out";
+    }
 }
 TEST(ThirdPartyOps, KdaRecur1) {
   K3_REQUIRE_THIRD_PARTY_OPS();
@@ -219,17 +220,17 @@ TEST(ThirdPartyOps, Router) {
   const auto& e_idx = f.arr("topk_idx", {T, K});
   const auto& e_w = f.arr("topk_weight", {T, K});
   const k3::WeightMat Wm = k3::wmat_f32(W.data(), E, H);
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
     auto logits = nan_vec(size_t(T * E));
-    (im.is_ref ? k3::ref::matmul : k3::ops::matmul)(Wm, x.data(), T, logits.data());
+    K3_OP(im, matmul)(Wm, x.data(), T, logits.data());
     EXPECT_EQ(count_nan(logits), 0u);
     std::vector<float> w = nan_vec(size_t(T * K));
     std::vector<int32_t> idx(static_cast<size_t>(T * K), -1);
     int changed = 0;
     for (int64_t t = 0; t < T; ++t) {
-      (im.is_ref ? k3::ref::router_topk : k3::ops::router_topk)(logits.data() + t * E, bias.data(), E, K, true, 1.0f,
-                                                                idx.data() + t * K, w.data() + t * K);
+      K3_OP(im, router_topk)
+      (logits.data() + t * E, bias.data(), E, K, true, 1.0f, idx.data() + t * K, w.data() + t * K);
       // Unbiased selection for comparison: does the bias change the chosen set on this row?
       std::vector<int32_t> i0(static_cast<size_t>(K));
       std::vector<float> w0(static_cast<size_t>(K));
@@ -267,11 +268,10 @@ TEST(ThirdPartyOps, Attnres) {
   std::vector<const float*> src;
   for (const auto& b : blocks) src.push_back(b.data());
   src.push_back(ps.data());
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
     auto out = nan_vec(e.size());
-    (im.is_ref ? k3::ref::attnres_mix : k3::ops::attnres_mix)(src.data(), NB + 1, T, H, fold.data(),
-                                                              f.val<float>("eps"), out.data());
+    K3_OP(im, attnres_mix)(src.data(), NB + 1, T, H, fold.data(), f.val<float>("eps"), out.data());
     EXPECT_EQ(count_nan(out), 0u);
     EXPECT_TRUE(all_close(out, e, kAbs, kRel));
   }
@@ -340,10 +340,10 @@ TEST(ThirdPartyOps, Mxfp4RealBytes) {
       for (int64_t c = 0; c < N; ++c) acc += double(e[size_t(r * N + c)]) * x[size_t(t * N + c)];
       y_exp[size_t(t * R + r)] = float(acc);
     }
-  for (const auto& im : kImpls) {
+  for (const auto& im : kOpImpls) {
     SCOPED_TRACE(im.name);
     auto y = nan_vec(y_exp.size());
-    (im.is_ref ? k3::ref::matmul : k3::ops::matmul)(W, x.data(), T, y.data());
+    K3_OP(im, matmul)(W, x.data(), T, y.data());
     EXPECT_EQ(count_nan(y), 0u);
     EXPECT_LT(k3test::rel_l2(y, y_exp), 1e-5);  // fp32 accumulation over 3584 terms
   }

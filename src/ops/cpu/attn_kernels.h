@@ -10,6 +10,10 @@
 #pragma once
 #include <cstdint>
 
+namespace k3::ops {
+struct Exec;  // ops/cpu/isa.h
+}
+
 namespace k3::ops::cpu {
 
 // Longest chunk of the chunked KDA kernel and the bound on |Γ| (cumulative log-decay from the
@@ -107,7 +111,8 @@ namespace avx512 {
 extern const AttnKernels kAttn;
 }
 
-// The kernels of the current cpu_isa(), or nullptr at the scalar level (defined in kda.cpp).
-const AttnKernels* attn_kernels();
+// The kernels of x's level (cpu_isa()), or nullptr at the scalar level (Numerics::Exact; defined
+// in kda.cpp).
+const AttnKernels* attn_kernels(const Exec& x);
 
 }  // namespace k3::ops::cpu

@@ -41,8 +41,8 @@ void for_blocks(int64_t n, int64_t block, int64_t cost, Fn&& fn) {
 }
 }  // namespace
 
-void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+void rmsnorm(Exec ex, const float* x, int64_t T, int64_t n, const float* w, float eps, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex)) {
     return for_blocks(T, kElemBlock / std::max<int64_t>(n, 1), n,
                       [&](int64_t r0, int64_t r1) { kern->rmsnorm_rows(x, r0, r1, n, w, eps, out); });
   }
@@ -55,8 +55,8 @@ void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, fl
   }
 }
 
-void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+void l2norm_scale(Exec ex, float* x, int64_t rows, int64_t n, float eps, float scale) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex)) {
     return for_blocks(rows, kElemBlock / std::max<int64_t>(n, 1), n,
                       [&](int64_t r0, int64_t r1) { kern->l2norm_rows(x, r0, r1, n, eps, scale); });
   }
@@ -69,15 +69,16 @@ void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
   }
 }
 
-void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+void situ_glu(Exec ex, const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex)) {
     return for_blocks(n, kElemBlock, 8, [&](int64_t i0, int64_t i1) { kern->situ_glu(g, u, i0, i1, b1, b2, out); });
   }
   for (int64_t i = 0; i < n; ++i) out[i] = (b1 * std::tanh(g[i] / b1) * sigmoidf(g[i])) * (b2 * std::tanh(u[i] / b2));
 }
 
-void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels(); kern && K >= 1 && K <= 16) {
+void short_conv_silu(Exec ex, const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state,
+                     float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex); kern && K >= 1 && K <= 16) {
     // One token (decode): straight from the [C, K] weights and [C, K-1] state, no transposes.
     if (T == 1) return kern->short_conv_step(x, C, w, K, state, 0, C, out);
     // Transposed weights [K, C] and history [K-1, C] so the kernel runs along channels.
@@ -115,9 +116,9 @@ void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64
   }
 }
 
-void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
+void kda_gate(Exec ex, const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
               float lower_bound, float* g) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels()) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex)) {
     float* const a = cpu::scratch<float>(cpu::ScratchId::KdaGateA, H);
     for (int64_t h = 0; h < H; ++h) a[h] = std::exp(A_log[h]);
     return for_blocks(T * H, kElemBlock / std::max<int64_t>(D, 1), D * 8,
@@ -335,13 +336,12 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
     auto dst = [&](int64_t gi) { return Ch + ((gi / nhg) * H + (gi % nhg) * HG) * L; };
     attend_groups(kern, Tb * nhg, HG, S, L, Tb * S * H * (2 * L + d.rope), setup, dst, L);
     // C: a[t,h] = W_UV_h ĉ[t,h]; W_UV_h decoded once for the block's tokens. One token (decode):
-    // a GEMV straight from the stored rows (fp32 products: the numerics are per thread, so each
-    // worker states its own), without widening W_UV to a buffer first.
+    // a GEMV straight from the stored rows (fp32 products, whatever the step's numerics), without
+    // widening W_UV to a buffer first.
     if (Tb == 1) {
 #pragma omp parallel for schedule(static) if (par_heads)
       for (int64_t h = 0; h < H; ++h) {
-        const NumericsScope f32(Numerics::F32);
-        matmul(rows_of(kv_b, h * per_head + d.nope, d.v), Ch + h * L, 1, out + (tb0 * H + h) * d.v);
+        matmul(kF32, rows_of(kv_b, h * per_head + d.nope, d.v), Ch + h * L, 1, out + (tb0 * H + h) * d.v);
       }
       continue;
     }
@@ -358,9 +358,9 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
 }
 }  // namespace
 
-void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const float* k_r, const float* v, int64_t S,
-                         int64_t pos0, const MlaAttnDims& d, float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels())
+void mla_attend_expanded(Exec ex, const float* q, int64_t T, const float* k_nope, const float* k_r, const float* v,
+                         int64_t S, int64_t pos0, const MlaAttnDims& d, float* out) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex))
     return mla_expanded_simd(*kern, q, T, k_nope, k_r, v, S, pos0, d, out);
   const int64_t dq = d.nope + d.rope;
 #pragma omp parallel for collapse(2) schedule(static) if (T * S * d.heads * (d.nope + d.v) > kParallelMin)
@@ -384,9 +384,9 @@ void mla_attend_expanded(const float* q, int64_t T, const float* k_nope, const f
 }
 
 namespace {
-void mla_absorbed(const float* q, int64_t T, const Latent& lat, int64_t S, int64_t pos0, const WeightMat& kv_b,
+void mla_absorbed(Exec ex, const float* q, int64_t T, const Latent& lat, int64_t S, int64_t pos0, const WeightMat& kv_b,
                   const MlaAttnDims& d, float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels())
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex))
     return mla_absorbed_simd(*kern, q, T, lat, S, pos0, kv_b, d, out);
   const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora;
 #pragma omp parallel for schedule(static) if ((T + per_head) * S * d.heads * L > kParallelMin)
@@ -420,17 +420,17 @@ void mla_absorbed(const float* q, int64_t T, const Latent& lat, int64_t S, int64
 
 }  // namespace
 
-void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,
+void mla_attend_absorbed(Exec ex, const float* q, int64_t T, const float* c, const float* k_r, int64_t S, int64_t pos0,
                          const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
   Latent lat;
   lat.c = c;
   lat.kr = k_r;
   lat.L = d.kv_lora;
   lat.rope = d.rope;
-  mla_absorbed(q, T, lat, S, pos0, kv_b, d, out);
+  mla_absorbed(ex, q, T, lat, S, pos0, kv_b, d, out);
 }
 
-void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                                const WeightMat& kv_b, const MlaAttnDims& d, float* out) {
   if (cache.page_tokens < 1 || cache.stride < d.kv_lora + d.rope) fail("MLA: bad latent cache page layout");
   Latent lat;
@@ -439,11 +439,11 @@ void mla_attend_absorbed_paged(const float* q, int64_t T, const LatentPages& cac
   lat.stride = cache.stride;
   lat.L = d.kv_lora;
   lat.rope = d.rope;
-  mla_absorbed(q, T, lat, S, pos0, kv_b, d, out);
+  mla_absorbed(ex, q, T, lat, S, pos0, kv_b, d, out);
 }
 
-void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale, int32_t* idx,
-                 float* w) {
+void router_topk(Exec ex, const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,
+                 int32_t* idx, float* w) {
   float* const s = cpu::scratch<float>(cpu::ScratchId::RouterScores, E);
   float* const sel = cpu::scratch<float>(cpu::ScratchId::RouterSelect, E);
   for (int64_t e = 0; e < E; ++e) {
@@ -463,9 +463,9 @@ void router_topk(const float* logits, const float* bias, int64_t E, int64_t k, b
   }
 }
 
-void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps,
+void attnres_mix(Exec ex, const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps,
                  float* out) {
-  if (const cpu::AttnKernels* kern = cpu::attn_kernels(); kern && n_src >= 1 && n_src <= 64) {
+  if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex); kern && n_src >= 1 && n_src <= 64) {
     return for_blocks(T, kElemBlock / std::max<int64_t>(H * n_src, 1), H * n_src,
                       [&](int64_t t0, int64_t t1) { kern->attnres_mix(src, n_src, t0, t1, H, fold, eps, out); });
   }

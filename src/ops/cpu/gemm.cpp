@@ -368,13 +368,13 @@ void reserve_matmul(int64_t T, int64_t cols) {
   aligned64(tl_rows_buf(), size_t(6 * np));
 }
 
-bool fast_applies(const WeightMat& W, int64_t T) {
-  return current_numerics() == Numerics::Fast && (T >= kFastMinRows || (T == 1 && W.fmt == WFormat::MXFP4));
+bool fast_applies(Exec ex, const WeightMat& W, int64_t T) {
+  return ex.fast() && (T >= kFastMinRows || (T == 1 && W.fmt == WFormat::MXFP4));
 }
 
-void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
-  const bool fast = fast_applies(W, T);
-  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
+void matmul(Exec ex, const WeightMat& W, const float* X, int64_t T, float* Y) {
+  const bool fast = fast_applies(ex, W, T);
+  const cpu::GemmKernels* K = kernels_for(ex.level());
   if (!K) {
     if (!fast) return matmul_scalar(W, X, T, Y);
     const auto r = T == 1 ? q8_dequantised(X, W.cols) : round_to_bf16(X, T * W.cols);
@@ -385,23 +385,23 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y) {
   gemm_threaded(*K, W, X, T, fast, Y);
 }
 
-void matmul_many(const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y) {
-  const cpu::GemmKernels* K = kernels_for(active_kernel_level());
+void matmul_many(Exec ex, const WeightMat* const* W, const float* const* X, int64_t n, int64_t T, float* const* Y) {
+  const cpu::GemmKernels* K = kernels_for(ex.level());
   // One parallel region for all of them where that is what one matmul would do (T = 1 on a SIMD
   // level). At T = 1 Numerics::Fast changes only MXFP4 products (fast_applies), which
   // prepare_gemv applies per weight.
-  if (n > 0 && T == 1 && K) return gemv_threaded(*K, W, n, X, current_numerics() == Numerics::Fast, Y);
-  for (int64_t i = 0; i < n; ++i) matmul(*W[i], X[i], T, Y[i]);
+  if (n > 0 && T == 1 && K) return gemv_threaded(*K, W, n, X, ex.fast(), Y);
+  for (int64_t i = 0; i < n; ++i) matmul(ex, *W[i], X[i], T, Y[i]);
 }
 
-void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y) {
+void matmul_shared_input(Exec ex, const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y) {
   for (int64_t i = 1; i < n; ++i) assert(W[i]->cols == W[0]->cols);
   constexpr int64_t kStack = 32;
   const float* stack[kStack];
   std::vector<const float*> heap(static_cast<size_t>(n > kStack ? n : 0), X);
   const float** xs = n > kStack ? heap.data() : stack;
   for (int64_t i = 0; i < n && n <= kStack; ++i) xs[i] = X;
-  matmul_many(W, xs, n, T, Y);
+  matmul_many(ex, W, xs, n, T, Y);
 }
 
 }  // namespace k3::ops

@@ -10,7 +10,6 @@ namespace k3::ops {
 
 namespace {
 std::atomic<int> g_isa{-1};
-thread_local Numerics t_numerics = Numerics::Exact;
 
 bool has_avx2() {
 #if defined(__x86_64__) && defined(K3_HAVE_X86_KERNELS)
@@ -92,7 +91,7 @@ const char* numerics_name(Numerics n) {
   return "?";
 }
 
-CpuIsa active_kernel_level() { return t_numerics == Numerics::Exact ? CpuIsa::Scalar : cpu_isa(); }
+CpuIsa Exec::level() const { return numerics == Numerics::Exact ? CpuIsa::Scalar : cpu_isa(); }
 
 Numerics parse_numerics(const std::string& name) {
   if (name == "exact") return Numerics::Exact;
@@ -100,9 +99,5 @@ Numerics parse_numerics(const std::string& name) {
   if (name == "fast") return Numerics::Fast;
   fail("unknown numerics '" + name + "' (expected exact, fp32 or fast)");
 }
-
-Numerics current_numerics() { return t_numerics; }
-NumericsScope::NumericsScope(Numerics n) : saved_(t_numerics) { t_numerics = n; }
-NumericsScope::~NumericsScope() { t_numerics = saved_; }
 
 }  // namespace k3::ops

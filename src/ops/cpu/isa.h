@@ -46,22 +46,20 @@ constexpr int64_t kFastMinRows = 4;
 const char* numerics_name(Numerics n);
 Numerics parse_numerics(const std::string& name);  // "exact" | "fp32" | "fast", k3::Error otherwise
 
-// The level the kernels called on this thread use: Scalar under Numerics::Exact, else cpu_isa().
-CpuIsa active_kernel_level();
-// Whether ops::matmul(W, X, T, ..) rounds X to bf16 under the current numerics (rule above).
-bool fast_applies(const WeightMat& W, int64_t T);
-
-// The numerics of the ops called on this thread (set per forward pass by Model::forward).
-Numerics current_numerics();
-class NumericsScope {
- public:
-  explicit NumericsScope(Numerics n);
-  ~NumericsScope();
-  NumericsScope(const NumericsScope&) = delete;
-  NumericsScope& operator=(const NumericsScope&) = delete;
-
- private:
-  Numerics saved_;
+// The execution context of one CPU op call, passed explicitly as every op's first argument (there
+// is no thread-local or global numerics mode: a worker thread computes what its caller asked for,
+// and two callers on one thread cannot leak a mode into each other).
+struct Exec {
+  Numerics numerics = Numerics::Exact;
+  // The kernel level of the call: Scalar under Numerics::Exact, else cpu_isa().
+  CpuIsa level() const;
+  bool fast() const { return numerics == Numerics::Fast; }
 };
+inline constexpr Exec kExact{Numerics::Exact};
+inline constexpr Exec kF32{Numerics::F32};
+inline constexpr Exec kFast{Numerics::Fast};
+
+// Whether ops::matmul(ex, W, X, T, ..) rounds X (bf16 rows, or 8-bit blocks at T = 1) (rule above).
+bool fast_applies(Exec ex, const WeightMat& W, int64_t T);
 
 }  // namespace k3::ops

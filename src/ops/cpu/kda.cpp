@@ -1,7 +1,7 @@
 // ops::kda_recurrent and ops::kda_chunked: the threaded drivers over the per-ISA kernels of
 // attn_kernels.h (heads split across OpenMP threads, one head = one kernel call, so results do not
 // depend on the thread count), plus the scalar level (fp64 state inside a call), and attn_kernels(),
-// the dispatch of every attn_kernels.h kernel on cpu_isa().
+// the dispatch of every attn_kernels.h kernel on the call's level (Exec::level).
 // Must not: change results beyond fp32 rounding versus the fp64 twins in ops/reference.
 #include <algorithm>
 #include <cmath>
@@ -15,9 +15,9 @@
 namespace k3::ops {
 
 namespace cpu {
-const AttnKernels* attn_kernels() {
+const AttnKernels* attn_kernels(const Exec& x) {
 #if defined(K3_HAVE_X86_KERNELS)
-  switch (active_kernel_level()) {  // Scalar (nullptr) under Numerics::Exact
+  switch (x.level()) {  // Scalar (nullptr) under Numerics::Exact
     case CpuIsa::Avx512:
       return &avx512::kAttn;
     case CpuIsa::Avx2:
@@ -160,9 +160,9 @@ void kda_chunked_scalar(const float* q, const float* k, const float* v, const fl
 
 }  // namespace
 
-void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
-                   int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
-  const cpu::AttnKernels* K = cpu::attn_kernels();
+void kda_recurrent(Exec ex, const float* q, const float* k, const float* v, const float* g, const float* beta,
+                   int64_t T, int64_t H, int64_t Dk, int64_t Dv, float* S, float* o) {
+  const cpu::AttnKernels* K = cpu::attn_kernels(ex);
   if (!K) return kda_recurrent_scalar(q, k, v, g, beta, T, H, Dk, Dv, S, o);
     // fp32 state updated in place, two passes over it per token (see attn_kernels.inc).
 #pragma omp parallel if (H > 1 && T * H * Dk * Dv >= kHeadParallelMin)
@@ -174,9 +174,9 @@ void kda_recurrent(const float* q, const float* k, const float* v, const float* 
   }
 }
 
-void kda_chunked(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
+void kda_chunked(Exec ex, const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,
                  int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S, float* o) {
-  const cpu::AttnKernels* K = cpu::attn_kernels();
+  const cpu::AttnKernels* K = cpu::attn_kernels(ex);
   if (!K) return kda_chunked_scalar(q, k, v, g, beta, T, H, Dk, Dv, chunk, S, o);
   // `chunk` is a hint: the kernel caps it at K3_KDA_MAX_CHUNK and cuts a chunk earlier where the
   // cumulative log-decay would leave the fp32-safe range (factored decays, see attn_kernels.inc).
