@@ -281,7 +281,10 @@ class CpuBackend final : public Backend {
           products_on(ops::kF32, W, X, n, Y, run.r0, run.n, all);
           break;
         case RowClass::One:
-          products_on(ops::kF32, W, X, n, Y, run.r0, run.n, [&](int64_t i) { return !mx(i) || flagged(i); });
+          // fp32 GEMVs, each row exactly as alone, every weight read once for the run's rows.
+          for (int64_t i = 0; i < n; ++i)
+            if (!mx(i) || flagged(i))
+              ops::matmul_rowwise(ops::kF32, *W[i], X[i] + run.r0 * W[i]->cols, run.n, Y[i] + run.r0 * W[i]->rows);
           for (int64_t r = run.r0; r < run.r0 + run.n; ++r)
             products_on(ex_, W, X, n, Y, r, 1, [&](int64_t i) { return mx(i) && !flagged(i); });
           break;

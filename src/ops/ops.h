@@ -84,6 +84,11 @@ void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentP
 // take matmuls of different sizes in dynamic order (whole experts), where a thread would
 // otherwise first meet its largest size at any later step.
 void reserve_matmul(int64_t T, int64_t cols);
+// Y[t] = matmul(ex, W, X + t * cols, 1, Y + t * rows) for each of T rows, bit for bit (each row as
+// a decode GEMV computes it alone), reading W once for all of them where the level has a
+// multi-input GEMV (dense formats on avx512; elsewhere T separate GEMVs). For the decode rows of
+// several sequences in one step: each sequence gets exactly its result alone.
+void matmul_rowwise(Exec ex, const WeightMat& W, const float* X, int64_t T, float* Y);
 }  // namespace ops
 namespace ref {
 K3_OPS_DECLARE()

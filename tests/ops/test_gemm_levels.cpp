@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/num_util.h"
@@ -430,6 +431,46 @@ TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
         k3::ops::matmul_shared_input(ex, pair, 2, Xa.data(), T, pys);
         EXPECT_EQ(std::memcmp(a.data(), sep[0].data(), a.size() * 4), 0);
         EXPECT_EQ(std::memcmp(b.data(), sep[1].data(), b.size() * 4), 0);
+      }
+    }
+  }
+}
+
+// matmul_rowwise gives each row exactly what its own one-row matmul gives (the decode rows of a
+// batched step equal each sequence alone), for every format, level and numerics, with row counts
+// that leave partial tiles, widths with tail columns, and BF16 rows at every head offset.
+TEST(GemmLevels, RowwiseEqualsOneRowMatmuls) {
+  LevelGuard guard;
+  for (CpuIsa level : levels()) {
+    k3::ops::set_cpu_isa(level);
+    std::mt19937 rng(87);
+    for (const auto& [fmt, rows, cols] : {std::tuple{k3::WFormat::BF16, 37, 416}, std::tuple{k3::WFormat::BF16, 9, 200},
+                                          std::tuple{k3::WFormat::F32, 13, 100}, std::tuple{k3::WFormat::F16, 6, 160},
+                                          std::tuple{k3::WFormat::MXFP4, 11, 256}}) {
+      k3test::OwnedW W = k3test::make_weight(rng, fmt, rows, cols);
+      // BF16: the same rows at several base offsets (each gives another head column).
+      std::vector<uint8_t> bytes(data_bytes(W.w) + 128);
+      const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
+      for (int off : fmt == k3::WFormat::BF16 ? std::vector<int>{0, 2, 20, 48} : std::vector<int>{0}) {
+        k3::WeightMat w = W.w;
+        if (fmt == k3::WFormat::BF16) {
+          auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
+          std::memcpy(p, W.w.data, data_bytes(W.w));
+          w.data = p;
+        }
+        for (int64_t T : {1, 2, 3, 5, 8, 13}) {
+          const auto X = k3test::rand_vec(rng, size_t(T * cols));
+          for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+            SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + k3::wformat_name(fmt) + " offset=" +
+                         std::to_string(off) + " T=" + std::to_string(T) + " " + k3::ops::numerics_name(num));
+            const k3::ops::Exec ex{num};
+            auto one = nan_vec(size_t(T * rows)), all = nan_vec(size_t(T * rows));
+            for (int64_t t = 0; t < T; ++t) k3::ops::matmul(ex, w, X.data() + t * cols, 1, one.data() + t * rows);
+            k3::ops::matmul_rowwise(ex, w, X.data(), T, all.data());
+            ASSERT_EQ(count_nan(one), 0u);
+            EXPECT_EQ(std::memcmp(all.data(), one.data(), all.size() * 4), 0);
+          }
+        }
       }
     }
   }

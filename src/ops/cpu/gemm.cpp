@@ -394,6 +394,47 @@ void matmul_many(Exec ex, const WeightMat* const* W, const float* const* X, int6
   for (int64_t i = 0; i < n; ++i) matmul(ex, *W[i], X[i], T, Y[i]);
 }
 
+// T inputs of a dense weight, each as its own GEMV would compute it (gemv_multi), the rows cut
+// into chunks the threads take in guided order as in gemv_threaded. BF16 rows with a head take
+// each x permuted from that column, prepared once per call in per-thread buffers.
+struct MultiScratch {
+  std::vector<float> xp;
+  std::vector<const float*> x, xpp;
+};
+MultiScratch& multi_scratch() {
+  thread_local MultiScratch s;
+  return s;
+}
+
+void gemv_multi_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X, int64_t T, float* Y) {
+  const int64_t cols = W.cols;
+  MultiScratch& s = multi_scratch();
+  s.x.resize(size_t(T));
+  s.xpp.assign(size_t(T), nullptr);
+  for (int64_t t = 0; t < T; ++t) s.x[size_t(t)] = X + t * cols;
+  const int64_t h = W.fmt == WFormat::BF16 && K.bf16_uses_xp ? cpu::bf16_head(W.data, cols) : -1;
+  if (h >= 0) {
+    if (s.xp.size() < size_t(T * cols)) s.xp.resize(size_t(T * cols));
+    for (int64_t t = 0; t < T; ++t) {
+      permute_x_mxfp4(X + t * cols + h, cols - h, s.xp.data() + t * cols);
+      s.xpp[size_t(t)] = s.xp.data() + t * cols;
+    }
+  }
+  const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, row_bytes(W)) / 8 * 8);
+  const int64_t nchunks = (W.rows + step - 1) / step;
+  const float* const* x = s.x.data();
+  const float* const* xp = s.xpp.data();
+#pragma omp parallel for schedule(guided, 1) if (W.rows * cols * T > kParallelMin)
+  for (int64_t c = 0; c < nchunks; ++c)
+    K.gemv_multi(W, x, xp, T, c * step, std::min(W.rows, (c + 1) * step), Y, W.rows);
+}
+
+void matmul_rowwise(Exec ex, const WeightMat& W, const float* X, int64_t T, float* Y) {
+  const cpu::GemmKernels* K = kernels_for(ex.level());
+  if (T > 1 && K && K->gemv_multi && W.fmt != WFormat::MXFP4) return gemv_multi_threaded(*K, W, X, T, Y);
+  for (int64_t t = 0; t < T; ++t) matmul(ex, W, X + t * W.cols, 1, Y + t * W.rows);
+}
+
 void matmul_shared_input(Exec ex, const WeightMat* const* W, int64_t n, const float* X, int64_t T, float* const* Y) {
   for (int64_t i = 1; i < n; ++i) assert(W[i]->cols == W[0]->cols);
   constexpr int64_t kStack = 32;

@@ -200,6 +200,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, nullptr, read_probe, flops_probe};
+const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, nullptr, read_probe, flops_probe, nullptr};
 
 }  // namespace k3::ops::cpu::avx2

@@ -500,6 +500,118 @@ void gemm_bf16(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np,
 constexpr int kDenseTile = 8;     // rows per dense GEMV tile (32 zmm registers hold 16 accumulators)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
+// ------------------------------------------------------------------ GEMV of several inputs
+// M inputs through the same R dense rows: every output (row i, input j) gets exactly the operations
+// gemv_rows gives it alone (the same head/body/tail split, the same two accumulators, the same
+// final sum), so each input's result is bit-identical to its own GEMV, while each 64-byte weight
+// load serves all M inputs. The inputs are read from L1 per row (R * M accumulators fill the
+// registers: R = 2, M = 4 is 16 of 32).
+template <WFormat F, int R, int M>
+inline void gemv_rows_multi(const uint8_t* const* p, const float* const* x, const float* const* xp, int64_t n,
+                            float* const* y, int64_t pf) {
+  __m512 a[R][M], b[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) a[i][j] = b[i][j] = _mm512_setzero_ps();
+  int64_t c = 0;
+  const int64_t h = F == WFormat::BF16 && xp[0] ? bf16_head(p[0], n) : -1;
+  if (h >= 0) {
+    for (int64_t c0 = 0; c0 < h; c0 += 16) {
+      const __mmask16 m = tail16(h - c0);
+      for (int i = 0; i < R; ++i) {
+        const __m512 w = load16<F>(p[i], c0, m);
+        for (int j = 0; j < M; ++j) b[i][j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x[j] + c0), b[i][j]);
+      }
+    }
+    const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
+    for (c = h; c + 32 <= n; c += 32) {
+      for (int i = 0; i < R; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + 2 * c), _MM_HINT_T1);
+        const __m512i v = _mm512_load_si512(p[i] + 2 * c);
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        for (int j = 0; j < M; ++j) {
+          a[i][j] = _mm512_fmadd_ps(we, _mm512_loadu_ps(xp[j] + (c - h)), a[i][j]);
+          b[i][j] = _mm512_fmadd_ps(wo, _mm512_loadu_ps(xp[j] + (c - h) + 16), b[i][j]);
+        }
+      }
+    }
+  } else {
+    for (; c + 32 <= n; c += 32) {
+      for (int i = 0; i < R; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + esize(F) * c), _MM_HINT_T1);
+        const __m512 w0 = load16<F>(p[i], c), w1 = load16<F>(p[i], c + 16);
+        for (int j = 0; j < M; ++j) {
+          a[i][j] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x[j] + c), a[i][j]);
+          b[i][j] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x[j] + c + 16), b[i][j]);
+        }
+      }
+    }
+  }
+  for (; c < n; c += 16) {
+    const __mmask16 m = tail16(n - c);
+    for (int i = 0; i < R; ++i) {
+      const __m512 w = load16<F>(p[i], c, m);
+      for (int j = 0; j < M; ++j) a[i][j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x[j] + c), a[i][j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < M; ++j) y[j][i] = _mm512_reduce_add_ps(_mm512_add_ps(a[i][j], b[i][j]));
+}
+
+template <WFormat F, int R>
+void gemv_multi_tile(const uint8_t* const* p, const float* const* x, const float* const* xp, int64_t T, int64_t n,
+                     float* Y, int64_t ldy, int64_t r, int64_t pf) {
+  for (int64_t t = 0; t < T; t += 4) {
+    float* y[4];
+    const int64_t m = T - t < 4 ? T - t : 4;
+    for (int64_t j = 0; j < m; ++j) y[j] = Y + (t + j) * ldy + r;
+    switch (m) {
+      case 4:
+        gemv_rows_multi<F, R, 4>(p, x + t, xp + t, n, y, pf);
+        break;
+      case 3:
+        gemv_rows_multi<F, R, 3>(p, x + t, xp + t, n, y, pf);
+        break;
+      case 2:
+        gemv_rows_multi<F, R, 2>(p, x + t, xp + t, n, y, pf);
+        break;
+      default:
+        gemv_rows_multi<F, R, 1>(p, x + t, xp + t, n, y, pf);
+        break;
+    }
+  }
+}
+
+template <WFormat F>
+void gemv_multi_dense(const WeightMat& W, const float* const* x, const float* const* xp, int64_t T, int64_t r0,
+                      int64_t r1, float* Y, int64_t ldy) {
+  const int64_t n = W.cols, rb = n * esize(F);
+  const uint8_t* base = static_cast<const uint8_t*>(W.data);
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const uint8_t* p[2] = {base + r * rb, base + (r + 1) * rb};
+    gemv_multi_tile<F, 2>(p, x, xp, T, n, Y, ldy, r, 4 * rb);
+  }
+  if (r < r1) {
+    const uint8_t* p[1] = {base + r * rb};
+    gemv_multi_tile<F, 1>(p, x, xp, T, n, Y, ldy, r, 2 * rb);
+  }
+}
+
+void gemv_multi(const WeightMat& W, const float* const* x, const float* const* xp, int64_t T, int64_t r0, int64_t r1,
+                float* Y, int64_t ldy) {
+  switch (W.fmt) {
+    case WFormat::F32:
+      return gemv_multi_dense<WFormat::F32>(W, x, xp, T, r0, r1, Y, ldy);
+    case WFormat::F16:
+      return gemv_multi_dense<WFormat::F16>(W, x, xp, T, r0, r1, Y, ldy);
+    case WFormat::BF16:
+      return gemv_multi_dense<WFormat::BF16>(W, x, xp, T, r0, r1, Y, ldy);
+    case WFormat::MXFP4:
+      break;  // the driver never passes MXFP4 here
+  }
+}
+
 // ------------------------------------------------------------------ roofline probes
 double read_probe(const uint8_t* p, int64_t n) {
   // Eight concurrent streams (like a GEMV over several rows): one stream alone leaves the
@@ -532,6 +644,6 @@ double flops_probe(int64_t iters) {
 }  // namespace
 
 const GemmKernels kGemm = {gemv,          true,        gemm_f32,   pack_x_bf16, gemm_bf16,
-                           gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe};
+                           gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe, gemv_multi};
 
 }  // namespace k3::ops::cpu::avx512

@@ -51,6 +51,12 @@ struct GemmKernels {
   // Runs `iters` iterations of independent multiply-adds at this level's widest product (vdpbf16ps
   // on avx512, fp32 FMA on avx2) and returns the FLOPs done (2 per multiply-add).
   double (*flops_probe)(int64_t iters);
+  // T inputs through dense rows (F32/F16/BF16; never MXFP4): Y[t * ldy + r] for t < T and r in
+  // [r0, r1) is bit-identical to gemv(W, x[t], xp[t], ..) alone (the same operations per output),
+  // with each weight load shared by all T inputs. xp[t] as gemv's xp (the BF16 head permutation of
+  // x[t]) or null, for every t alike. nullptr where the level has none (T separate GEMVs then).
+  void (*gemv_multi)(const WeightMat& W, const float* const* x, const float* const* xp, int64_t T, int64_t r0,
+                     int64_t r1, float* Y, int64_t ldy);
 };
 
 // The BF16 GEMV head (see GemmKernels::gemv): the columns before the rows' first 64-byte boundary,
