@@ -174,13 +174,23 @@ class CpuBackend final : public Backend {
     // Under fast numerics an expert's GEMM rounds its rows when it has >= 4 of them, so each
     // sequence's rows go through the experts as they would alone; otherwise every row of the step
     // at once (each selected expert read once).
+    // The one-row (decode) sequences go together through moe_decode_rows, which gives each exactly
+    // its result alone while reading each expert once for all of them.
     if (!ex_.fast() || R != step_rows_) return moe_rows(w, latent, situ, z, idx, wt, R, top_k, agg, source);
+    moe_.decode_rows.clear();
     for (size_t i = 0; i + 1 < step_cu_.size(); ++i) {
       const int64_t r0 = step_cu_[i], n = step_cu_[i + 1] - r0;
+      if (n == 1 && !source && step_cu_.size() > 2) {
+        moe_.decode_rows.push_back(int32_t(r0));
+        continue;
+      }
       moe_rows(w, latent, situ, z + r0 * latent, idx + r0 * top_k, wt + r0 * top_k, n, top_k, agg + r0 * latent,
                source);
     }
+    if (!moe_.decode_rows.empty()) moe_decode_rows(w, latent, situ, z, idx, wt, top_k, agg);
   }
+  void moe_decode_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                       const float* wt, int64_t top_k, float* agg);
   void moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                 const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source);
 
@@ -302,13 +312,71 @@ class CpuBackend final : public Backend {
   struct MoeScratch {
     std::vector<int64_t> start, fill, rows, ro, io;
     std::vector<float> wts, zin, ye, g, u;
-    std::vector<int32_t> selected;
+    std::vector<int32_t> selected, decode_rows;
+    struct Pair {
+      int32_t e, row;
+      float w;
+    };
+    std::vector<Pair> pairs;
     std::vector<const GluWeights*> ew;
     std::vector<const WeightMat*> wv;
     std::vector<const float*> xv;
     std::vector<float*> yv;
   } moe_;
 };
+
+// Fast numerics, the rows of the step's one-row sequences (decode_rows): every (expert, row)
+// product is the GEMV that row's run_token does alone, on the same prepared input, but all of them
+// go through two matmul_many regions ordered by expert, so an expert's weights come from memory once
+// and from cache for its other rows. Each row then adds its experts in ascending id, as alone:
+// every sequence's output is bit-identical to the sequence run alone.
+void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                                 const int32_t* idx, const float* wt, int64_t top_k, float* agg) {
+  MoeScratch& m = moe_;
+  const int64_t E = int64_t(w.experts.size());
+  m.pairs.clear();
+  for (int32_t r : m.decode_rows) {
+    std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int32_t e = idx[r * top_k + j];
+      if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      m.pairs.push_back({e, r, wt[r * top_k + j]});
+    }
+  }
+  std::sort(m.pairs.begin(), m.pairs.end(), [](const MoeScratch::Pair& a, const MoeScratch::Pair& b) {
+    return a.e < b.e || (a.e == b.e && a.row < b.row);
+  });
+  const auto P = int64_t(m.pairs.size());
+  m.io.assign(size_t(P + 1), 0);
+  for (int64_t p = 0; p < P; ++p)
+    m.io[size_t(p + 1)] = m.io[size_t(p)] + w.experts[size_t(m.pairs[size_t(p)].e)].gate.rows;
+  m.g.resize(size_t(m.io.back()));
+  m.u.resize(size_t(m.io.back()));
+  m.ye.resize(size_t(P * latent));
+  m.wv.clear(), m.xv.clear(), m.yv.clear();
+  for (int64_t p = 0; p < P; ++p) {
+    const auto& pr = m.pairs[size_t(p)];
+    const GluWeights& ew = w.experts[size_t(pr.e)];
+    const float* x = z + int64_t(pr.row) * latent;
+    m.wv.push_back(&ew.gate), m.xv.push_back(x), m.yv.push_back(m.g.data() + m.io[size_t(p)]);
+    m.wv.push_back(&ew.up), m.xv.push_back(x), m.yv.push_back(m.u.data() + m.io[size_t(p)]);
+  }
+  ops::matmul_many(ex_, m.wv.data(), m.xv.data(), 2 * P, 1, m.yv.data());
+  ops::situ_glu(ex_, m.g.data(), m.u.data(), m.io[size_t(P)], situ.beta, situ.linear_beta, m.g.data());
+  m.wv.clear(), m.xv.clear(), m.yv.clear();
+  for (int64_t p = 0; p < P; ++p) {
+    m.wv.push_back(&w.experts[size_t(m.pairs[size_t(p)].e)].down);
+    m.xv.push_back(m.g.data() + m.io[size_t(p)]);
+    m.yv.push_back(m.ye.data() + p * latent);
+  }
+  ops::matmul_many(ex_, m.wv.data(), m.xv.data(), P, 1, m.yv.data());
+  for (int64_t p = 0; p < P; ++p) {  // ascending expert: each row's order alone
+    const auto& pr = m.pairs[size_t(p)];
+    float* a = agg + int64_t(pr.row) * latent;
+    const float* ye = m.ye.data() + p * latent;
+    for (int64_t c = 0; c < latent; ++c) a[c] += pr.w * ye[c];
+  }
+}
 
 void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
                           const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,

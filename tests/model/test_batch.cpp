@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
+
+#include <algorithm>
 #include <filesystem>
 
 #include "common/batch_run.h"
@@ -98,6 +101,51 @@ TEST(BatchGreedy, K3NanoFastSameIdsAsAlone) {
       if (g + 1 < n_gen) m->forward(s, &alone.back(), 1, false, l.data(), so);
     }
     EXPECT_EQ(got[size_t(i)], alone) << "prompt " << i;
+  }
+}
+
+// In the default (fast) numerics every step of 8 sequences (prefill chunks of 5..54 tokens, then
+// decode rows) gives each sequence the very bits it gets alone: chunks of >= 4 rows share the
+// bf16 GEMM (each output one accumulation, independent of the other rows), the one-row sequences'
+// dense products go through the multi-input GEMV and their routed experts through
+// moe_decode_rows (each (expert, row) product and each row's sum as alone).
+TEST(BatchDecode, K3NanoFastBitIdenticalToAlone) {
+  auto m = k3::Model::load(nano().string());
+  k3::ForwardOptions o;
+  o.numerics = k3::ops::Numerics::Fast;
+  const int64_t N = 8, n_gen = 6, V = m->dims().vocab;
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t t = 0; t < 5 + 7 * i; ++t)
+      prompts[size_t(i)].push_back(int32_t((uint32_t(t + 17 * i) * 2654435761u >> 9) % 8192u));
+  auto pool = m->new_pool();
+  std::vector<int32_t> slots;
+  std::vector<k3::SeqStep> batch;
+  for (int64_t i = 0; i < N; ++i) {
+    slots.push_back(pool->alloc());
+    batch.push_back({slots.back(), prompts[size_t(i)].data(), int64_t(prompts[size_t(i)].size()), false});
+  }
+  // got[g][i]: sequence i's logits at step g (g = 0: the prefill's last row).
+  std::vector<std::vector<float>> got(size_t(n_gen), std::vector<float>(size_t(N * V)));
+  std::vector<int32_t> feed(static_cast<size_t>(N));
+  for (int64_t g = 0; g < n_gen; ++g) {
+    m->step(*pool, batch, o, got[size_t(g)].data());
+    for (int64_t i = 0; i < N; ++i) {
+      const float* l = got[size_t(g)].data() + i * V;
+      feed[size_t(i)] = int32_t(std::max_element(l, l + V) - l);
+      batch[size_t(i)] = {slots[size_t(i)], &feed[size_t(i)], 1, false};
+    }
+  }
+  for (int64_t i = 0; i < N; ++i) {
+    k3::Session s(*m);
+    std::vector<float> l(static_cast<size_t>(V));
+    m->forward(s, prompts[size_t(i)].data(), int64_t(prompts[size_t(i)].size()), false, l.data(), o);
+    for (int64_t g = 0; g < n_gen; ++g) {
+      const float* b = got[size_t(g)].data() + i * V;
+      EXPECT_EQ(std::memcmp(b, l.data(), size_t(V) * 4), 0) << "sequence " << i << " step " << g;
+      int32_t next = int32_t(std::max_element(b, b + V) - b);
+      if (g + 1 < n_gen) m->forward(s, &next, 1, false, l.data(), o);
+    }
   }
 }
 
