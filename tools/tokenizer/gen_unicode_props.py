@@ -12,6 +12,13 @@
 #   * White_Space: the 25 code points of PropList-16.0.0.txt, listed below (unchanged since Unicode
 #     6.3); cross-checked here against unicodedataplus' Sentence_Break (Sp, Sep, CR, LF), which UAX #29
 #     derives from White_Space.
+#   The PyPI files the committed output was generated from (sha256):
+#     unicodedata2-16.0.0-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
+#       38e5effb78231cbc790ac9417d07735b7a61686ecd0f5d7464efd6950944f9b3 (sdist unicodedata2-16.0.0.tar.gz
+#       05488d6592b59cd78b61ec37d38725416b2df62efafa6a0d63a631b27aa474fc)
+#     unicodedataplus-16.0.0.post1-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
+#       342a5f730a092d90bcaf46fd514aeea920705950b243b2fb09d69a633d2ba17b (sdist unicodedataplus-16.0.0.post1.tar.gz
+#       f8cd342d91c73b512c229976a82aeb7e448517969d611433a9ea825dc62fed84)
 # tools/tokenizer/unicode_reference.py checks the output against tiktoken itself, every code point.
 #
 # Usage: PY tools/tokenizer/gen_unicode_props.py [--out src/tokenizer/unicode_props_data.cpp] [--check]
