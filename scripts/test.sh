@@ -16,6 +16,8 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
   if [[ ! -x build/tokvenv/bin/python ]]; then python3 -m venv build/tokvenv; fi
   build/tokvenv/bin/pip install -q --disable-pip-version-check -r tools/tokenizer/requirements.txt
   build/tokvenv/bin/python tools/tokenizer/setup_vocab.py --out build/tokenizer-data
+  # the committed Unicode 16.0 property table is what its generator writes from the pinned data
+  build/tokvenv/bin/python tools/tokenizer/gen_unicode_props.py --check
 fi
 
 echo "== docs: every section reference in the code resolves in docs/architecture.md"

@@ -1,6 +1,6 @@
 // Kimi split-pattern matcher (see pre_tokenizer.h). Each branch of the pattern is matched with the
 // same backtracking order a Perl-style engine uses, so piece boundaries equal the reference's.
-// Must stay free of BPE/vocabulary logic; the ICU regex oracle in tests checks it.
+// Must stay free of BPE/vocabulary logic; tests/tokenizer/test_pretokenizer_oracle.cpp checks it.
 #include "tokenizer/pre_tokenizer.h"
 
 #include "tokenizer/unicode_props.h"

@@ -2,7 +2,6 @@
 // byte-exact ids against committed tiktoken-oracle ids, special-token policy, decode, streaming
 // decode, long-input rules, BPE merge order on a hand-made vocabulary, and loader errors.
 #include <gtest/gtest.h>
-#include <unicode/ustring.h>
 
 #include <filesystem>
 #include <fstream>
@@ -24,13 +23,8 @@ const Tokenizer& small() {
   return t;
 }
 
-// Independent UTF-8 validity check (ICU's converter), not the tokenizer's own helper.
-bool icu_valid_utf8(const std::string& s) {
-  UErrorCode err = U_ZERO_ERROR;
-  int32_t len = 0;
-  u_strFromUTF8(nullptr, 0, &len, s.data(), static_cast<int32_t>(s.size()), &err);
-  return err == U_BUFFER_OVERFLOW_ERROR || err == U_ZERO_ERROR || err == U_STRING_NOT_TERMINATED_WARNING;
-}
+// Independent UTF-8 validity check (tok_test_util.h), not the tokenizer's own helper.
+bool valid_utf8(const std::string& s) { return k3test::decode_utf8(s); }
 
 std::filesystem::path temp_dir(const std::string& name) {
   auto p = std::filesystem::temp_directory_path() / ("k3tok_" + name + "_" + std::to_string(::getpid()));
@@ -78,7 +72,7 @@ TEST(SmallVocab, MatchesTiktokenOracleByteExact) {
     const auto ids = small().encode(c.input);
     if (ids != c.ids && ++mismatches <= 5) ADD_FAILURE() << "ids differ for input bytes of length " << c.input.size();
     EXPECT_EQ(small().decode(ids), c.input);
-    if (!icu_valid_utf8(c.input)) ++invalid_utf8;
+    if (!valid_utf8(c.input)) ++invalid_utf8;
   }
   EXPECT_EQ(mismatches, 0u);
   EXPECT_GT(invalid_utf8, 50u) << "the reference set should exercise invalid UTF-8 input";
@@ -112,11 +106,11 @@ TEST(StreamDecoder, NeverSplitsACharacterAndMatchesOneShotDecode) {
     const auto ids = small().encode(c.input);
     k3::tok::StreamDecoder sd(small());
     std::string all;
-    const bool valid = icu_valid_utf8(c.input);
+    const bool valid = valid_utf8(c.input);
     for (TokenId id : ids) {
       std::string part = sd.push(id);
       if (valid) {
-        EXPECT_TRUE(icu_valid_utf8(part));
+        EXPECT_TRUE(valid_utf8(part));
       }
       all += part;
     }
