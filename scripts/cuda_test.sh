@@ -3,7 +3,9 @@
 #   bash scripts/cuda_test.sh             here (nvcc, no GPU needed): builds build-cuda and packs
 #                                         build-cuda-stage/gates.tar.xz (the device test binary +
 #                                         the third-party tiny fixture) and cli.tar.xz (the k3
-#                                         binary; scripts/measure_cuda_perf.sh uses it);
+#                                         binary + the libedit libraries it links, which the GPU
+#                                         machine's image may lack; scripts/measure_cuda_perf.sh
+#                                         uses it);
 #   bash scripts/cuda_test.sh --on-device on the GPU machine: every device test (each kernel vs
 #                                         its fp64 twin, the whole-model gates in fp32 and bf16,
 #                                         graphs, device sessions), then a pass/fail table.
@@ -26,6 +28,8 @@ if [[ "${1:-}" != "--on-device" ]]; then
   cp build-cuda/tests/cuda/k3_cuda_tests build-cuda-pack/gates/
   cp build-cuda/bin/k3 build-cuda-pack/cli/
   strip build-cuda-pack/gates/k3_cuda_tests build-cuda-pack/cli/k3
+  # libedit with its own libraries (the chat prompt), by the names k3 asks for.
+  ldd build-cuda/bin/k3 | awk '/libedit|libbsd|libmd\./ {print $3}' | xargs -r -I{} cp -L {} build-cuda-pack/cli/
   if [[ -d ../shared/fixtures/third-party/kimi-k3-in-c-tiny ]]; then
     cp -r ../shared/fixtures/third-party/kimi-k3-in-c-tiny build-cuda-pack/gates/shared/fixtures/third-party/
   else

@@ -36,6 +36,11 @@ same_nonempty() {  # both commands succeed, print something, and print the same
   echo "$a"
 }
 check "info reports the GPU memory needed and that it fits" bash -c "$k3 info -m $nano | tee -a /dev/stderr | grep -q 'H200.*(fits)'"
+check "cuBLAS is loaded for --device cuda only (LD_DEBUG=libs: not by info, tokenize or a CPU run)" bash -c \
+  "! (LD_DEBUG=libs $k3 info -m $nano 2>&1 >/dev/null | grep libcublas) && \
+   ! (LD_DEBUG=libs $k3 tokenize -m $nano --text hi 2>&1 >/dev/null | grep libcublas) && \
+   ! (LD_DEBUG=libs $k3 run -q -m $nano -n 2 hi 2>&1 >/dev/null | grep libcublas) && \
+   LD_DEBUG=libs $k3 run -q -m $nano -n 2 --device cuda hi 2>&1 >/dev/null | grep -m1 'calling init:.*libcublas.so'"
 check "run --device cuda --numerics fp32 == CPU exact (greedy text)" same_nonempty \
   "$k3 run -q -m $nano --temp 0 -n 40 --numerics fp32 --device cuda 'Once upon a time' 2>/dev/null" \
   "$k3 run -q -m $nano --temp 0 -n 40 --numerics exact 'Once upon a time' 2>/dev/null"

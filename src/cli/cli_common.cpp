@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
@@ -25,8 +26,36 @@ namespace fs = std::filesystem;
 
 namespace k3::cli {
 
+CLI::Option* add_model_option(CLI::App* app, std::string& model, const std::string& extra_names) {
+  return app
+      ->add_option("-m,--model" + extra_names, model,
+                   "checkpoint directory (default: $K3_MODEL, else the bundled K3-nano)")
+      ->option_text("DIR");
+}
+
+CLI::Option* add_seed_option(CLI::App* app, uint64_t& seed, const std::string& description) {
+  const CLI::Validator whole_number(
+      [](std::string& v) -> std::string {
+        const std::string range = "a seed is a whole number 0..18446744073709551615";
+        if (!v.empty() && v[0] == '-') return "'" + v + "' is negative (" + range + ")";
+        if (v.empty() || v.size() > 20 || v.find_first_not_of("0123456789") != std::string::npos)
+          return "'" + v + "' is not a whole number (" + range + ")";
+        if (v.size() == 20 && v > "18446744073709551615") return "'" + v + "' is too large (" + range + ")";
+        return "";
+      },
+      "", "seed");
+  return app->add_option("--seed", seed, description)->check(whole_number)->option_text("N");
+}
+
+void print_error(const std::string& who, const std::string& msg) {
+  std::string m = msg;
+  for (char& c : m)
+    if (c == '\n' || c == '\r') c = ' ';
+  std::fprintf(stderr, "%s: error: %s\n", who.c_str(), m.c_str());
+}
+
 void RunEngineFlags::add(CLI::App* app) {
-  app->add_option("-m,--model", model, "checkpoint directory (default: $K3_MODEL, else the bundled K3-nano)");
+  add_model_option(app, model);
   app->add_option("--tokenizer", tokenizer,
                   "directory with tiktoken.model + tokenizer_config.json (default: the model directory)");
   app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
@@ -109,7 +138,7 @@ void SamplingFlags::add(CLI::App* app) {
                           "tokens the penalties look back over; -1 = all, 0 = off (default 64)");
   pres = app->add_option("--presence-penalty", v_pres, "subtract this from tokens seen at least once; 0 = off");
   freq = app->add_option("--frequency-penalty", v_freq, "subtract this times the count of each seen token; 0 = off");
-  seed = app->add_option("--seed", v_seed, "RNG seed (default: random, printed in the summary)");
+  seed = add_seed_option(app, v_seed, "RNG seed, 0..2^64-1 (default: random, printed in the summary)");
 }
 
 SamplingParams SamplingFlags::resolve(const std::string& model_dir, std::string* source) const {
@@ -143,6 +172,15 @@ SamplingParams SamplingFlags::resolve(const std::string& model_dir, std::string*
 std::string resolve_model_dir(const std::string& flag) {
   if (!flag.empty()) return flag;
   if (const char* env = std::getenv("K3_MODEL"); env && *env) return env;
+#ifdef K3_INSTALLED_MODEL_DIR
+  // An installed k3 (cmake --install): PREFIX/bin/k3 and PREFIX/share/k3/models/k3-nano.
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path installed = exe.parent_path().parent_path() / K3_INSTALLED_MODEL_DIR;
+    if (fs::exists(installed / "config.json", ec)) return installed.string();
+  }
+#endif
 #ifdef K3_DEFAULT_MODEL_DIR
   if (fs::exists(fs::path(K3_DEFAULT_MODEL_DIR) / "config.json")) return K3_DEFAULT_MODEL_DIR;
 #endif
@@ -156,7 +194,7 @@ std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
     const std::string who = app.get_name();
-    std::fprintf(stderr, "%s: error: %s (see %s --help)\n", who.c_str(), e.what(), who.c_str());
+    print_error(who, std::string(e.what()) + " (see " + who + " --help)");
     return 2;
   }
   return std::nullopt;
@@ -166,19 +204,28 @@ int run_guarded(const char* who, const std::function<int()>& body) {
   try {
     return body();
   } catch (const Error& e) {
-    std::fprintf(stderr, "%s: error: %s\n", who, e.what());
+    print_error(who, e.what());
     return e.exit_code();
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "%s: error: out of memory\n", who);
+    print_error(who, "out of memory");
     return 1;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: internal error: %s\n", who, e.what());
+    print_error(who, std::string("internal error: ") + e.what());
     return 1;
   }
 }
 
 bool stderr_is_tty() { return ::isatty(2) == 1; }
 bool stdout_is_tty() { return ::isatty(1) == 1; }
+
+namespace {
+// floor(100 * done / total) in integers (no rounding of a double can show 100% before the end).
+int percent(uint64_t done, uint64_t total) {
+  if (done >= total) return 100;
+  if (done <= UINT64_MAX / 100) return int(done * 100 / total);
+  return int(done / (total / 100));  // total > done > 1.8e17: total / 100 loses nothing that shows
+}
+}  // namespace
 
 Progress::Progress(std::string label, bool enabled)
     : label_(std::move(label)), enabled_(enabled), tty_(stderr_is_tty()) {}
@@ -193,13 +240,14 @@ void Progress::update(uint64_t done, uint64_t total, const std::string& unit_tex
     constexpr int kWidth = 30;
     const int fill = int(frac * kWidth + 0.5);
     std::fprintf(stderr, "\r%s [%s%s] %3d%% %s\x1b[K", label_.c_str(), std::string(size_t(fill), '#').c_str(),
-                 std::string(size_t(kWidth - fill), '.').c_str(), int(frac * 100), unit_text.c_str());
+                 std::string(size_t(kWidth - fill), '.').c_str(), percent(done, total), unit_text.c_str());
     drawn_ = true;
   } else {
+    // A line each time another quarter is passed; the percentage is the one of this very count.
     const int q = int(frac * 4);
     if (q > last_quarter_) {
       last_quarter_ = q;
-      std::fprintf(stderr, "%s: %d%% %s\n", label_.c_str(), q * 25, unit_text.c_str());
+      std::fprintf(stderr, "%s: %d%% %s\n", label_.c_str(), percent(done, total), unit_text.c_str());
     }
   }
   std::fflush(stderr);

@@ -50,6 +50,17 @@ struct SamplingFlags {
 // -m, else $K3_MODEL, else the bundled model (K3_DEFAULT_MODEL_DIR) when it exists.
 std::string resolve_model_dir(const std::string& flag);
 
+// The -m/--model option every subcommand that reads a model has (same text, same default:
+// resolve_model_dir). `extra_names` adds aliases (",--vocab" for tokenize / detokenize).
+CLI::Option* add_model_option(CLI::App* app, std::string& model, const std::string& extra_names = "");
+
+// --seed N: 0..18446744073709551615 as decimal digits; a negative or non-integer value is refused
+// by the parser in one line (CLI11 alone would wrap -1 to 2^64 - 1).
+CLI::Option* add_seed_option(CLI::App* app, uint64_t& seed, const std::string& description);
+
+// "WHO: error: MSG" on stderr, exactly one line (line breaks inside MSG become spaces).
+void print_error(const std::string& who, const std::string& msg);
+
 struct LoadedModel {
   std::unique_ptr<Model> model;
   std::unique_ptr<tok::Tokenizer> tok;
@@ -98,13 +109,16 @@ std::string summary_line(const GenStats& st, StopReason reason);
 std::optional<int> parse_flags(CLI::App& app, int argc, char** argv);
 
 // Runs a subcommand body: k3::Error -> "WHO: error: ..." and its exit code (2), out of memory and
-// other exceptions -> one line and exit 1. Every failure is one line on stderr.
+// other exceptions -> "WHO: error: internal error: ..." and exit 1. Every failure is one line on
+// stderr (print_error).
 int run_guarded(const char* who, const std::function<int()>& body);
 
 bool stderr_is_tty();
 bool stdout_is_tty();
 
-// A progress bar on stderr: one redrawn line on a TTY, or a plain line at every 25% otherwise.
+// A progress bar on stderr: one redrawn line on a TTY, or a plain line each time another 25% is
+// passed otherwise. The percentage shown is always floor(100 * done / total) of the `done` and
+// `total` of that same update (the unit text, e.g. "512/2730 tokens", shows the same count).
 class Progress {
  public:
   Progress(std::string label, bool enabled);

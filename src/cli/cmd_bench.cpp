@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -44,40 +45,15 @@
 #include "ops/cuda/runtime.h"
 #endif
 
+namespace k3::cli {
+
 namespace {
 
 using Json = nlohmann::ordered_json;
 using k3::Error;
 
-const char* kHelp =
-    "k3 bench: prefill (ppN) and decode (tgN) throughput, llama-bench style\n"
-    "\n"
-    "usage: k3 bench -m DIR [options]\n"
-    "\n"
-    "  -m, --model DIR        checkpoint directory (config.json + safetensors)    (required)\n"
-    "  -p, --n-prompt LIST    prompt lengths: one ppN test per value (0 = none)    (default 512)\n"
-    "  -n, --n-gen LIST       decode lengths: one tgN test per value (0 = none)    (default 128)\n"
-    "  -d, --n-depth LIST     context depths: tokens already in the cache          (default 0)\n"
-    "  -t, --threads LIST     CPU thread counts                                   (default: all cores)\n"
-    "  -b, --batch LIST       sequences per step (N sequences run together)       (default 1)\n"
-    "  -r, --repetitions N    timed repetitions per test, after one warm-up run   (default 5)\n"
-    "  -o, --output FORMAT    md | json | jsonl                                    (default md)\n"
-    "      --json-out FILE    also write the json document to FILE (any -o)\n"
-    "      --kda ALGO         KDA prefill algorithm: chunked | recurrent           (default chunked)\n"
-    "      --mla FORM         MLA attention form: absorbed | expanded              (default absorbed)\n"
-    "      --chunk N          KDA chunk size for prefill, 1..1024                  (default 64)\n"
-    "      --ubatch N         prefill tokens per sequence and step                (default 512)\n"
-    "      --seed N           seed of the random token ids                         (default 1)\n"
-    "      --numerics MODE    fast | fp32 | exact (see docs/performance.md)        (default fast)\n"
-    "      --cpu-isa LEVEL    avx512 | avx2 | scalar kernels                       (default: best)\n"
-    "      --device DEV       cpu | cuda (NVIDIA GPU; fast = bf16, fp32 = parity)  (default cpu)\n"
-    "      --graphs MODE      cuda tgN: both | on | off (CUDA-graph decode steps)  (default both)\n"
-    "      --no-roofline      skip the bandwidth / peak-FLOP probes and the ratio column\n"
-    "      --roofline-mib N   buffer the bandwidth probe reads, >> last-level cache (default 1024)\n"
-    "      --progress         progress on stderr (default)\n"
-    "      --no-progress      no progress on stderr\n"
-    "  -h, --help             this text\n"
-    "\n"
+// The explanation after the option list of `k3 bench --help`.
+const char* kHelpFooter =
     "LIST is comma-separated, e.g. -p 128,512 -d 0,1024. Tests: ppN for each N in -p and tgN for\n"
     "each N in -n, at every depth in -d, every thread count in -t and every batch in -b. A depth\n"
     "context is prefilled once from seeded random ids (a deeper one extends the previous one) and\n"
@@ -106,7 +82,7 @@ const char* kHelp =
     "rows, KDA states and MLA caches; the ratio is the aggregate t/s x those bytes / B / bandwidth.\n"
     "With --device cuda the probes run on the GPU: device-to-device copy bandwidth (bytes read +\n"
     "written) and the cuBLAS bf16 GEMM rate (8192^3, random data); tgN runs with and without\n"
-    "CUDA-graph replay of the decode step (--graphs); -t is ignored.\n";
+    "CUDA-graph replay of the decode step (--graphs); -t is ignored.";
 
 struct Flags {
   std::string model;
@@ -116,7 +92,7 @@ struct Flags {
   std::string kda = "chunked", mla = "absorbed";
   int64_t chunk = 64, ubatch = 512;
   uint64_t seed = 1;
-  bool progress = true, help = false, roofline = true;
+  bool progress = true, roofline = true;
   std::string numerics = "fast", cpu_isa;
   int64_t roofline_mib = 1024;
   std::string device = "cpu", graphs = "both";
@@ -163,96 +139,87 @@ std::vector<int64_t> parse_list(const std::string& flag, const std::string& s, i
 constexpr int64_t kMaxTokens = int64_t(1) << 40;
 constexpr int64_t kMaxBatch = 4096;  // sequences of one step (pool slots)
 
-Flags parse_flags(int argc, char** argv) {
-  Flags f;
-  bool have_model = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i], inline_value;
-    bool has_inline = false;
-    if (a.rfind("--", 0) == 0) {  // --flag=value
-      const size_t eq = a.find('=');
-      if (eq != std::string::npos) inline_value = a.substr(eq + 1), a = a.substr(0, eq), has_inline = true;
-    }
-    auto value = [&]() -> std::string {
-      if (has_inline) return inline_value;
-      if (i + 1 >= argc) throw Error(a + " needs a value");
-      return argv[++i];
-    };
-    auto no_value = [&]() {
-      if (has_inline) throw Error(a + " takes no value");
-    };
-    if (a == "-h" || a == "--help")
-      no_value(), f.help = true;
-    else if (a == "-m" || a == "--model")
-      f.model = value(), have_model = true;
-    else if (a == "-p" || a == "--n-prompt")
-      f.n_prompt = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-n" || a == "--n-gen")
-      f.n_gen = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-d" || a == "--n-depth")
-      f.n_depth = parse_list(a, value(), 0, kMaxTokens);
-    else if (a == "-t" || a == "--threads")
-      f.threads = parse_list(a, value(), 1, 4096);
-    else if (a == "-b" || a == "--batch")
-      f.batch = parse_list(a, value(), 1, kMaxBatch);
-    else if (a == "-r" || a == "--repetitions")
-      f.reps = parse_int(a, value(), 1, 1000000);
-    else if (a == "-o" || a == "--output") {
-      f.output = value();
-      if (f.output != "md" && f.output != "json" && f.output != "jsonl")
-        throw Error(a + ": unknown format '" + f.output + "' (md, json or jsonl)");
-    } else if (a == "--json-out") {
-      f.json_out = value();
-      if (f.json_out.empty()) throw Error("--json-out: empty file name");
-    } else if (a == "--kda") {
-      f.kda = value();
-      if (f.kda != "chunked" && f.kda != "recurrent")
-        throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
-    } else if (a == "--mla") {
-      f.mla = value();
-      if (f.mla != "absorbed" && f.mla != "expanded")
-        throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
-    } else if (a == "--chunk")
-      f.chunk = parse_int(a, value(), 1, 1024);
-    else if (a == "--ubatch")
-      f.ubatch = parse_int(a, value(), 1, kMaxTokens);
-    else if (a == "--seed") {
-      const std::string v = value();
-      f.seed = uint64_t(parse_int(a, v, 0, std::numeric_limits<int64_t>::max()));
-    } else if (a == "--progress")
-      no_value(), f.progress = true;
-    else if (a == "--no-progress")
-      no_value(), f.progress = false;
-    else if (a == "--no-roofline")
-      no_value(), f.roofline = false;
-    else if (a == "--roofline-mib")
-      f.roofline_mib = parse_int(a, value(), 16, 1 << 20);
-    else if (a == "--numerics") {
-      f.numerics = value();
-      k3::ops::parse_numerics(f.numerics);
-    } else if (a == "--cpu-isa") {
-      f.cpu_isa = value();
-      k3::ops::parse_cpu_isa(f.cpu_isa);
-    } else if (a == "--device") {
-      f.device = value();
-      if (f.device != "cpu" && f.device != "cuda")
-        throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
-    } else if (a == "--graphs") {
-      f.graphs = value();
-      if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
-        throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
-    } else
-      throw Error("unknown flag '" + a + "' (see k3 bench --help)");
-  }
-  if (f.help) return f;
-  if (!have_model || f.model.empty()) throw Error("-m/--model DIR is required");
+// The command line as given (strings: every value is checked below with a message naming its flag).
+struct RawFlags {
+  std::string n_prompt = "512", n_gen = "128", n_depth = "0", threads, batch = "1", reps = "5";
+  std::string chunk = "64", ubatch = "512", seed = "1", roofline_mib = "1024";
+};
+
+// Parses the flags into `f`. Returns the exit code when the program ends now (0 after --help, 2
+// after a one-line usage error), else nothing.
+std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
+  CLI::App app{"k3 bench: prefill (ppN) and decode (tgN) throughput, llama-bench style"};
+  app.name("k3 bench");
+  app.footer(kHelpFooter);
+  RawFlags raw;
+  k3::cli::add_model_option(&app, f.model);
+  app.add_option("-p,--n-prompt", raw.n_prompt, "prompt lengths: one ppN test per value, 0 = none (default 512)")
+      ->option_text("LIST");
+  app.add_option("-n,--n-gen", raw.n_gen, "decode lengths: one tgN test per value, 0 = none (default 128)")
+      ->option_text("LIST");
+  app.add_option("-d,--n-depth", raw.n_depth, "context depths: tokens already in the cache (default 0)")
+      ->option_text("LIST");
+  app.add_option("-t,--threads", raw.threads, "CPU thread counts (default: all cores)")->option_text("LIST");
+  app.add_option("-b,--batch", raw.batch, "sequences per step: N sequences run together (default 1)")
+      ->option_text("LIST");
+  app.add_option("-r,--repetitions", raw.reps, "timed repetitions per test, after one warm-up run (default 5)")
+      ->option_text("N");
+  app.add_option("-o,--output", f.output, "md, json or jsonl (default md)")->option_text("FORMAT");
+  app.add_option("--json-out", f.json_out, "also write the json document to FILE (any -o)")->option_text("FILE");
+  app.add_option("--kda", f.kda, "KDA prefill algorithm: chunked or recurrent (default chunked)")->option_text("ALGO");
+  app.add_option("--mla", f.mla, "MLA attention form: absorbed or expanded (default absorbed)")->option_text("FORM");
+  app.add_option("--chunk", raw.chunk, "KDA chunk size for prefill, 1..1024 (default 64)")->option_text("N");
+  app.add_option("--ubatch", raw.ubatch, "prefill tokens per sequence and step (default 512)")->option_text("N");
+  app.add_option("--seed", raw.seed, "seed of the random token ids, 0..2^63-1 (default 1)")->option_text("N");
+  app.add_option("--numerics", f.numerics, "fast, fp32 or exact (see docs/performance.md) (default fast)")
+      ->option_text("MODE");
+  app.add_option("--cpu-isa", f.cpu_isa, "avx512, avx2 or scalar kernels (default: the best this CPU has)")
+      ->option_text("LEVEL");
+  app.add_option("--device", f.device, "cpu or cuda (NVIDIA GPU; fast = bf16, fp32 = parity) (default cpu)")
+      ->option_text("DEV");
+  app.add_option("--graphs", f.graphs, "cuda tgN: both, on or off (CUDA-graph decode steps) (default both)")
+      ->option_text("MODE");
+  bool no_roofline = false;
+  app.add_flag("--no-roofline", no_roofline, "skip the bandwidth / peak-FLOP probes and the ratio column")
+      ->disable_flag_override();
+  app.add_option("--roofline-mib", raw.roofline_mib,
+                 "buffer the bandwidth probe reads, >> last-level cache (default 1024)")
+      ->option_text("N");
+  app.add_flag("--progress,!--no-progress", f.progress, "progress on stderr (default), or none")
+      ->disable_flag_override();
+  if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
+  f.roofline = !no_roofline;
+
+  f.n_prompt = parse_list("-p/--n-prompt", raw.n_prompt, 0, kMaxTokens);
+  f.n_gen = parse_list("-n/--n-gen", raw.n_gen, 0, kMaxTokens);
+  f.n_depth = parse_list("-d/--n-depth", raw.n_depth, 0, kMaxTokens);
+  if (app.count("--threads")) f.threads = parse_list("-t/--threads", raw.threads, 1, 4096);
+  f.batch = parse_list("-b/--batch", raw.batch, 1, kMaxBatch);
+  f.reps = parse_int("-r/--repetitions", raw.reps, 1, 1000000);
+  if (f.output != "md" && f.output != "json" && f.output != "jsonl")
+    throw Error("-o/--output: unknown format '" + f.output + "' (md, json or jsonl)");
+  if (app.count("--json-out") && f.json_out.empty()) throw Error("--json-out: empty file name");
+  if (f.kda != "chunked" && f.kda != "recurrent")
+    throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
+  if (f.mla != "absorbed" && f.mla != "expanded")
+    throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
+  f.chunk = parse_int("--chunk", raw.chunk, 1, 1024);
+  f.ubatch = parse_int("--ubatch", raw.ubatch, 1, kMaxTokens);
+  f.seed = uint64_t(parse_int("--seed", raw.seed, 0, std::numeric_limits<int64_t>::max()));
+  f.roofline_mib = parse_int("--roofline-mib", raw.roofline_mib, 16, 1 << 20);
+  k3::ops::parse_numerics(f.numerics);
+  if (!f.cpu_isa.empty()) k3::ops::parse_cpu_isa(f.cpu_isa);
+  if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
+  if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
+    throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
+  f.model = k3::cli::resolve_model_dir(f.model);
   if (f.device == "cuda" && f.numerics == "exact")
     throw Error("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
   if (std::all_of(f.n_prompt.begin(), f.n_prompt.end(), [](int64_t v) { return v == 0; }) &&
       std::all_of(f.n_gen.begin(), f.n_gen.end(), [](int64_t v) { return v == 0; }))
     throw Error("nothing to run: every -p and -n value is 0");
-  return f;
+  return std::nullopt;
 }
 
 // ---------------------------------------------------------------- environment
@@ -531,11 +498,11 @@ void check_positions(const Flags& f, int64_t max_pos) {
     for (int64_t p : f.n_prompt)
       if (p > 0 && d + p > max_pos)
         throw Error("depth " + std::to_string(d) + " + prompt " + std::to_string(p) + " = " + std::to_string(d + p) +
-                    " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
+                    " tokens exceeds the model's max_position_embeddings (" + std::to_string(max_pos) + ")");
     for (int64_t n : f.n_gen)
       if (n > 0 && d + n > max_pos)
         throw Error("depth " + std::to_string(d) + " + generated " + std::to_string(n) + " = " + std::to_string(d + n) +
-                    " tokens exceeds the model's max_position_embeddings " + std::to_string(max_pos));
+                    " tokens exceeds the model's max_position_embeddings (" + std::to_string(max_pos) + ")");
   }
 }
 
@@ -969,28 +936,19 @@ int run(const Flags& f, int argc, char** argv) {
   return 0;
 }
 
-int fail(const std::string& msg, int code) {
-  std::string m = msg;
-  std::replace(m.begin(), m.end(), '\n', ' ');
-  std::fprintf(stderr, "k3 bench: error: %s\n", m.c_str());
-  return code;
-}
-
 }  // namespace
 
 int cmd_bench(int argc, char** argv) {
-  try {
-    const Flags f = parse_flags(argc, argv);
-    if (f.help) {
-      std::fputs(kHelp, stdout);
-      return 0;
+  Flags f;
+  return k3::cli::run_guarded("k3 bench", [&]() -> int {
+    try {
+      if (const auto code = parse_flags(argc, argv, f)) return *code;
+    } catch (const Error& e) {
+      k3::cli::print_error("k3 bench", std::string(e.what()) + " (see k3 bench --help)");
+      return e.exit_code();
     }
     return run(f, argc, argv);
-  } catch (const k3::Error& e) {
-    return fail(e.what(), e.exit_code());
-  } catch (const std::bad_alloc&) {
-    return fail("out of memory", 1);
-  } catch (const std::exception& e) {
-    return fail(std::string("internal error: ") + e.what(), 1);
-  }
+  });
 }
+
+}  // namespace k3::cli

@@ -7,12 +7,15 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "cli/chat_display.h"
 #include "cli/cli_common.h"
 #include "cli/cmd_run.h"
+#include "cli/line_editor.h"
+#include "cli/utf8.h"
 #include "core/error.h"
 #include "runtime/chat_session.h"
 
@@ -31,17 +34,23 @@ const char* kHelp =
     "  /exit, /quit    leave (so does Ctrl-D; Ctrl-C stops a reply, or leaves at the prompt)\n"
     "  a line ending in \\ continues on the next line; start a message with // to send a literal /\n";
 
-// Reads one logical line (a trailing backslash continues it). False on EOF or Ctrl-C.
-bool read_message(bool interactive, std::string& msg) {
+// Reads one logical line (a trailing backslash continues it). False on EOF or Ctrl-C. With an
+// editor (a terminal), lines are read through libedit and each one typed goes into its history.
+bool read_message(bool interactive, LineEditor* editor, std::string& msg) {
   msg.clear();
   std::string line;
   bool first = true;
   for (;;) {
-    if (interactive) {
-      std::fputs(first ? "> " : "... ", stdout);
-      std::fflush(stdout);
+    if (editor) {
+      if (!editor->read_line(first ? "> " : "... ", line)) return false;
+      editor->remember(line);
+    } else {
+      if (interactive) {
+        std::fputs(first ? "> " : "... ", stdout);
+        std::fflush(stdout);
+      }
+      if (!std::getline(std::cin, line)) return false;
     }
-    if (!std::getline(std::cin, line)) return false;
     first = false;
     if (!line.empty() && line.back() == '\\') {
       msg += line.substr(0, line.size() - 1) + "\n";
@@ -76,6 +85,10 @@ void add_chat_flags(CLI::App& app, ChatFlags& f) {
   app.add_flag("--stats", f.show_stats, "print a statistics line after each reply");
   f.ef.add(&app);
   f.sf.add(&app);
+  // --ctx comes from the engine flags; a chat grows, so its default is bounded.
+  app.get_option("--ctx")->description(
+      "context limit in tokens (default: min(max_position_embeddings, 32768), which keeps the MLA cache within "
+      "laptop memory)");
 }
 
 // The rendering options of the flags: system prompt, reasoning effort, tool declarations.
@@ -86,6 +99,9 @@ ChatOptions chat_options(const ChatFlags& f) {
     std::ifstream in(f.system_file, std::ios::binary);
     if (!in) fail("cannot read " + f.system_file);
     system.assign(std::istreambuf_iterator<char>(in), {});
+    require_utf8(system, "the system prompt in " + f.system_file);
+  } else {
+    require_utf8(system, "the --system prompt");
   }
   ChatOptions co;
   co.system = system;
@@ -159,6 +175,7 @@ LineAction run_command(const std::string& line, ChatSession& chat, bool& show_st
 
 // A line: "//..." sends a literal "/...", "/..." is a command, an empty line is skipped.
 LineAction interpret_line(const std::string& line, ChatSession& chat, bool& show_stats, chat::Message& msg) {
+  require_utf8(line, "the message");
   if (line.rfind("//", 0) == 0) {
     msg.role = "user";
     msg.content = line.substr(1);
@@ -203,9 +220,12 @@ void send_turn(ChatSession& chat, const chat::Message& msg, bool color, bool sho
 // printed and the chat goes on; from a script it ends the command.
 void chat_loop(ChatSession& chat, bool interactive, bool color, bool& show_stats, ChatTotals& t) {
   std::string line;
+  // Line editing and history only when a person types at a terminal and sees the echo there.
+  std::unique_ptr<LineEditor> editor;
+  if (interactive && stdout_is_tty()) editor = std::make_unique<LineEditor>();
   for (;;) {
     interrupt_flag().store(false);
-    if (!read_message(interactive, line)) {
+    if (!read_message(interactive, editor.get(), line)) {
       if (interactive) std::fputs("\n", stdout);
       break;  // EOF or Ctrl-C at the prompt
     }
@@ -216,7 +236,7 @@ void chat_loop(ChatSession& chat, bool interactive, bool color, bool& show_stats
       if (a == LineAction::Send) send_turn(chat, msg, color, show_stats, t);
     } catch (const Error& e) {
       if (!interactive) throw;  // scripts fail fast
-      std::fprintf(stderr, "k3 chat: error: %s\n", e.what());
+      print_error("k3 chat", e.what());
     }
   }
 }

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cli/cli_common.h"
+#include "cli/utf8.h"
 #include "core/error.h"
 #include "runtime/generate.h"
 #include "runtime/loader.h"
@@ -59,7 +60,11 @@ int cmd_run(int argc, char** argv) {
   app.add_option("-f,--file", prompt_file, "read the prompt from FILE (- = stdin)");
   app.add_option("-n,--max-tokens", max_tokens, "tokens to generate at most (default 256)")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
-  app.add_option("--stop", stops, "stop when this text is generated (repeatable; the text is not printed)");
+  // One value per occurrence: `--stop . "prompt"` keeps "prompt" as the prompt.
+  app.add_option("--stop", stops, "stop when this text is generated (one TEXT per --stop, repeatable; not printed)")
+      ->expected(1)
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   app.add_flag("--ignore-eos", ignore_eos, "keep generating past end-of-sequence tokens");
   app.add_flag("--echo", echo, "print the prompt before the completion");
   app.add_flag("--special", special, "print special tokens (e.g. <|open|>) instead of hiding them");
@@ -91,6 +96,7 @@ int cmd_run(int argc, char** argv) {
     } else {
       fail("no prompt: give it as an argument, with -p TEXT or -f FILE, or pipe it on stdin");
     }
+    require_utf8(prompt, !prompt_file.empty() && prompt_file != "-" ? "the prompt in " + prompt_file : "the prompt");
 
     const std::string dir = resolve_model_dir(ef.model);
     const ModelConfig cfg = load_model_config(dir);

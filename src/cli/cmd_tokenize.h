@@ -3,5 +3,7 @@
 // Owns flag parsing and printing only; tokenization lives in src/tokenizer.
 #pragma once
 
+namespace k3::cli {
 int cmd_tokenize(int argc, char** argv);
 int cmd_detokenize(int argc, char** argv);
+}  // namespace k3::cli

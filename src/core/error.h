@@ -20,7 +20,8 @@ class ProblemList {
   bool empty() const { return problems_.empty(); }
   size_t size() const { return problems_.size(); }
   const std::vector<std::string>& items() const { return problems_; }
-  // Throws Error("<what>: N problem(s): p1; p2; ...") if any problem was recorded.
+  // Throws Error("<what>: N problem(s): p1; p2; ...") if any problem was recorded; past 8 problems
+  // only the first 8 are listed, then "; and M more".
   void throw_if_any(const std::string& what) const;
 
  private:

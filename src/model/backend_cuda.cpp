@@ -596,6 +596,7 @@ std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) 
   if (dev.sm_major < 9)
     fail("--device cuda: " + dev.name + " is compute capability " + std::to_string(dev.sm_major) + "." +
          std::to_string(dev.sm_minor) + "; this build has kernels for sm_90a (Hopper) only");
+  cu::load_cublas();  // not linked: opened here, the first time a model goes to the GPU
   const GpuMemoryPlan plan = gpu_memory_plan(m, o, o.initial_context);
   // Leave headroom for the CUDA context, cuBLAS workspace, expert scratch and allocator rounding.
   const size_t headroom = size_t(512) << 20;

@@ -385,40 +385,41 @@ TEST(CliBench, Help) {
 }
 
 TEST(CliBenchBadInput, Lists) {
-  expect_bad(run_k3("bench " + m() + " -p ''"), "-p: empty list");
-  expect_bad(run_k3("bench " + m() + " -p 8,,4"), "-p: empty item");
-  expect_bad(run_k3("bench " + m() + " -n 4,"), "-n: empty item");
-  expect_bad(run_k3("bench " + m() + " -p 8,x"), "-p: 'x' is not a non-negative integer");
-  expect_bad(run_k3("bench " + m() + " -d 1.5"), "-d: '1.5' is not a non-negative integer");
-  expect_bad(run_k3("bench " + m() + " -d 0,-16"), "-d: '-16' is negative");
-  expect_bad(run_k3("bench " + m() + " -n -3"), "-n: '-3' is negative");
-  expect_bad(run_k3("bench " + m() + " -t 0"), "-t: 0 is too small");
-  expect_bad(run_k3("bench " + m() + " -p 99999999999999999999999"), "-p: 99999999999999999999999 is too large");
+  expect_bad(run_k3("bench " + m() + " -p ''"), "-p/--n-prompt: empty list");
+  expect_bad(run_k3("bench " + m() + " -p 8,,4"), "-p/--n-prompt: empty item");
+  expect_bad(run_k3("bench " + m() + " -n 4,"), "-n/--n-gen: empty item");
+  expect_bad(run_k3("bench " + m() + " -p 8,x"), "-p/--n-prompt: 'x' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -d 1.5"), "-d/--n-depth: '1.5' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -d 0,-16"), "-d/--n-depth: '-16' is negative");
+  expect_bad(run_k3("bench " + m() + " -n -3"), "-n/--n-gen: '-3' is negative");
+  expect_bad(run_k3("bench " + m() + " -t 0"), "-t/--threads: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -p 99999999999999999999999"),
+             "-p/--n-prompt: 99999999999999999999999 is too large");
   expect_bad(run_k3("bench " + m() + " -p 0 -n 0"), "nothing to run");
 }
 
 TEST(CliBenchBadInput, Batch) {
-  expect_bad(run_k3("bench " + m() + " -b 0"), "-b: 0 is too small");
-  expect_bad(run_k3("bench " + m() + " -b x"), "-b: 'x' is not a non-negative integer");
-  expect_bad(run_k3("bench " + m() + " -b 1,,2"), "-b: empty item in list '1,,2'");
-  expect_bad(run_k3("bench " + m() + " --batch 1,-2"), "--batch: '-2' is negative");
-  expect_bad(run_k3("bench " + m() + " --batch=99999"), "--batch: 99999 is too large (at most 4096)");
-  expect_bad(run_k3("bench " + m() + " -b"), "-b needs a value");
+  expect_bad(run_k3("bench " + m() + " -b 0"), "-b/--batch: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -b x"), "-b/--batch: 'x' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -b 1,,2"), "-b/--batch: empty item in list '1,,2'");
+  expect_bad(run_k3("bench " + m() + " --batch 1,-2"), "-b/--batch: '-2' is negative");
+  expect_bad(run_k3("bench " + m() + " --batch=99999"), "-b/--batch: 99999 is too large (at most 4096)");
+  expect_bad(run_k3("bench " + m() + " -b"), "--batch: 1 required");
 }
 
 TEST(CliBenchBadInput, Scalars) {
-  expect_bad(run_k3("bench " + m() + " -r 0"), "-r: 0 is too small");
-  expect_bad(run_k3("bench " + m() + " -r 2,3"), "-r: '2,3' is not a non-negative integer");
-  expect_bad(run_k3("bench " + m() + " -o csv"), "-o: unknown format 'csv'");
+  expect_bad(run_k3("bench " + m() + " -r 0"), "-r/--repetitions: 0 is too small");
+  expect_bad(run_k3("bench " + m() + " -r 2,3"), "-r/--repetitions: '2,3' is not a non-negative integer");
+  expect_bad(run_k3("bench " + m() + " -o csv"), "-o/--output: unknown format 'csv'");
   expect_bad(run_k3("bench " + m() + " --kda magic"), "--kda: unknown algorithm 'magic'");
   expect_bad(run_k3("bench " + m() + " --mla magic"), "--mla: unknown form 'magic'");
   expect_bad(run_k3("bench " + m() + " --chunk 0"), "--chunk: 0 is too small");
   expect_bad(run_k3("bench " + m() + " --ubatch 0"), "--ubatch: 0 is too small");
   expect_bad(run_k3("bench " + m() + " --seed -1"), "--seed: '-1' is negative");
-  expect_bad(run_k3("bench " + m() + " -p"), "-p needs a value");
-  expect_bad(run_k3("bench " + m() + " --bogus"), "unknown flag '--bogus'");
-  expect_bad(run_k3("bench " + m() + " --no-progress=1"), "--no-progress takes no value");
-  expect_bad(run_k3("bench " + m() + " --no-roofline=1"), "--no-roofline takes no value");
+  expect_bad(run_k3("bench " + m() + " -p"), "--n-prompt: 1 required");
+  expect_bad(run_k3("bench " + m() + " --bogus"), "not expected: --bogus");
+  expect_bad(run_k3("bench " + m() + " --no-progress=1"), "no-progress was given a disallowed flag override");
+  expect_bad(run_k3("bench " + m() + " --no-roofline=1"), "no-roofline was given a disallowed flag override");
   expect_bad(run_k3("bench " + m() + " --numerics approx"), "unknown numerics 'approx' (expected exact, fp32 or fast)");
   expect_bad(run_k3("bench " + m() + " --cpu-isa sse9"), "unknown CPU level 'sse9'");
   expect_bad(run_k3("bench " + m() + " --roofline-mib 1"), "--roofline-mib: 1 is too small");
@@ -427,7 +428,9 @@ TEST(CliBenchBadInput, Scalars) {
 }
 
 TEST(CliBenchBadInput, Model) {
-  expect_bad(run_k3("bench -p 8"), "-m/--model DIR is required");
+  // Without -m: $K3_MODEL, then the bundled model, as every subcommand that reads a model.
+  expect_bad(k3test::run_shell("K3_MODEL=/nonexistent/k3env " + std::string(K3_BIN) + " bench -p 8"),
+             "model directory '/nonexistent/k3env' does not exist");
   expect_bad(run_k3("bench -m /nonexistent/k3"), "model directory '/nonexistent/k3' does not exist");
   const std::string file = (tiny() / "config.json").string();
   expect_bad(run_k3("bench -m " + quote(file)), "is not a directory");
@@ -442,8 +445,8 @@ TEST(CliBenchBadInput, Model) {
 TEST(CliBenchBadInput, BeyondMaxPositions) {
   // tiny: max_position_embeddings 4096.
   expect_bad(run_k3("bench " + m() + " -p 8 -n 0 -d 0,4090"),
-             "depth 4090 + prompt 8 = 4098 tokens exceeds the model's max_position_embeddings 4096");
+             "depth 4090 + prompt 8 = 4098 tokens exceeds the model's max_position_embeddings (4096)");
   expect_bad(run_k3("bench " + m() + " -p 0 -n 100 -d 4000"),
-             "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings 4096");
+             "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings (4096)");
   expect_bad(run_k3("bench " + m() + " -p 5000 -n 0"), "prompt 5000");
 }

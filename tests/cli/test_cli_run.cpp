@@ -121,13 +121,13 @@ TEST(Run, PromptFromFileAndStdinAndEcho) {
 
 TEST(Run, CtrlCStopsCleanlyWithSummary) {
   // SIGINT after 1.5 s into an endless generation: exit 130, summary line, stop: interrupted.
+  // (A fast machine can fill the tiny model's 4096-token context first: then exit 0, stop: context-full.)
   const auto r = k3test::run_shell("timeout --foreground --preserve-status -s INT 1.5 " + std::string(K3_BIN) +
                                    " run -m " + model() + " --ignore-eos -n 100000000 -q 'x'");
-  EXPECT_EQ(r.code, 130) << r.err;
   EXPECT_NE(r.err.find("stop: "), std::string::npos) << r.err;
-  EXPECT_TRUE(r.err.find("stop: interrupted") != std::string::npos ||
-              r.err.find("stop: context-full") != std::string::npos)
-      << r.err;
+  const bool interrupted = r.err.find("stop: interrupted") != std::string::npos;
+  EXPECT_TRUE(interrupted || r.err.find("stop: context-full") != std::string::npos) << r.err;
+  EXPECT_EQ(r.code, interrupted ? 130 : 0) << r.err;
 }
 
 TEST(Run, BadInputIsOneLineAndExit2) {
@@ -288,6 +288,43 @@ TEST(Chat, TmuxCtrlCStopsAReplyThenCtrlDLeaves) {
       << t.screen();
   EXPECT_EQ(k3test::slurp(status), "EXIT=0\n");
   EXPECT_NE(t.screen().find("k3 chat: prompt"), std::string::npos) << t.screen();  // the closing summary
+  fs::remove(status);
+}
+
+TEST(Chat, TmuxLineEditingHistoryAndCtrlCAtThePrompt) {
+  // libedit at a terminal: the cursor keys edit the line, Up recalls the last one, Ctrl-C at the
+  // prompt leaves with the summary.
+  if (k3test::run_shell("command -v tmux").code != 0)
+    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  Tmux t("edit");
+  const fs::path status = tmp("edit.status");
+  const std::string cmd = std::string(K3_BIN) + " chat -m " + model() + " --seed 1 -n 4 --no-color; echo EXIT=$? > " +
+                          status.string() + "; sleep 30";
+  ASSERT_EQ(t.cmd("new-session -d -s k3 -x 160 -y 50 " + quote(cmd)), 0);
+  ASSERT_TRUE(t.wait_for([](const std::string& s) { return prompts(s) >= 1; }, 60)) << t.screen();
+  const auto help_shown = [](const std::string& s) {
+    size_t n = 0;
+    for (size_t at = s.find("/reset "); at != std::string::npos; at = s.find("/reset ", at + 1)) ++n;
+    return n;
+  };
+  // "/hlp", two steps left, "e": "/help" (without line editing the escape sequences would be sent).
+  t.cmd("send-keys -t k3 -l '/hlp'");
+  t.cmd("send-keys -t k3 Left Left");
+  t.cmd("send-keys -t k3 -l 'e'");
+  t.cmd("send-keys -t k3 Enter");
+  ASSERT_TRUE(t.wait_for([&](const std::string& s) { return help_shown(s) == 1; }, 30)) << t.screen();
+  EXPECT_EQ(t.screen().find("unknown command"), std::string::npos) << t.screen();
+  // Up: the line before, again.
+  t.cmd("send-keys -t k3 Up");
+  t.cmd("send-keys -t k3 Enter");
+  ASSERT_TRUE(t.wait_for([&](const std::string& s) { return help_shown(s) == 2; }, 30)) << t.screen();
+  // Ctrl-C with half a line typed: leaves, exit 0, with the closing summary.
+  t.cmd("send-keys -t k3 -l 'half a li'");
+  t.cmd("send-keys -t k3 C-c");
+  ASSERT_TRUE(t.wait_for([&](const std::string&) { return fs::exists(status) && fs::file_size(status) > 0; }, 30))
+      << t.screen();
+  EXPECT_EQ(k3test::slurp(status), "EXIT=0\n");
+  EXPECT_NE(t.screen().find("k3 chat: prompt"), std::string::npos) << t.screen();
   fs::remove(status);
 }
 

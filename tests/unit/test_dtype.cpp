@@ -70,3 +70,28 @@ TEST(Error, ProblemListNamesEveryProblem) {
     EXPECT_EQ(e.exit_code(), 2);
   }
 }
+
+TEST(Error, ProblemListCapsALongList) {
+  // Hundreds of problems (a config far from its checkpoint) stay one readable line: the first 8,
+  // then how many more.
+  ProblemList p;
+  for (int i = 0; i < 300; ++i) p.add("missing tensor t" + std::to_string(i));
+  try {
+    p.throw_if_any("ck");
+    FAIL();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("ck: 300 problems: missing tensor t0; missing tensor t1; ", 0), 0u) << msg;
+    EXPECT_NE(msg.find("missing tensor t7; and 292 more"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("t8"), std::string::npos) << msg;
+    EXPECT_LT(msg.size(), 300u) << msg;
+  }
+  ProblemList eight;
+  for (int i = 0; i < 8; ++i) eight.add("p" + std::to_string(i));
+  try {
+    eight.throw_if_any("x");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "x: 8 problems: p0; p1; p2; p3; p4; p5; p6; p7");
+  }
+}

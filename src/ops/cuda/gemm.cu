@@ -810,7 +810,10 @@ void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y,
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) failf("CUDA: matmul: no current device");
   std::lock_guard<std::mutex> lock(g_cublas_mu);
   cublasHandle_t& h = g_handles[dev];
-  if (!h) cublas_check(cublasCreate(&h), "create handle");
+  if (!h) {
+    load_cublas();  // one line naming the library if it is missing
+    cublas_check(cublasCreate(&h), "create handle");
+  }
   if (!g_scratch) g_scratch = new std::map<std::pair<int, Stream>, StreamScratch>();
   StreamScratch& sc = (*g_scratch)[{dev, s}];
   const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);

@@ -43,6 +43,7 @@ double measure_copy_gbs(size_t bytes) {
 }
 
 double measure_bf16_gemm_tflops(int n) {
+  load_cublas();
   const size_t nn = size_t(n) * size_t(n);
   DevBuf A(nn * 2, "GEMM probe"), B(nn * 2, "GEMM probe"), C(nn * 4, "GEMM probe");
   fill_random_bf16<<<1024, 256>>>(A.as<__nv_bfloat16>(), nn, 2);

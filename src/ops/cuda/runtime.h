@@ -31,6 +31,9 @@ int device_count();
 DeviceInfo device_info();
 // Why no device is usable (driver/runtime message), for one-line errors and test skips.
 std::string unavailable_reason();
+// Opens cuBLAS (dlopen, once; ops/cuda/cublas_lazy.cpp): the binary does not link it, so processes
+// that stay on the CPU never load it. k3::Error naming the library when it cannot be loaded.
+void load_cublas();
 
 // Device memory. dev_alloc throws k3::Error naming the size and what was asked for on failure.
 void* dev_alloc(size_t bytes, const char* what);

@@ -1,0 +1,107 @@
+// `k3 info`: architecture, parameter counts, state/cache sizes and weight bytes by dtype of a
+// checkpoint (config.json alone is enough), and the memory a run at --ctx N needs with the verdict
+// `k3 run` / `k3 chat` would reach: fits, does not fit, or refused past max_position_embeddings.
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "cli/cli_common.h"
+#include "cli/cmd_ids.h"
+#include "config/arch_stats.h"
+#include "config/model_config.h"
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "model/model.h"
+#include "ops/cpu/isa.h"
+#include "runtime/memory.h"
+
+namespace k3::cli {
+
+namespace {
+
+// Why run / chat / eval refuse --ctx N on this model ("" when they do not): the check of
+// runtime/loader.cpp, worded for a report.
+std::string ctx_refusal(const ModelConfig& cfg, int64_t ctx) {
+  if (ctx <= cfg.max_position_embeddings) return "";
+  return "refused: --ctx " + std::to_string(ctx) + " exceeds the model's max_position_embeddings (" +
+         std::to_string(cfg.max_position_embeddings) + "); k3 run, chat and eval refuse it";
+}
+
+int run_info(const std::string& model_flag, int64_t ctx) {
+  const std::string dir = resolve_model_dir(model_flag);
+  const ModelConfig cfg = load_model_config(dir);
+  std::string report = format_arch_report(cfg, ctx);
+  std::printf("%s", report.c_str());
+  const std::vector<std::string> unsupported = unsupported_features(cfg);
+  if (!unsupported.empty()) {
+    std::printf("engine support: this engine cannot run this family member (the counts above assume K3's tensors)\n");
+    for (const std::string& u : unsupported) std::printf("  %s\n", u.c_str());
+  }
+  const std::string refused = ctx_refusal(cfg, ctx);
+  // Weights on disk, from safetensors headers only (works on a config + index without shards).
+  auto ck = io::Checkpoint::open_headers(dir);
+  if (ck->tensor_count() == 0 && ck->missing_shards().empty()) {
+    std::printf("checkpoint: no safetensors files (config only)\n");
+    if (!refused.empty()) std::printf("context: %s\n", refused.c_str());
+    return 0;
+  }
+  std::printf("checkpoint: %zu tensors in %zu shard(s)%s\n", ck->tensor_count(), ck->shard_paths().size(),
+              ck->has_index() ? " (indexed)" : "");
+  if (!ck->missing_shards().empty())
+    std::printf("  %zu shard(s) absent: tensor byte counts below cover the present shards only\n",
+                ck->missing_shards().size());
+  for (const auto& [dt, bytes] : ck->bytes_by_dtype())
+    std::printf("  %-8s %20llu B  (%s)\n", dtype_name(dt), (unsigned long long)bytes, human_bytes(bytes).c_str());
+  std::printf("  %-8s %20llu B  (%s)\n", "total", (unsigned long long)ck->total_tensor_bytes(),
+              human_bytes(ck->total_tensor_bytes()).c_str());
+  if (!ck->missing_shards().empty()) {
+    if (!refused.empty()) std::printf("context: %s\n", refused.c_str());
+  } else {
+    // What `k3 run` / `k3 chat` will check against MemAvailable (fp32 state, as this engine holds it).
+    const int64_t at = ctx > 0 ? ctx : std::min<int64_t>(cfg.max_position_embeddings, 32768);
+    const MemoryPlan p = plan_memory(cfg, ck->total_tensor_bytes(), at, 512);
+    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch 512)%s\n", (long long)at,
+                ctx > 0 ? "" : " [--ctx N to change]");
+    std::printf("  weights %s + KDA state %s + MLA cache %s + buffers ~%s = %s\n", human_bytes(p.weights).c_str(),
+                human_bytes(p.kda_state).c_str(), human_bytes(p.mla_cache).c_str(), human_bytes(p.scratch).c_str(),
+                human_bytes(p.total()).c_str());
+    if (!refused.empty())
+      std::printf("  %s\n", refused.c_str());
+    else if (auto avail = mem_available_bytes())
+      std::printf("  this machine: %s available (%s)\n", human_bytes(*avail).c_str(),
+                  p.total() <= *avail ? "fits" : "does NOT fit: lower --ctx");
+
+    // What `--device cuda` needs in GPU memory (weights as stored, MXFP4 experts stay 4-bit).
+    const int64_t gat = ctx > 0 ? ctx : 4096;
+    const GpuMemoryPlan g = gpu_memory_plan(cfg, ck->total_tensor_bytes(), GpuOptions{}, gat);
+    std::printf("GPU memory to run at %lld tokens (--device cuda)\n", (long long)gat);
+    std::printf("  weights %s + state %s + MLA cache %s + workspace %s = %s\n", human_bytes(g.weights).c_str(),
+                human_bytes(g.state_fixed).c_str(), human_bytes(g.state_per_token * size_t(gat)).c_str(),
+                human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
+    std::printf("  %s\n", refused.empty() ? gpu_fit_line(g.total()).c_str() : refused.c_str());
+  }
+  std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512 to choose)\n",
+              ops::cpu_isa_name(ops::cpu_isa()), ops::cpu_isa_name(ops::cpu_isa_detected()));
+  return 0;
+}
+
+}  // namespace
+
+int cmd_info(int argc, char** argv) {
+  CLI::App app{
+      "k3 info: architecture, parameter counts, state/cache sizes, weight bytes by dtype, and the memory a run "
+      "at --ctx N needs (config.json alone is enough)"};
+  app.name("k3 info");
+  std::string model;
+  int64_t ctx = 0;
+  add_model_option(&app, model);
+  app.add_option("--ctx", ctx,
+                 "size the MLA cache and the memory plan for this many tokens (default: "
+                 "min(max_position_embeddings, 32768)); past max_position_embeddings it is reported as refused")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
+  if (const auto code = parse_flags(app, argc, argv)) return *code;
+  return run_guarded("k3 info", [&] { return run_info(model, ctx); });
+}
+
+}  // namespace k3::cli
