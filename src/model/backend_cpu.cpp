@@ -34,6 +34,15 @@ ops::Numerics to_ops(StepNumerics n) {
   return ops::Numerics::Exact;
 }
 
+// agg[c] += w * y[c]: one routed expert's output added into a row's sum (the same operations on
+// every path, which keeps batched rows bit-identical to alone).
+void add_scaled(float* agg, float w, const float* y, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) agg[c] += w * y[c];
+}
+void check_expert(int32_t e, int64_t E) {
+  if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+}
+
 class CpuBackend final : public Backend {
  public:
   const char* name() const override { return "cpu"; }
@@ -339,7 +348,7 @@ void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const Situ
     std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = idx[r * top_k + j];
-      if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      check_expert(e, E);
       m.pairs.push_back({e, r, wt[r * top_k + j]});
     }
   }
@@ -372,9 +381,7 @@ void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const Situ
   ops::matmul_many(ex_, m.wv.data(), m.xv.data(), P, 1, m.yv.data());
   for (int64_t p = 0; p < P; ++p) {  // ascending expert: each row's order alone
     const auto& pr = m.pairs[size_t(p)];
-    float* a = agg + int64_t(pr.row) * latent;
-    const float* ye = m.ye.data() + p * latent;
-    for (int64_t c = 0; c < latent; ++c) a[c] += pr.w * ye[c];
+    add_scaled(agg + int64_t(pr.row) * latent, pr.w, m.ye.data() + p * latent, latent);
   }
 }
 
@@ -389,7 +396,7 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
   m.start.assign(size_t(E + 1), 0);
   for (int64_t i = 0; i < RK; ++i) {
     const int32_t e = idx[i];
-    if (e < 0 || e >= E) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+    check_expert(e, E);
     ++m.start[size_t(e) + 1];
   }
   m.selected.clear();  // the union, ascending: the accumulation order into agg
@@ -439,9 +446,7 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
     const int64_t n = n_rows(e), s0 = m.start[size_t(e)];
     const float* ye = m.ye.data() + m.ro[size_t(i)] * latent;
     for (int64_t k = 0; k < n; ++k) {
-      const float wk = m.wts[size_t(s0 + k)];
-      float* a = agg + m.rows[size_t(s0 + k)] * latent;
-      for (int64_t c = 0; c < latent; ++c) a[c] += wk * ye[k * latent + c];
+      add_scaled(agg + m.rows[size_t(s0 + k)] * latent, m.wts[size_t(s0 + k)], ye + k * latent, latent);
     }
   };
   // One row: every selected expert reads the same z, so the gate/up products of all of them are

@@ -48,6 +48,10 @@ uint32_t* aligned64(std::vector<uint32_t>& v, size_t n) {
 }
 // Decode GEMVs hand out rows in chunks of about this many weight bytes (see gemv_threaded).
 constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
+// Rows of one such chunk for rows of `bytes` bytes each: whole 8-row tiles, at least one.
+int64_t gemv_chunk_rows(int64_t bytes) {
+  return std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, bytes) / 8 * 8);
+}
 
 const cpu::GemmKernels* kernels_for(CpuIsa isa) {
 #if defined(K3_HAVE_X86_KERNELS)
@@ -244,7 +248,7 @@ void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t
     if (s.input_of[size_t(i)] < 0) s.input_of[size_t(i)] = slots++;
     work += w.rows * w.cols;
     const int64_t bytes = row_bytes(w) + (w.fmt == WFormat::MXFP4 ? w.cols / 32 : 0);
-    const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, bytes) / 8 * 8);
+    const int64_t step = gemv_chunk_rows(bytes);
     for (int64_t r = 0; r < w.rows; r += step) s.chunks.push_back({i, r, std::min(w.rows, r + step)});
   }
   if (s.inputs.size() < size_t(slots)) s.inputs.resize(size_t(slots));
@@ -420,7 +424,7 @@ void gemv_multi_threaded(const cpu::GemmKernels& K, const WeightMat& W, const fl
       s.xpp[size_t(t)] = s.xp.data() + t * cols;
     }
   }
-  const int64_t step = std::max<int64_t>(8, kGemvChunkBytes / std::max<int64_t>(1, row_bytes(W)) / 8 * 8);
+  const int64_t step = gemv_chunk_rows(row_bytes(W));
   const int64_t nchunks = (W.rows + step - 1) / step;
   const float* const* x = s.x.data();
   const float* const* xp = s.xpp.data();
