@@ -4,7 +4,6 @@
 // MXFP4 routed experts over the ~16 tokens a 128-token chunk gives each of 64 experts (top-8).
 // Rate = 2 x rows x cols x T / second; ratio = rate / probed peak.
 // Usage: k3_gemm_bench [seconds per case] [--level avx2|avx512] [--case I]   (threads: OMP_NUM_THREADS)
-#include <omp.h>
 
 #include <chrono>
 #include <cstdint>
@@ -16,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "ops/ops.h"
@@ -47,7 +47,7 @@ int main(int argc, char** argv) {
     }
     k3::ops::set_cpu_isa(want);
   }
-  const int threads = omp_get_max_threads();
+  const int threads = k3::par::max_threads();
   const double peak = k3::ops::measure_peak_gflops(threads, 5);
   std::printf("k3_gemm_bench: %d threads, level %s, fast numerics, peak %.1f GFLOP/s (%s)\n", threads,
               k3::ops::cpu_isa_name(k3::ops::kFast.level()), peak, k3::ops::peak_kind());

@@ -8,7 +8,6 @@
 //          moe_forward decodes), and whole experts per thread (the scheme it used before).
 // Rate = weight bytes (incl. E8M0 scales) read per second; ratio = rate / probed read bandwidth.
 // Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512]   (threads: OMP_NUM_THREADS)
-#include <omp.h>
 
 #include <chrono>
 #include <cstdint>
@@ -20,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "ops/ops.h"
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
     }
     k3::ops::set_cpu_isa(want);
   }
-  const int threads = omp_get_max_threads();
+  const int threads = k3::par::max_threads();
   const k3::ops::Roofline roof = k3::ops::measure_roofline(threads);
   std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read bandwidth %.1f GB/s\n", threads,
               k3::ops::cpu_isa_name(k3::ops::kFast.level()), roof.read_gbs);
@@ -104,13 +104,15 @@ int main(int argc, char** argv) {
       int ids[8];
       for (int& i : ids) i = pick(rng);
       double bytes = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : bytes)
-      for (int i = 0; i < 8; ++i) {
+      k3::par::parallel_for_each(8, [&](int64_t i) {
         const Glu& g = E[size_t(ids[i])];
         float* o = out[size_t(i)].data();
         k3::ops::matmul(k3::ops::kFast, g.gate, x.data(), 1, o);
         k3::ops::matmul(k3::ops::kFast, g.up, x.data(), 1, o + 768);
         k3::ops::matmul(k3::ops::kFast, g.down, o, 1, o + 1024);
+      });
+      for (int i = 0; i < 8; ++i) {
+        const Glu& g = E[size_t(ids[i])];
         bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
       }
       return bytes;

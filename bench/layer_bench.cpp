@@ -6,7 +6,6 @@
 // Memory: the 896 routed experts of a layer are views onto a pool of --expert-pool distinct experts
 // (default 64 = 1.1 GB, far beyond any cache) so one machine can hold the layer; a decode step
 // touches top-16 of them exactly as with 896 distinct ones. Prints one JSON object.
-#include <omp.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +22,7 @@
 #include "config/arch_stats.h"
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/layer_runner.h"
 #include "model/model.h"
 #include "model/traffic.h"
@@ -198,7 +198,7 @@ int main(int argc, char** argv) {
     opt.numerics = k3::ops::parse_numerics(numerics);
     // The read probe before and after the timings (a shared machine's bandwidth moves within
     // seconds): the ratio divides by the larger.
-    const k3::ops::ReadProbe probe(omp_get_max_threads(), uint64_t(1) << 30);
+    const k3::ops::ReadProbe probe(k3::par::max_threads(), uint64_t(1) << 30);
     const k3::ops::Roofline roof = k3::ops::measure_roofline(probe, 5);
     const double read_before = roof.read_gbs;
 
@@ -245,7 +245,7 @@ int main(int argc, char** argv) {
       }
       return median(times);
     };
-    std::fprintf(stderr, "k3_layer_bench: timing (threads %d, %s kernels)...\n", omp_get_max_threads(),
+    std::fprintf(stderr, "k3_layer_bench: timing (threads %d, %s kernels)...\n", k3::par::max_threads(),
                  k3::ops::cpu_isa_name(k3::ops::cpu_isa()));
     const double kda_dec = time_layer(kda, 1, 1), mla_dec = time_layer(mla, 3, 1);
     const double kda_pre = time_layer(kda, 1, prefill) / double(prefill);
@@ -288,7 +288,7 @@ int main(int argc, char** argv) {
 
     Json j;
     j["config"] = config_dir;
-    j["threads"] = omp_get_max_threads();
+    j["threads"] = k3::par::max_threads();
     j["cpu_isa"] = k3::ops::cpu_isa_name(k3::ops::cpu_isa());
     j["numerics"] = numerics;
     j["expert_pool"] = pool_n;

@@ -7,7 +7,6 @@
 //     nope 128, rope 64, v 128, BF16 kv_b (rate: GFLOP/s of q̃, scores, context and W_UV, and the
 //     GB/s of the latent cache + kv_b read once).
 // Usage: k3_ops_bench [min_seconds_per_case]   (threads: OMP_NUM_THREADS)
-#include <omp.h>
 
 #include <chrono>
 #include <cmath>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/isa.h"
 #include "ops/ops.h"
 
@@ -72,7 +72,7 @@ void row(const char* op, const char* level, double s, double rate, const char* u
 
 int main(int argc, char** argv) {
   const double min_s = argc > 1 ? std::atof(argv[1]) : 0.5;
-  std::printf("k3_ops_bench: %d OpenMP threads, detected level %s\n", omp_get_max_threads(),
+  std::printf("k3_ops_bench: %d threads, detected level %s\n", k3::par::max_threads(),
               k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()));
   std::printf("%-44s %-7s %15s %10s\n", "op", "level", "time/call", "rate");
   std::mt19937 rng(1);

@@ -67,7 +67,7 @@ if [[ $device == cuda ]]; then
   machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) + $machine"
 fi
 load=$(cut -d' ' -f1-3 /proc/loadavg)
-# OpenMP barriers degrade badly when other processes take the cores: say so, numbers will be noisy.
+# Other processes on the cores take time from the run (the thread pool then shrinks its team): say so.
 if [[ $device == cpu ]] && awk -v l="${load%% *}" -v n="$(nproc)" 'BEGIN { exit !(l > n / 2) }'; then
   echo "measure_batch.sh: warning: load average $load on $(nproc) cores; results will be noisy" >&2
 fi

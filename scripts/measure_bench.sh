@@ -24,7 +24,7 @@ mkdir -p docs/data
 md=docs/data/bench-mid1g.md json=docs/data/bench-mid1g.json
 machine="$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
 load=$(cut -d' ' -f1-3 /proc/loadavg)
-# OpenMP barriers degrade badly when other processes take the cores: say so, numbers will be noisy.
+# Other processes on the cores take time from the run (the thread pool then shrinks its team): say so.
 if awk -v l="${load%% *}" -v n="$(nproc)" 'BEGIN { exit !(l > n / 2) }'; then
   echo "measure_bench.sh: warning: load average $load on $(nproc) cores; results will be noisy" >&2
 fi

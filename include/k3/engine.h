@@ -9,7 +9,7 @@
 //    getters) are const and may run on other threads concurrently, also while step runs.
 //  - TokenSampler, Detokenizer and ChatParser objects are per sequence and not thread-safe;
 //    different objects may be used on different threads.
-//  - The thread count (EngineOptions::threads) is the process's OpenMP setting.
+//  - The thread count (EngineOptions::threads) is a process-wide setting of the CPU loops' pool.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -28,7 +28,7 @@ struct EngineOptions {
   std::string ram_budget;         // "" or a size ("24G"): keep weights within it by streaming routed
                                   // experts from disk (CPU only; same output)
   bool direct_io = false;         // with ram_budget: read experts with O_DIRECT
-  int threads = 0;                // CPU threads (process-wide OpenMP setting); 0 = leave as is
+  int threads = 0;                // most CPU threads (process-wide); 0 = leave as is (default: all CPUs)
   std::string mem_limit;          // refuse to load above this size ("" = the machine's MemAvailable)
   int64_t context = 0;            // longest sequence in tokens; 0 = min(max_position_embeddings, 32768).
                                   // The load-time memory check counts one sequence of this length.

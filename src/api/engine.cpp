@@ -4,12 +4,11 @@
 // (anything a front end shares belongs in runtime/) or let internal types into the public header.
 #include "k3/engine.h"
 
-#include <omp.h>
-
 #include <algorithm>
 
 #include "chat/chat.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/model.h"
 #include "ops/cpu/isa.h"
 #include "runtime/loader.h"
@@ -95,7 +94,7 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   check_options(options);
   auto im = std::make_unique<Impl>();
   im->opt = options;
-  if (options.threads > 0) omp_set_num_threads(options.threads);
+  if (options.threads > 0) par::set_max_threads(options.threads);
   const bool cuda = options.device == "cuda";
 
   LoadRequest req;

@@ -1,7 +1,6 @@
 // Shared flags, loading with progress and a memory check, Ctrl-C, summary (see cli_common.h).
 #include "cli/cli_common.h"
 
-#include <omp.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/isa.h"
 #include "runtime/loader.h"
 #include "runtime/memory.h"
@@ -259,7 +259,7 @@ void Progress::finish() {
 }
 
 LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who, int64_t ctx_tokens) {
-  if (f.threads > 0) omp_set_num_threads(f.threads);
+  if (f.threads > 0) par::set_max_threads(f.threads);
   if (!f.cpu_isa.empty()) ops::set_cpu_isa(ops::parse_cpu_isa(f.cpu_isa));  // one-line error if the CPU lacks it
   LoadRequest req;
   req.dir = resolve_model_dir(f.model);

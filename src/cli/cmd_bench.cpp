@@ -7,7 +7,6 @@
 // one line "k3 bench: error: ..." on stderr and exit status 2.
 #include "cli/cmd_bench.h"
 
-#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +33,7 @@
 #include "cli/cli_common.h"
 #include "config/arch_stats.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "io/safetensors.h"
 #include "k3/version.h"
 #include "model/model.h"
@@ -349,6 +349,10 @@ struct Result {
   k3::DecodeTraffic traffic;
   std::vector<double> around, rep_ratios;
   double vs_batch1 = 0;  // avg_ts / avg_ts of the batch-1 result of the same test (0: none)
+  // CPU: threads the timed repetitions' parallel loops had on average (the pool shrinks its team
+  // while other processes keep the cores busy; core/thread_pool.h), and whether that was allowed.
+  double threads_used = 0;
+  bool adaptive_threads = false;
 };
 
 // Fills the roofline fields of `r` from its samples (summarize() first) and `work` per token.
@@ -539,7 +543,7 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
   check_positions(f, model.config().max_position_embeddings);
   p.mi = model_info(f, model);
   p.threads = f.threads;
-  if (p.threads.empty() || p.cuda) p.threads = {p.cuda ? 1 : omp_get_max_threads()};  // -t is CPU-only
+  if (p.threads.empty() || p.cuda) p.threads = {p.cuda ? 1 : par::max_threads()};  // -t is CPU-only
   p.build_threads = *std::max_element(p.threads.begin(), p.threads.end());
 
   // Every test, in run order: per depth, per thread count, pp tests then tg tests, each per batch.
@@ -589,6 +593,10 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["n_params"] = mi.n_params;
   j["n_active_params"] = mi.n_active;
   j["threads"] = r.test.threads;
+  if (f.device != "cuda") {
+    j["threads_used"] = r.threads_used;
+    j["adaptive_threads"] = r.adaptive_threads;
+  }
   if (batched) j["n_batch"] = r.test.batch;
   j["n_prompt"] = r.test.pp ? r.test.n : 0;
   j["n_gen"] = r.test.pp ? 0 : r.test.n;
@@ -671,8 +679,12 @@ using Roofs = std::map<int64_t, k3::ops::Roofline>;  // per thread count
 class Report {
  public:
   Report(const Flags& f, const Plan& p) : f_(f), p_(p) {
-    doc_["build"] = {{"engine", "k3cpp"},   {"version", k3::version()},         {"compiler", compiler()},
-                     {"cpu", p.cpu},        {"cpu_cores", omp_get_num_procs()}, {"date", utc_now()},
+    doc_["build"] = {{"engine", "k3cpp"},
+                     {"version", k3::version()},
+                     {"compiler", compiler()},
+                     {"cpu", p.cpu},
+                     {"cpu_cores", par::hardware_threads()},
+                     {"date", utc_now()},
                      {"command", p.command}};
     if (p.cuda) doc_["build"]["gpu"] = p.gpu;
     doc_["settings"] = {{"kda", f.kda},         {"mla", f.mla},           {"kda_chunk", f.chunk},
@@ -723,9 +735,9 @@ class Report {
     if (f_.output != "md") return;
     prog.done();
     std::string head = "k3 " + std::string(k3::version()) + " bench | " + (p_.cuda ? "GPU: " + p_.gpu + " | " : "") +
-                       "CPU: " + p_.cpu + " (" + std::to_string(omp_get_num_procs()) + " cores, " + p_.kernel_level +
-                       " kernels) | " + p_.algo + " | numerics " + f_.numerics + " | " + std::to_string(f_.reps) +
-                       " reps + 1 warm-up\n";
+                       "CPU: " + p_.cpu + " (" + std::to_string(par::hardware_threads()) + " cores, " +
+                       p_.kernel_level + " kernels) | " + p_.algo + " | numerics " + f_.numerics + " | " +
+                       std::to_string(f_.reps) + " reps + 1 warm-up\n";
     for (const auto& [t, r] : roofs) {
       char line[256];
       if (p_.cuda)
@@ -775,8 +787,13 @@ class Report {
       std::snprintf(s, sizeof s, "%.2f ± %.2f", v, sd);
       return std::string(s);
     };
-    std::vector<std::string> cells{p_.mi.name, human_bytes(p_.mi.bytes), human_count(p_.mi.n_params),
-                                   std::to_string(t.threads)};
+    std::string threads = std::to_string(t.threads);
+    if (!p_.cuda && r.threads_used > 0 && r.threads_used < double(t.threads) - 0.05) {
+      char used[32];  // the pool shrank its team: the machine was busy
+      std::snprintf(used, sizeof used, " (%.2f used)", r.threads_used);
+      threads += used;
+    }
+    std::vector<std::string> cells{p_.mi.name, human_bytes(p_.mi.bytes), human_count(p_.mi.n_params), threads};
     if (f_.batched()) cells.push_back(std::to_string(t.batch));
     cells.push_back(t.name());
     cells.push_back(pm(r.avg_ts, r.stddev_ts));
@@ -842,7 +859,7 @@ Roofs probe_roofs(const Flags& f, const Plan& p, Progress& prog,
 Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench& bench, const Roofs& roofs,
                     const std::map<int64_t, std::unique_ptr<k3::ops::ReadProbe>>& read_probes, Progress& prog) {
   const int64_t d = t.depth, V = model.dims().vocab;
-  omp_set_num_threads(int(t.threads));
+  par::set_max_threads(int(t.threads));
   // Sequence i of a batch: prompt ids [i n, (i+1) n) of the depth's prompt stream, first decode id i
   // of its first-id stream (sequence 0 gets what a batch of 1 gets).
   const std::vector<int32_t> prompts =
@@ -862,11 +879,18 @@ Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench
     r.around.push_back(t.pp ? k3::ops::measure_peak_gflops(int(t.threads), 3) : probe_it->second->measure(3));
   };
   probe_again();
+  par::Stats used;
   for (int64_t rep = 0; rep < f.reps; ++rep) {
     prog.say(label + ": rep " + std::to_string(rep + 1) + "/" + std::to_string(f.reps));
+    par::reset_stats();
     r.samples_ns.push_back(bench.run_once(t, prompts, first));
+    const par::Stats s = par::stats();
+    used.loops += s.loops;
+    used.team_sum += s.team_sum;
     probe_again();
   }
+  r.threads_used = used.loops ? used.mean_team() : double(t.threads);
+  r.adaptive_threads = par::adaptive();
   summarize(r);
   if (auto it = roofs.find(t.threads); it != roofs.end()) {
     // A tg step of the batch reads the traffic of all its sequences; a pp token costs the same
@@ -905,7 +929,7 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
   size_t next = 0;
   for (size_t di = 0; di < f.n_depth.size(); ++di) {
     const int64_t d = f.n_depth[di];
-    omp_set_num_threads(int(p.build_threads));
+    par::set_max_threads(int(p.build_threads));
     if (d < base_len) bench.reset_base(), base_len = 0;
     if (d > base_len) {
       const std::string dn = std::to_string(d);

@@ -3,8 +3,6 @@
 // from fp32 logits) and the result line / JSON. Model math stays in Model::forward.
 #include "cli/cmd_eval.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -21,6 +19,7 @@
 #include "cli/cli_common.h"
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 
 namespace fs = std::filesystem;
 
@@ -193,9 +192,10 @@ Totals score_windows(const LoadedModel& lm, const RunEngineFlags& ef, const std:
       m.forward(session, ids.data() + w.start + p, n, need, logits.data(), opt);
       if (!need) continue;
       const int64_t r0 = std::max(p, row_lo);
-#pragma omp parallel for schedule(static)
-      for (int64_t r = r0; r < p + n; ++r)
+      par::parallel_for_each(p + n - r0, [&](int64_t i) {
+        const int64_t r = r0 + i;
         row_nll[size_t(r - p)] = token_nll(logits.data() + (r - p) * V, V, ids[size_t(w.start + r + 1)]);
+      });
       for (int64_t r = r0; r < p + n; ++r) {  // in order: the sum does not depend on the thread count
         tot.nll += row_nll[size_t(r - p)];
         tot.bytes += tok_bytes[size_t(w.start + r + 1)];

@@ -4,8 +4,6 @@
 // as run / eval / bench do. Owns flag parsing and file output only.
 #include "cli/cmd_ids.h"
 
-#include <omp.h>
-
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +15,7 @@
 #include "cli/ids.h"
 #include "config/model_config.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/model.h"
 
 namespace k3::cli {
@@ -61,7 +60,7 @@ struct IdEngineFlags {
     return o;
   }
   void apply_threads() const {
-    if (threads > 0) omp_set_num_threads(threads);
+    if (threads > 0) par::set_max_threads(threads);
   }
 };
 

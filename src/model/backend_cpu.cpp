@@ -5,8 +5,6 @@
 // Must not: hold model state between steps beyond the numerics of the step in flight.
 #include "model/backends.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -15,6 +13,7 @@
 #include <new>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/layers.h"
 #include "ops/cpu/isa.h"
 
@@ -472,12 +471,12 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
   };
   // A batch of experts runs either one after another (each expert's matmuls split across the
   // threads) or, when there are enough experts to keep every thread busy, whole experts in
-  // parallel (their matmuls then run single-threaded inside: OpenMP nesting is off). Outputs are
+  // parallel (their matmuls then run single-threaded inside: a loop inside a loop runs inline). Outputs are
   // always added into agg in ascending expert order, so both ways give bit-identical results.
   const auto run_batch = [&](const int32_t* ids, int64_t n, const GluWeights* const* ew) {
     plan(ids, n, ew);
     if (R == 1) return run_token(ids, n, ew);
-    if (n < 2 * int64_t(omp_get_max_threads()) || omp_in_parallel()) {
+    if (n < 2 * int64_t(par::max_threads()) || par::in_parallel()) {
       for (int64_t i = 0; i < n; ++i) {
         expert_out(i, ids[i], *ew[i]);
         add_expert(i, ids[i]);
@@ -488,12 +487,10 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
     // buffers for the largest expert of the batch first (a repeated step then allocates nothing).
     int64_t most = 0, widest = latent;
     for (int64_t i = 0; i < n; ++i) most = std::max(most, n_rows(ids[i])), widest = std::max(widest, ew[i]->gate.rows);
-#pragma omp parallel
-    {
-      ops::reserve_matmul(most, widest);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < n; ++i) expert_out(i, ids[i], *ew[i]);
-    }
+    par::parallel_for_each(n, [&](int64_t i) {
+      ops::reserve_matmul(most, widest);  // grows this thread's buffers once; a no-op after
+      expert_out(i, ids[i], *ew[i]);
+    });
     for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
   const auto nsel = int64_t(m.selected.size());

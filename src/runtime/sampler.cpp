@@ -206,12 +206,13 @@ Sampler::Sampler(const SamplingParams& p, int64_t vocab) : p_(p), vocab_(vocab),
   if (vocab < 1 || vocab > std::numeric_limits<int32_t>::max())
     fail("sampler: vocab must be in [1, 2147483647], got " + std::to_string(vocab));
   // sample()'s buffers hold at most the vocabulary; a window of n tokens holds at most n distinct
-  // ones. Reserved here, so neither sample() (after its first call) nor accept() allocates.
+  // ones, and n + 1 for a moment in accept() (the new token is counted before the oldest leaves).
+  // Reserved here, so neither sample() (after its first call) nor accept() allocates.
   scratch_.kept.reserve(size_t(vocab));
   scratch_.order.reserve(size_t(vocab));
   if (p.penalty_last_n > 0) {
     window_.reserve(size_t(p.penalty_last_n));
-    counts_.reserve(size_t(p.penalty_last_n));
+    counts_.reserve(size_t(p.penalty_last_n) + 1);
   }
 }
 

@@ -17,6 +17,7 @@
 #include <new>
 #include <vector>
 
+#include "core/thread_pool.h"
 #include "model/model.h"
 #include "runtime/sampler.h"
 
@@ -98,6 +99,9 @@ class NoAllocDecode : public ::testing::TestWithParam<Case> {};
 // sampler's draw and accept (temperature, top-k, top-p and a repetition penalty all on).
 TEST_P(NoAllocDecode, HundredStepsAllocateNothing) {
   const Case c = GetParam();
+  // Every worker in every loop: the adaptive team (core/thread_pool.h) could leave a worker out of
+  // the warm-up on a busy machine (ctest -j) and let it size its per-thread buffers while counted.
+  const k3::par::FixedThreads fixed(k3::par::max_threads());
   auto m = k3::Model::load((fs::path(K3_SOURCE_DIR) / c.model).string());
   const int64_t V = m->dims().vocab, N = c.n_seqs;
   k3::StatePoolOptions po;
@@ -152,8 +156,10 @@ TEST_P(NoAllocDecode, HundredStepsAllocateNothing) {
     for (size_t t = 0; t < chunk.size(); ++t) chunk[t] = int32_t((t * 13 + 5) % size_t(V));
     const int32_t a = pool->alloc();
     const k3::SeqStep pre{a, chunk.data(), int64_t(chunk.size()), false};
-    m->step(*pool, std::span(&pre, 1), o, logits.data());
-    pool->reset(a);
+    for (int warm = 0; warm < 2; ++warm) {  // twice: each thread has taken ranges of every loop
+      m->step(*pool, std::span(&pre, 1), o, logits.data());
+      pool->reset(a);
+    }
     g_allocs = 0;
     g_counting = true;
     m->step(*pool, std::span(&pre, 1), o, logits.data());
@@ -169,6 +175,21 @@ TEST_P(NoAllocDecode, HundredStepsAllocateNothing) {
   EXPECT_EQ(g_allocs.load(), 1);
   // Every sequence decoded past a page boundary (64 tokens) while counted.
   for (int64_t i = 0; i < N; ++i) EXPECT_GT(pool->position(slots[size_t(i)]), 64);
+}
+
+// A full penalty window whose tokens are all distinct, then more distinct tokens: each accept()
+// counts the new token before the oldest leaves (n + 1 distinct for a moment), without allocating.
+TEST(NoAllocSampler, FullWindowOfDistinctTokens) {
+  k3::SamplingParams sp;
+  sp.repetition_penalty = 1.1f;
+  sp.penalty_last_n = 8;
+  k3::Sampler s(sp, 1000);
+  for (int32_t t = 0; t < 8; ++t) s.accept(t);
+  g_allocs = 0;
+  g_counting = true;
+  for (int32_t t = 8; t < 200; ++t) s.accept(t);
+  g_counting = false;
+  EXPECT_EQ(g_allocs.load(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, NoAllocDecode,

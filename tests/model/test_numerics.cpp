@@ -6,7 +6,6 @@
 //    reproducible on any machine; the MoE runs whole experts in parallel at decode).
 // Owns: the Fast-mode whole-model tolerance below.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "common/num_util.h"
+#include "core/thread_pool.h"
 #include "model/model.h"
 
 namespace fs = std::filesystem;
@@ -74,16 +74,19 @@ TEST(Threads, LogitsDoNotDependOnThreadCount) {
   auto m = k3::Model::load((fs::path(K3_SOURCE_DIR) / "models/k3-nano").string());
   std::vector<int32_t> ids;
   for (int i = 0; i < 24; ++i) ids.push_back(int32_t((i * 2654435761u) % 8192u));
-  const int saved = omp_get_max_threads();
   for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-    omp_set_num_threads(1);
-    const auto one = logits_of(*m, ids, num, 16);
+    std::vector<float> one;
+    {
+      const k3::par::FixedThreads fixed(1);
+      one = logits_of(*m, ids, num, 16);
+    }
     for (int threads : {2, 3}) {
-      omp_set_num_threads(threads);
+      const k3::par::FixedThreads fixed(threads);
+      k3::par::reset_stats();
       const auto many = logits_of(*m, ids, num, 16);
       EXPECT_EQ(std::memcmp(one.data(), many.data(), one.size() * 4), 0)
           << k3::ops::numerics_name(num) << " with " << threads << " threads";
+      EXPECT_GT(k3::par::stats().loops, 0) << "no loop ran on the pool";
     }
   }
-  omp_set_num_threads(saved);
 }

@@ -4,7 +4,6 @@
 // 1 (GEMV), T < 4 (exact even in Fast mode), token tiles and the 64- and 256-token block boundaries, and unaligned
 // rows. Owns: the GEMM tolerances below.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +15,7 @@
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
 #include "ops/ops.h"
@@ -172,7 +172,6 @@ TEST(GemmLevels, FastIsExactProductOfRoundedActivations) {
 
 TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
   LevelGuard guard;
-  const int saved = omp_get_max_threads();
   for (CpuIsa level : levels()) {
     k3::ops::set_cpu_isa(level);
     std::mt19937 rng(79);
@@ -183,7 +182,7 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
       const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
       std::vector<std::vector<float>> outs;
       for (int threads : {1, 2, 3}) {
-        omp_set_num_threads(threads);
+        const k3::par::FixedThreads fixed(threads);
         for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
           outs.push_back(nan_vec(size_t(c.T * c.rows)));
           k3::ops::matmul(k3::ops::Exec{num}, W.w, X.data(), c.T, outs.back().data());
@@ -193,7 +192,6 @@ TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
         EXPECT_EQ(std::memcmp(outs[i].data(), outs[i % 2].data(), outs[i].size() * 4), 0) << "run " << i;
     }
   }
-  omp_set_num_threads(saved);
 }
 
 // The fast GEMM computes each output as one chain over the columns: a token's outputs are the same

@@ -6,7 +6,6 @@
 // not depend on the OpenMP thread count.
 // Owns: the tolerances below (the twin-test tolerances of test_ops_twins.cpp, held on every level).
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +21,7 @@
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
 #include "ops/ops.h"
@@ -58,16 +58,14 @@ class OpsLevels : public ::testing::TestWithParam<CpuIsa> {
   void TearDown() override { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
 };
 
-// Runs fn once per OpenMP thread count and expects bit-identical outputs (fn returns them).
+// Runs fn once per thread count of the pool and expects bit-identical outputs (fn returns them).
 template <class Fn>
 void expect_thread_independent(Fn&& fn) {
-  const int saved = omp_get_max_threads();
   std::vector<std::vector<float>> outs;
   for (int threads : {1, 2, 3}) {
-    omp_set_num_threads(threads);
+    const k3::par::FixedThreads fixed(threads);
     outs.push_back(fn());
   }
-  omp_set_num_threads(saved);
   for (size_t i = 1; i < outs.size(); ++i) {
     ASSERT_EQ(outs[i].size(), outs[0].size());
     EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0) << "thread count run " << i;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/scalar_dot.h"
@@ -36,8 +37,8 @@ template <class Fn>
 void for_blocks(int64_t n, int64_t block, int64_t cost, Fn&& fn) {
   block = std::max<int64_t>(1, block);
   const int64_t nb = (n + block - 1) / block;
-#pragma omp parallel for schedule(static) if (nb > 1 && n * cost >= kElemParallelMin)
-  for (int64_t b = 0; b < nb; ++b) fn(b * block, std::min(n, (b + 1) * block));
+  par::parallel_for_each(
+      nb, [&](int64_t b) { fn(b * block, std::min(n, (b + 1) * block)); }, nb > 1 && n * cost >= kElemParallelMin);
 }
 }  // namespace
 
@@ -100,20 +101,24 @@ void short_conv_silu(Exec ex, const float* x, int64_t T, int64_t C, const float*
     return;
   }
   const int64_t P = K - 1;
-#pragma omp parallel for schedule(static) if (C * T * K > kParallelMin)
-  for (int64_t c = 0; c < C; ++c) {
-    float win[16];  // K <= 16 enforced by the model binding
-    for (int64_t j = 0; j < P; ++j) win[j] = state[c * P + j];
-    const float* wc = w + c * K;
-    for (int64_t t = 0; t < T; ++t) {
-      win[P] = x[t * C + c];
-      float acc = 0;
-      for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[j];
-      out[t * C + c] = acc * sigmoidf(acc);
-      for (int64_t j = 0; j < P; ++j) win[j] = win[j + 1];
-    }
-    for (int64_t j = 0; j < P; ++j) state[c * P + j] = win[j];
-  }
+  par::parallel_for(
+      C, par::balanced_grain(C),
+      [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          float win[16];  // K <= 16 enforced by the model binding
+          for (int64_t j = 0; j < P; ++j) win[j] = state[c * P + j];
+          const float* wc = w + c * K;
+          for (int64_t t = 0; t < T; ++t) {
+            win[P] = x[t * C + c];
+            float acc = 0;
+            for (int64_t j = 0; j < K; ++j) acc += wc[j] * win[j];
+            out[t * C + c] = acc * sigmoidf(acc);
+            for (int64_t j = 0; j < P; ++j) win[j] = win[j + 1];
+          }
+          for (int64_t j = 0; j < P; ++j) state[c * P + j] = win[j];
+        }
+      },
+      C * T * K > kParallelMin);
 }
 
 void kda_gate(Exec ex, const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
@@ -175,64 +180,66 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
     pm = cpu::scratch<float>(cpu::ScratchId::AttnPartM, items * max_rows);
     pz = cpu::scratch<float>(cpu::ScratchId::AttnPartZ, items * max_rows);
   }
-#pragma omp parallel if (items > 1 && work >= kParallelMin)
-  {
-    float* const scratch = cpu::scratch<float>(cpu::ScratchId::AttnBlock, max_rows * (K3_ATT_BLOCK + 4));
-    float* const m = cpu::scratch<float>(cpu::ScratchId::AttnM, max_rows);
-    float* const z = cpu::scratch<float>(cpu::ScratchId::AttnZ, max_rows);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t gi = it / np, p = it % np;
-      cpu::AttendPart a;
-      setup(gi, a);
-      a.s0 = p * sp;
-      a.s1 = std::min(S, a.s0 + sp);
-      a.scratch = scratch;
-      if (np == 1) {
-        a.m = m;
-        a.z = z;
-        a.acc = dst(gi);
-        a.ldacc = ldo;
-        kern.attend_part(a);
-        for (int64_t r = 0; r < a.rows; ++r) {
-          const float inv = z[r] > 0 ? 1.0f / z[r] : 0.0f;
-          float* o = a.acc + r * ldo;
-          for (int64_t j = 0; j < vdim; ++j) o[j] *= inv;
-        }
-      } else {
-        a.m = pm + it * max_rows;
-        a.z = pz + it * max_rows;
-        a.acc = pacc + it * max_rows * vdim;
-        a.ldacc = vdim;
-        kern.attend_part(a);
-      }
-    }
-    if (np > 1) {
-#pragma omp for schedule(static)
-      for (int64_t gi = 0; gi < n_groups; ++gi) {
+  const bool parallel = items > 1 && work >= kParallelMin;
+  par::parallel_for_each(
+      items,
+      [&](int64_t it) {
+        float* const scratch = cpu::scratch<float>(cpu::ScratchId::AttnBlock, max_rows * (K3_ATT_BLOCK + 4));
+        float* const m = cpu::scratch<float>(cpu::ScratchId::AttnM, max_rows);
+        float* const z = cpu::scratch<float>(cpu::ScratchId::AttnZ, max_rows);
+        const int64_t gi = it / np, p = it % np;
         cpu::AttendPart a;
         setup(gi, a);
-        float* out = dst(gi);
-        for (int64_t r = 0; r < a.rows; ++r) {
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < np; ++p) mx = std::max(mx, pm[(gi * np + p) * max_rows + r]);
-          double zt = 0;
-          for (int64_t p = 0; p < np; ++p) {
-            const int64_t i = (gi * np + p) * max_rows + r;
-            if (pz[i] > 0) zt += double(pz[i]) * std::exp(double(pm[i]) - mx);
+        a.s0 = p * sp;
+        a.s1 = std::min(S, a.s0 + sp);
+        a.scratch = scratch;
+        if (np == 1) {
+          a.m = m;
+          a.z = z;
+          a.acc = dst(gi);
+          a.ldacc = ldo;
+          kern.attend_part(a);
+          for (int64_t r = 0; r < a.rows; ++r) {
+            const float inv = z[r] > 0 ? 1.0f / z[r] : 0.0f;
+            float* o = a.acc + r * ldo;
+            for (int64_t j = 0; j < vdim; ++j) o[j] *= inv;
           }
-          float* o = out + r * ldo;
-          std::fill(o, o + vdim, 0.0f);
-          for (int64_t p = 0; p < np; ++p) {
-            const int64_t i = (gi * np + p) * max_rows + r;
-            if (!(pz[i] > 0)) continue;
-            const float wgt = float(std::exp(double(pm[i]) - mx) / zt);
-            const float* src = pacc + ((gi * np + p) * max_rows + r) * vdim;
-            for (int64_t j = 0; j < vdim; ++j) o[j] += wgt * src[j];
-          }
+        } else {
+          a.m = pm + it * max_rows;
+          a.z = pz + it * max_rows;
+          a.acc = pacc + it * max_rows * vdim;
+          a.ldacc = vdim;
+          kern.attend_part(a);
         }
-      }
-    }
+      },
+      parallel);
+  if (np > 1) {
+    par::parallel_for_each(
+        n_groups,
+        [&](int64_t gi) {
+          cpu::AttendPart a;
+          setup(gi, a);
+          float* out = dst(gi);
+          for (int64_t r = 0; r < a.rows; ++r) {
+            float mx = -std::numeric_limits<float>::infinity();
+            for (int64_t p = 0; p < np; ++p) mx = std::max(mx, pm[(gi * np + p) * max_rows + r]);
+            double zt = 0;
+            for (int64_t p = 0; p < np; ++p) {
+              const int64_t i = (gi * np + p) * max_rows + r;
+              if (pz[i] > 0) zt += double(pz[i]) * std::exp(double(pm[i]) - mx);
+            }
+            float* o = out + r * ldo;
+            std::fill(o, o + vdim, 0.0f);
+            for (int64_t p = 0; p < np; ++p) {
+              const int64_t i = (gi * np + p) * max_rows + r;
+              if (!(pz[i] > 0)) continue;
+              const float wgt = float(std::exp(double(pm[i]) - mx) / zt);
+              const float* src = pacc + ((gi * np + p) * max_rows + r) * vdim;
+              for (int64_t j = 0; j < vdim; ++j) o[j] += wgt * src[j];
+            }
+          }
+        },
+        parallel);
   }
 }
 
@@ -295,15 +302,14 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
   for (int64_t tb0 = 0; tb0 < T; tb0 += TB) {
     const int64_t Tb = std::min(TB, T - tb0);
     // A: q̃[t,h] = W_UK_hᵀ q_nope[t,h]; W_UK_h decoded once for the block's tokens.
-#pragma omp parallel if (par_heads)
-    {
-      float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.nope * L);
-#pragma omp for schedule(static)
-      for (int64_t h = 0; h < H; ++h) {
-        decode_rows(kern, kv_b, h * per_head, d.nope, W);
-        kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W, L, Qt + h * L, H * L, 0, nullptr);
-      }
-    }
+    par::parallel_for_each(
+        H,
+        [&](int64_t h) {
+          float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.nope * L);
+          decode_rows(kern, kv_b, h * per_head, d.nope, W);
+          kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W, L, Qt + h * L, H * L, 0, nullptr);
+        },
+        par_heads);
     // B: softmax attention of each token's heads over the shared latent cache, in latent space.
     for (int64_t t = 0; t < Tb; ++t)
       for (int64_t r = 0; r < HG; ++r) lim[t * HG + r] = std::min(S, pos0 + tb0 + t + 1);
@@ -339,21 +345,22 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
     // a GEMV straight from the stored rows (fp32 products, whatever the step's numerics), without
     // widening W_UV to a buffer first.
     if (Tb == 1) {
-#pragma omp parallel for schedule(static) if (par_heads)
-      for (int64_t h = 0; h < H; ++h) {
-        matmul(kF32, rows_of(kv_b, h * per_head + d.nope, d.v), Ch + h * L, 1, out + (tb0 * H + h) * d.v);
-      }
+      par::parallel_for_each(
+          H,
+          [&](int64_t h) {
+            matmul(kF32, rows_of(kv_b, h * per_head + d.nope, d.v), Ch + h * L, 1, out + (tb0 * H + h) * d.v);
+          },
+          par_heads);
       continue;
     }
-#pragma omp parallel if (par_heads)
-    {
-      float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.v * L);
-#pragma omp for schedule(static)
-      for (int64_t h = 0; h < H; ++h) {
-        decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W);
-        kern.gemm_nt(Tb, d.v, L, Ch + h * L, H * L, W, L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
-      }
-    }
+    par::parallel_for_each(
+        H,
+        [&](int64_t h) {
+          float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.v * L);
+          decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W);
+          kern.gemm_nt(Tb, d.v, L, Ch + h * L, H * L, W, L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
+        },
+        par_heads);
   }
 }
 }  // namespace
@@ -363,24 +370,26 @@ void mla_attend_expanded(Exec ex, const float* q, int64_t T, const float* k_nope
   if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex))
     return mla_expanded_simd(*kern, q, T, k_nope, k_r, v, S, pos0, d, out);
   const int64_t dq = d.nope + d.rope;
-#pragma omp parallel for collapse(2) schedule(static) if (T * S * d.heads * (d.nope + d.v) > kParallelMin)
-  for (int64_t h = 0; h < d.heads; ++h)
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t n = std::min(S, pos0 + t + 1);
-      std::vector<float> sc(static_cast<size_t>(n));
-      const float* qh = q + (t * d.heads + h) * dq;
-      for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] = (dot_f64acc(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) +
-                         dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) *
-                        d.scale;
-      softmax(sc.data(), n);
-      float* oh = out + (t * d.heads + h) * d.v;
-      std::fill(oh, oh + d.v, 0.0f);
-      for (int64_t s = 0; s < n; ++s) {
-        const float* vs = v + (s * d.heads + h) * d.v;
-        for (int64_t j = 0; j < d.v; ++j) oh[j] += sc[size_t(s)] * vs[j];
-      }
-    }
+  par::parallel_for_each(
+      d.heads * T,
+      [&](int64_t ht) {
+        const int64_t h = ht / T, t = ht % T;
+        const int64_t n = std::min(S, pos0 + t + 1);
+        std::vector<float> sc(static_cast<size_t>(n));
+        const float* qh = q + (t * d.heads + h) * dq;
+        for (int64_t s = 0; s < n; ++s)
+          sc[size_t(s)] = (dot_f64acc(qh, k_nope + (s * d.heads + h) * d.nope, d.nope) +
+                           dot_f64acc(qh + d.nope, k_r + s * d.rope, d.rope)) *
+                          d.scale;
+        softmax(sc.data(), n);
+        float* oh = out + (t * d.heads + h) * d.v;
+        std::fill(oh, oh + d.v, 0.0f);
+        for (int64_t s = 0; s < n; ++s) {
+          const float* vs = v + (s * d.heads + h) * d.v;
+          for (int64_t j = 0; j < d.v; ++j) oh[j] += sc[size_t(s)] * vs[j];
+        }
+      },
+      T * S * d.heads * (d.nope + d.v) > kParallelMin);
 }
 
 namespace {
@@ -389,33 +398,35 @@ void mla_absorbed(Exec ex, const float* q, int64_t T, const Latent& lat, int64_t
   if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex))
     return mla_absorbed_simd(*kern, q, T, lat, S, pos0, kv_b, d, out);
   const int64_t dq = d.nope + d.rope, per_head = d.nope + d.v, L = d.kv_lora;
-#pragma omp parallel for schedule(static) if ((T + per_head) * S * d.heads * L > kParallelMin)
-  for (int64_t h = 0; h < d.heads; ++h) {
-    // This head's W_UK [nope, L] and W_UV [v, L], decoded once for all T queries.
-    std::vector<float> wuk(static_cast<size_t>(d.nope * L)), wuv(static_cast<size_t>(d.v * L)),
-        qt(static_cast<size_t>(L)), ch(static_cast<size_t>(L));
-    for (int64_t i = 0; i < d.nope; ++i) dequant_row(kv_b, h * per_head + i, wuk.data() + i * L);
-    for (int64_t j = 0; j < d.v; ++j) dequant_row(kv_b, h * per_head + d.nope + j, wuv.data() + j * L);
-    std::vector<float> sc(static_cast<size_t>(S));
-    for (int64_t t = 0; t < T; ++t) {
-      const float* qh = q + (t * d.heads + h) * dq;
-      std::fill(qt.begin(), qt.end(), 0.0f);
-      for (int64_t i = 0; i < d.nope; ++i)
-        for (int64_t l = 0; l < L; ++l) qt[size_t(l)] += wuk[size_t(i * L + l)] * qh[i];
-      const int64_t n = std::min(S, pos0 + t + 1);
-      for (int64_t s = 0; s < n; ++s)
-        sc[size_t(s)] =
-            (dot_f64acc(qt.data(), lat.c_at(s), L) + dot_f64acc(qh + d.nope, lat.kr_at(s), d.rope)) * d.scale;
-      softmax(sc.data(), n);
-      std::fill(ch.begin(), ch.end(), 0.0f);
-      for (int64_t s = 0; s < n; ++s) {
-        const float* cs = lat.c_at(s);
-        for (int64_t l = 0; l < L; ++l) ch[size_t(l)] += sc[size_t(s)] * cs[l];
-      }
-      float* oh = out + (t * d.heads + h) * d.v;
-      for (int64_t j = 0; j < d.v; ++j) oh[j] = dot_f64acc(wuv.data() + j * L, ch.data(), L);
-    }
-  }
+  par::parallel_for_each(
+      d.heads,
+      [&](int64_t h) {
+        // This head's W_UK [nope, L] and W_UV [v, L], decoded once for all T queries.
+        std::vector<float> wuk(static_cast<size_t>(d.nope * L)), wuv(static_cast<size_t>(d.v * L)),
+            qt(static_cast<size_t>(L)), ch(static_cast<size_t>(L));
+        for (int64_t i = 0; i < d.nope; ++i) dequant_row(kv_b, h * per_head + i, wuk.data() + i * L);
+        for (int64_t j = 0; j < d.v; ++j) dequant_row(kv_b, h * per_head + d.nope + j, wuv.data() + j * L);
+        std::vector<float> sc(static_cast<size_t>(S));
+        for (int64_t t = 0; t < T; ++t) {
+          const float* qh = q + (t * d.heads + h) * dq;
+          std::fill(qt.begin(), qt.end(), 0.0f);
+          for (int64_t i = 0; i < d.nope; ++i)
+            for (int64_t l = 0; l < L; ++l) qt[size_t(l)] += wuk[size_t(i * L + l)] * qh[i];
+          const int64_t n = std::min(S, pos0 + t + 1);
+          for (int64_t s = 0; s < n; ++s)
+            sc[size_t(s)] =
+                (dot_f64acc(qt.data(), lat.c_at(s), L) + dot_f64acc(qh + d.nope, lat.kr_at(s), d.rope)) * d.scale;
+          softmax(sc.data(), n);
+          std::fill(ch.begin(), ch.end(), 0.0f);
+          for (int64_t s = 0; s < n; ++s) {
+            const float* cs = lat.c_at(s);
+            for (int64_t l = 0; l < L; ++l) ch[size_t(l)] += sc[size_t(s)] * cs[l];
+          }
+          float* oh = out + (t * d.heads + h) * d.v;
+          for (int64_t j = 0; j < d.v; ++j) oh[j] = dot_f64acc(wuv.data() + j * L, ch.data(), L);
+        }
+      },
+      (T + per_head) * S * d.heads * L > kParallelMin);
 }
 
 }  // namespace

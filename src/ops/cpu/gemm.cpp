@@ -1,11 +1,9 @@
 // ops::matmul and ops::dequant_row: the threaded driver over the per-ISA kernels of
 // gemm_kernels.h, plus the scalar level (plain loops, fp64-accumulated dots).
-// Owns: threading (rows split across OpenMP threads; each output element is computed by exactly
+// Owns: threading (rows split across the pool's threads, core/thread_pool.h; each output element is computed by exactly
 // one kernel call, so results do not depend on the thread count), token blocking for prefill GEMMs,
 // the bf16 rounding of activations in Numerics::Fast, and the MXFP4 x permutation for GEMVs.
 // Must not: change results beyond fp32 rounding versus the fp64 twins in Numerics::Exact.
-#include <omp.h>
-
 #include <algorithm>
 #include <cassert>
 #include <cmath>
@@ -13,6 +11,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/scalar_dot.h"
@@ -103,18 +102,17 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
 void matmul_scalar(const WeightMat& W, const float* X, int64_t T, float* Y) {
   constexpr int64_t kRows = 8;
   const int64_t nblocks = (W.rows + kRows - 1) / kRows;
-#pragma omp parallel if (W.rows * W.cols * std::max <int64_t>(T, 4) > kParallelMin)
-  {
-    std::vector<float> buf(static_cast<size_t>(kRows * W.cols));
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nblocks; ++b) {
-      const int64_t r0 = b * kRows, r1 = std::min(W.rows, r0 + kRows);
-      for (int64_t r = r0; r < r1; ++r) dequant_row_impl(W, r, buf.data() + (r - r0) * W.cols);
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t r = r0; r < r1; ++r)
-          Y[t * W.rows + r] = dot_f64acc(buf.data() + (r - r0) * W.cols, X + t * W.cols, W.cols);
-    }
-  }
+  par::parallel_for_each(
+      nblocks,
+      [&](int64_t b) {
+        float* const buf = cpu::scratch<float>(cpu::ScratchId::ScalarRows, kRows * W.cols);
+        const int64_t r0 = b * kRows, r1 = std::min(W.rows, r0 + kRows);
+        for (int64_t r = r0; r < r1; ++r) dequant_row_impl(W, r, buf + (r - r0) * W.cols);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = r0; r < r1; ++r)
+            Y[t * W.rows + r] = dot_f64acc(buf + (r - r0) * W.cols, X + t * W.cols, W.cols);
+      },
+      W.rows * W.cols * std::max<int64_t>(T, 4) > kParallelMin);
 }
 
 // Activations rounded to bf16 and widened back (Numerics::Fast where there is no bf16 dot).
@@ -262,26 +260,28 @@ void gemv_threaded(const cpu::GemmKernels& K, const WeightMat* const* W, int64_t
   const GemvChunk* chunks = s.chunks.data();
   const GemvInput* prepared = s.prepared.data();
   const int64_t* input_of = s.input_of.data();
-#pragma omp parallel for schedule(guided, 1) if (work > kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const GemvChunk& ch = chunks[c];
-    const WeightMat& w = *W[ch.w];
-    const GemvInput& in = prepared[input_of[ch.w]];
-    if (w.fmt == WFormat::BF16) {
-      const int64_t h = cpu::bf16_head(w.data, w.cols);
-      K.gemv(w, in.x, h >= 0 ? in.xp_bf16[h] : nullptr, ch.r0, ch.r1, Y[ch.w]);
-    } else if (w.fmt != WFormat::MXFP4)
-      K.gemv(w, in.x, nullptr, ch.r0, ch.r1, Y[ch.w]);
-    else if (in.q8)
-      K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
-    else
-      K.gemv(w, in.x, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
-  }
+  par::parallel_for_each(
+      nchunks,
+      [&](int64_t c) {
+        const GemvChunk& ch = chunks[c];
+        const WeightMat& w = *W[ch.w];
+        const GemvInput& in = prepared[input_of[ch.w]];
+        if (w.fmt == WFormat::BF16) {
+          const int64_t h = cpu::bf16_head(w.data, w.cols);
+          K.gemv(w, in.x, h >= 0 ? in.xp_bf16[h] : nullptr, ch.r0, ch.r1, Y[ch.w]);
+        } else if (w.fmt != WFormat::MXFP4)
+          K.gemv(w, in.x, nullptr, ch.r0, ch.r1, Y[ch.w]);
+        else if (in.q8)
+          K.gemv_mxfp4_q8(w, in.xq, in.xc, in.xs, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
+        else
+          K.gemv(w, in.x, in.xp_mx, ch.r0, ch.r1, Y[ch.w]);
+      },
+      work > kParallelMin);
 }
 
 void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X, int64_t T, bool fast, float* Y) {
   const int64_t rows = W.rows, cols = W.cols, nrb = (rows + kRowBlock - 1) / kRowBlock;
-  const bool par = rows * cols * T > kParallelMin;
+  const bool parallel = rows * cols * T > kParallelMin;
   // The bf16 dot product is used only where the weights are exactly bf16 values (BF16, and MXFP4
   // whose E2M1 x 2^k values all are); F32/F16 weights keep fp32 products on the rounded activations.
   if (fast && K.gemm_bf16 && (W.fmt == WFormat::BF16 || W.fmt == WFormat::MXFP4)) {
@@ -292,18 +292,17 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     const int64_t tb = std::clamp<int64_t>((int64_t(512) << 10) / (2 * np) / 64 * 64, 64, 256);
     const int64_t nchunks = (rows + kBf16RowChunk - 1) / kBf16RowChunk;
     uint32_t* const Xp = aligned64(tl_xp_buf(), size_t(tpad * np / 2));
-#pragma omp parallel if (par)
-    {
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < ngroups; ++g) K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp);
-      uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(6 * np));
-      for (int64_t t0 = 0; t0 < T; t0 += tb) {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < nchunks; ++c)
-          K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * kBf16RowChunk,
-                      std::min(rows, (c + 1) * kBf16RowChunk), Y + t0 * rows, rows, rows_buf);
-      }
-    }
+    par::parallel_for_each(
+        ngroups, [&](int64_t g) { K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp); }, parallel);
+    for (int64_t t0 = 0; t0 < T; t0 += tb)
+      par::parallel_for_each(
+          nchunks,
+          [&](int64_t c) {
+            uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(6 * np));
+            K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * kBf16RowChunk,
+                        std::min(rows, (c + 1) * kBf16RowChunk), Y + t0 * rows, rows, rows_buf);
+          },
+          parallel);
     return;
   }
   if (fast) {
@@ -311,16 +310,17 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     for (int64_t i = 0; i < T * cols; ++i) rounded[i] = bf16_to_f32(f32_to_bf16(X[i]));
     X = rounded;
   }
-#pragma omp parallel if (par)
-  {
-    float* const scratch = cpu::scratch<float>(cpu::ScratchId::GemmRows, 4 * cols);
-    for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
-      const int64_t tb = std::min(kTokenBlock, T - t0);
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < nrb; ++b)
-        K.gemm_f32(W, X + t0 * cols, tb, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock), Y + t0 * rows, rows,
-                   scratch);
-    }
+  for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
+    const int64_t tb = std::min(kTokenBlock, T - t0);
+    par::parallel_for(
+        nrb, par::balanced_grain(nrb),
+        [&](int64_t b0, int64_t b1) {
+          float* const scratch = cpu::scratch<float>(cpu::ScratchId::GemmRows, 4 * cols);
+          for (int64_t b = b0; b < b1; ++b)
+            K.gemm_f32(W, X + t0 * cols, tb, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock), Y + t0 * rows, rows,
+                       scratch);
+        },
+        parallel);
   }
 }
 }  // namespace
@@ -428,9 +428,9 @@ void gemv_multi_threaded(const cpu::GemmKernels& K, const WeightMat& W, const fl
   const int64_t nchunks = (W.rows + step - 1) / step;
   const float* const* x = s.x.data();
   const float* const* xp = s.xpp.data();
-#pragma omp parallel for schedule(guided, 1) if (W.rows * cols * T > kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c)
-    K.gemv_multi(W, x, xp, T, c * step, std::min(W.rows, (c + 1) * step), Y, W.rows);
+  par::parallel_for_each(
+      nchunks, [&](int64_t c) { K.gemv_multi(W, x, xp, T, c * step, std::min(W.rows, (c + 1) * step), Y, W.rows); },
+      W.rows * cols * T > kParallelMin);
 }
 
 void matmul_rowwise(Exec ex, const WeightMat& W, const float* X, int64_t T, float* Y) {

@@ -1,15 +1,15 @@
 // Roofline probes (see roofline.h): the loops themselves live in the per-ISA kernel files.
 #include "ops/cpu/roofline.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "ops/cpu/gemm_kernels.h"
 #include "ops/cpu/isa.h"
 
@@ -47,29 +47,34 @@ double scalar_flops(int64_t iters) {
 constexpr int64_t kProbeChunk = 1 << 20;  // per-thread pieces of the buffer: a multiple of 256 bytes
 
 ReadProbe::ReadProbe(int threads, uint64_t probe_bytes)
-    : threads_(threads > 0 ? threads : omp_get_max_threads()), buf_(nullptr, std::free) {
+    : threads_(threads > 0 ? threads : par::max_threads()), buf_(nullptr, std::free) {
   bytes_ = std::max<uint64_t>(probe_bytes / kProbeChunk * kProbeChunk, kProbeChunk * uint64_t(threads_));
   buf_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes_)));
   if (!buf_) fail("roofline probe: cannot allocate " + std::to_string(bytes_ >> 20) + " MiB");
   const int64_t nchunks = int64_t(bytes_) / kProbeChunk;
   uint8_t* b = buf_.get();
-#pragma omp parallel for num_threads(threads_) schedule(static)
-  for (int64_t c = 0; c < nchunks; ++c) std::memset(b + c * kProbeChunk, int(c & 0xff), size_t(kProbeChunk));
+  const par::FixedThreads fixed(threads_);
+  par::parallel_for_each(nchunks,
+                         [&](int64_t c) { std::memset(b + c * kProbeChunk, int(c & 0xff), size_t(kProbeChunk)); });
 }
 
 double ReadProbe::measure(int reps) const {
   const cpu::GemmKernels* K = probes();
   const int64_t nchunks = int64_t(bytes_) / kProbeChunk;
   const uint8_t* b = buf_.get();
+  const par::FixedThreads fixed(threads_);
+  std::vector<double> sums(static_cast<size_t>(nchunks));
   double sink = 0, best = 0;
   for (int rep = 0; rep < reps; ++rep) {
     const double t0 = now_s();
-#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : sink)
-    for (int64_t c = 0; c < nchunks; ++c)
-      sink += K ? K->read_probe(b + c * kProbeChunk, kProbeChunk) : scalar_read(b + c * kProbeChunk, kProbeChunk);
+    par::parallel_for_each(nchunks, [&](int64_t c) {
+      sums[size_t(c)] =
+          K ? K->read_probe(b + c * kProbeChunk, kProbeChunk) : scalar_read(b + c * kProbeChunk, kProbeChunk);
+    });
     best = std::max(best, double(bytes_) / (now_s() - t0) / 1e9);
+    for (double v : sums) sink += v;
   }
-  return sink == -1 ? best + 0 : best;  // keeps the sum observable
+  return sink == -1 ? best + 0 : best;  // keeps the sums observable
 }
 
 const char* peak_kind() {
@@ -79,15 +84,19 @@ const char* peak_kind() {
 
 double measure_peak_gflops(int threads, int reps) {
   const cpu::GemmKernels* K = probes();
-  const int n = threads > 0 ? threads : omp_get_max_threads();
+  const int n = threads > 0 ? threads : par::max_threads();
+  const par::FixedThreads fixed(n);
   const int64_t iters = 20'000'000;
+  std::vector<double> flops(static_cast<size_t>(n));
   double best = 0;
   for (int rep = 0; rep < reps; ++rep) {
-    double flops = 0;
     const double t0 = now_s();
-#pragma omp parallel num_threads(n) reduction(+ : flops)
-    flops += K ? K->flops_probe(iters / 4) : scalar_flops(iters / 4);
-    best = std::max(best, flops / (now_s() - t0) / 1e9);
+    // One probe per thread (each takes milliseconds, so every worker is awake to claim one).
+    par::parallel_for_each(
+        n, [&](int64_t i) { flops[size_t(i)] = K ? K->flops_probe(iters / 4) : scalar_flops(iters / 4); });
+    double sum = 0;
+    for (double f : flops) sum += f;
+    best = std::max(best, sum / (now_s() - t0) / 1e9);
   }
   return best;
 }

@@ -18,7 +18,7 @@ struct Roofline {
   uint64_t probe_bytes = 0;  // buffer size read by the bandwidth probe
 };
 
-// Both measurements with `threads` OpenMP threads (0 = the current default).
+// Both measurements with `threads` threads of the pool (0 = the current -t setting), never fewer.
 Roofline measure_roofline(int threads = 0, uint64_t probe_bytes = uint64_t(1) << 30, int reps = 5);
 
 // The two probes on their own, for probing again between timed runs (a shared machine's

@@ -3,7 +3,7 @@
 // allocates nothing; tests/model/test_no_alloc.cpp counts). Contents are undefined on return.
 // Owns: the ids of every kernel temporary. Must not: be used for anything that outlives one call.
 // Each user names its own ScratchId, so buffers in use at the same time on one thread never
-// alias; OpenMP workers each have their own set.
+// alias; the pool's workers (core/thread_pool.h) each have their own set.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +31,7 @@ enum class ScratchId : uint8_t {
   RouterOrder,
   GemmRows,
   GemmRounded,
+  ScalarRows,
   kCount
 };
 

@@ -1,0 +1,97 @@
+// core/thread_pool's adaptive team: while other threads keep every CPU busy, loops run on fewer
+// threads (the calling thread alone when the machine is full); once they stop, loops get the
+// whole team back. Runs alone (RUN_SERIAL): other tests' load would change what it measures.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "core/thread_pool.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Runs short loops for `ms` milliseconds; the pool's statistics of those loops.
+k3::par::Stats loops_for(int ms) {
+  k3::par::reset_stats();
+  std::atomic<int64_t> sink{0};
+  const auto end = Clock::now() + std::chrono::milliseconds(ms);
+  while (Clock::now() < end) {
+    k3::par::parallel_for_each(64, [&](int64_t i) {
+      double x = double(i);
+      for (int k = 0; k < 2000; ++k) x = x * 1.000001 + 1e-7;
+      sink.fetch_add(int64_t(x) & 1, std::memory_order_relaxed);
+    });
+    // A gap between loops, as a model step has (norms, sampling): workers stay spinning.
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return k3::par::stats();
+}
+
+TEST(ThreadPoolLoad, TeamShrinksWhileTheMachineIsBusyAndComesBack) {
+  const int hw = k3::par::hardware_threads();
+  if (hw < 2) GTEST_SKIP() << "one CPU: there is no team to shrink";
+  if (access("/proc/loadavg", R_OK) != 0) GTEST_SKIP() << "no /proc/loadavg: the team is never adapted here";
+  if (sysconf(_SC_NPROCESSORS_ONLN) != hw)
+    GTEST_SKIP() << "the affinity mask (" << hw << " CPUs) is not the whole machine (" << sysconf(_SC_NPROCESSORS_ONLN)
+                 << "): the load estimate is scaled, not exact";
+  k3::par::set_max_threads(hw);
+  k3::par::set_adaptive(true);
+
+  const k3::par::Stats idle_before = loops_for(300);
+  if (idle_before.mean_team() < hw - 0.5)
+    GTEST_SKIP() << "the machine is not idle before the test (mean team " << idle_before.mean_team() << " of " << hw
+                 << "): other processes' load would be in the measurement";
+  // One busy thread per CPU (threads of this process, but not the pool's: to the pool they are
+  // other work, as other processes are).
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> hogs;
+  for (int i = 0; i < hw; ++i)
+    hogs.emplace_back([&] {
+      double x = 1;
+      while (!stop.load(std::memory_order_relaxed)) x = x * 1.0000001 + 1e-9;
+      if (x == 42) std::abort();
+    });
+  loops_for(150);  // the moving average settles
+  const k3::par::Stats busy = loops_for(500);
+  stop = true;
+  for (auto& t : hogs) t.join();
+  loops_for(150);
+  const k3::par::Stats idle_after = loops_for(500);
+
+  std::printf("mean team: idle %.2f, busy %.2f, idle again %.2f (of %d)\n", idle_before.mean_team(), busy.mean_team(),
+              idle_after.mean_team(), hw);
+  ASSERT_GT(busy.loops, 0);
+  EXPECT_GT(busy.shrunk_loops, busy.loops / 2) << "with every CPU busy, most loops should run on a smaller team";
+  EXPECT_LT(busy.mean_team(), 1.0 + 0.5 * (hw - 1));
+  EXPECT_GT(idle_after.mean_team(), busy.mean_team() + 0.5) << "the team did not come back after the load stopped";
+}
+
+TEST(ThreadPoolLoad, FixedThreadsIgnoreTheLoad) {
+  const int hw = k3::par::hardware_threads();
+  if (hw < 2) GTEST_SKIP() << "one CPU";
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> hogs;
+  for (int i = 0; i < hw; ++i)
+    hogs.emplace_back([&] {
+      double x = 1;
+      while (!stop.load(std::memory_order_relaxed)) x = x * 1.0000001 + 1e-9;
+      if (x == 42) std::abort();
+    });
+  k3::par::Stats s;
+  {
+    const k3::par::FixedThreads fixed(hw);
+    s = loops_for(200);
+  }
+  stop = true;
+  for (auto& t : hogs) t.join();
+  ASSERT_GT(s.loops, 0);
+  EXPECT_EQ(s.shrunk_loops, 0);
+  EXPECT_DOUBLE_EQ(s.mean_team(), double(hw));
+}
+
+}  // namespace
