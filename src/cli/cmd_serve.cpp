@@ -46,6 +46,7 @@ int cmd_serve(int argc, char** argv) {
   server::SchedulerOptions so;
   std::string cache_mem = "1G", alias, max_body = "16M";
   double timeout = 600;
+  bool no_turn_snapshots = false;
   ho.port = 8080;
   app.add_option("--host", ho.host, "address to listen on (default 127.0.0.1: this machine only)");
   app.add_option("--port", ho.port, "TCP port; 0 = any free port (printed) (default 8080)")->check(CLI::Range(0, 65535));
@@ -62,6 +63,9 @@ int cmd_serve(int argc, char** argv) {
       ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
   app.add_option("--prefix-cache-mem", cache_mem, "memory for prefix-cache snapshots, e.g. 512M, 4G; 0 = off (default 1G)")
       ->option_text("SIZE");
+  app.add_flag("--no-turn-snapshots", no_turn_snapshots,
+               "prefix cache: do not keep the state at the end of each reply (only snapshots at prompt-piece "
+               "boundaries, which restore bit-identically; see docs/server.md)");
   app.add_option("--api-key", ho.api_key, "require Authorization: Bearer KEY (except / and /health)");
   app.add_option("--cors", ho.cors_origin, "allow browser requests from ORIGIN (e.g. http://localhost:3000, or *)")
       ->option_text("ORIGIN");
@@ -76,6 +80,7 @@ int cmd_serve(int argc, char** argv) {
     for (const char* f : {"--kda", "--mla", "--chunk"})
       if (app.count(f)) fail(std::string(f) + " is not supported by k3 serve (the Engine API runs the defaults)");
     if (!ef.cpu_isa.empty()) fail("--cpu-isa is not supported by k3 serve");
+    so.turn_snapshots = !no_turn_snapshots;
     so.cache_bytes = cache_mem == "0" ? 0 : parse_size(cache_mem, "--prefix-cache-mem");
     ho.max_body_bytes = size_t(parse_size(max_body, "--max-body"));
     server::check_scheduler_options(so);

@@ -243,7 +243,7 @@ void Scheduler::complete(Active& a, std::string reason, int status, std::string 
   f.prompt_lps = std::move(a.prompt_lps);
   metrics_.tokens(f.prompt_tokens, f.completion_tokens, f.cached_tokens, f.prefill_computed);
   metrics_.request_seconds(std::chrono::duration<double>(Clock::now() - a.job->created).count());
-  release_sequence(a, ok);
+  release_sequence(a, ok && opt_.turn_snapshots);
   a.job->finish(std::move(f));
 }
 

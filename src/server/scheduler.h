@@ -39,6 +39,7 @@ struct SchedulerOptions {
   int64_t prefill_chunk = 256;    // prefill pieces end at multiples of this (absolute positions)
   int64_t snapshot_every = 1024;  // prefix-cache snapshots at these positions (a multiple of prefill_chunk)
   uint64_t cache_bytes = 0;       // prefix-cache budget; 0 = off
+  bool turn_snapshots = true;     // also cache the state at the end of every reply (decode-fed: see docs/server.md)
 };
 
 // Checks option ranges and relations; k3::Error naming the flag.
