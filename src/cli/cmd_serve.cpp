@@ -49,11 +49,13 @@ int cmd_serve(int argc, char** argv) {
   bool no_turn_snapshots = false;
   ho.port = 8080;
   app.add_option("--host", ho.host, "address to listen on (default 127.0.0.1: this machine only)");
-  app.add_option("--port", ho.port, "TCP port; 0 = any free port (printed) (default 8080)")->check(CLI::Range(0, 65535));
+  app.add_option("--port", ho.port, "TCP port; 0 = any free port (printed) (default 8080)")
+      ->check(CLI::Range(0, 65535));
   app.add_option("--parallel", so.parallel, "requests decoded at once (default 8)")->check(CLI::Range(1, 4096));
   app.add_option("--max-queue", so.max_queue, "requests that may wait for a slot; more get 429 (default 64)")
       ->check(CLI::Range(0, 1 << 20));
-  app.add_option("--batch-tokens", so.batch_tokens, "tokens per engine step: decode tokens + prefill pieces (default 512)")
+  app.add_option("--batch-tokens", so.batch_tokens,
+                 "tokens per engine step: decode tokens + prefill pieces (default 512)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   app.add_option("--prefill-chunk", so.prefill_chunk,
                  "prompt pieces end at multiples of this many tokens (default 256)")
@@ -61,7 +63,8 @@ int cmd_serve(int argc, char** argv) {
   app.add_option("--snapshot-every", so.snapshot_every,
                  "prefix cache: snapshot the state every N prompt tokens (a multiple of --prefill-chunk; default 1024)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
-  app.add_option("--prefix-cache-mem", cache_mem, "memory for prefix-cache snapshots, e.g. 512M, 4G; 0 = off (default 1G)")
+  app.add_option("--prefix-cache-mem", cache_mem,
+                 "memory for prefix-cache snapshots, e.g. 512M, 4G; 0 = off (default 1G)")
       ->option_text("SIZE");
   app.add_flag("--no-turn-snapshots", no_turn_snapshots,
                "prefix cache: do not keep the state at the end of each reply (only snapshots at prompt-piece "

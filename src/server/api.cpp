@@ -62,13 +62,16 @@ int64_t integer(const json& b, const char* k, int64_t lo, int64_t hi) {
         "invalid_type");
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (d < double(lo) || d > double(hi)) bad(k, std::string(k) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    if (d < double(lo) || d > double(hi))
+      bad(k, std::string(k) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
     return int64_t(d);
   }
   if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX))
     bad(k, std::string(k) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
   const int64_t x = v.get<int64_t>();
-  if (x < lo || x > hi) bad(k, std::string(k) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " + std::to_string(x));
+  if (x < lo || x > hi)
+    bad(k, std::string(k) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got " +
+               std::to_string(x));
   return x;
 }
 
@@ -85,10 +88,9 @@ void check_keys(const json& body, const std::set<std::string>& allowed, const ch
   if (unknown.empty()) return;
   std::string list;
   for (const auto& u : unknown) list += (list.empty() ? "" : ", ") + u;
-  throw ApiError(400,
-                 std::string("unsupported parameter") + (unknown.size() > 1 ? "s" : "") + " for " + endpoint + ": " +
-                     list,
-                 unknown.front(), "unsupported_parameter");
+  throw ApiError(
+      400, std::string("unsupported parameter") + (unknown.size() > 1 ? "s" : "") + " for " + endpoint + ": " + list,
+      unknown.front(), "unsupported_parameter");
 }
 
 void check_model(const json& body, const ApiConfig& cfg, std::string& model) {
@@ -167,8 +169,10 @@ void map_common(const json& b, const ApiConfig& cfg, ApiRequest& r) {
   }
   if (has(b, "cache_prompt")) g.use_cache = boolean(b, "cache_prompt");
   g.use_cache = g.use_cache && cfg.prefix_cache;
-  if (has(b, "timeout")) g.timeout_s = number(b, "timeout", 0, cfg.timeout_s, true);
-  else g.timeout_s = cfg.timeout_s;
+  if (has(b, "timeout"))
+    g.timeout_s = number(b, "timeout", 0, cfg.timeout_s, true);
+  else
+    g.timeout_s = cfg.timeout_s;
   try {
     TokenSampler check(g.sampling, 1);  // the engine's own range checks
   } catch (const std::exception& ex) {
@@ -247,20 +251,24 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
     const json& tc = body["tool_choice"];
     if (tc.is_string()) {
       const std::string s = tc.get<std::string>();
-      if (s == "none") ro.tools = json::array();
-      else if (s != "auto" && s != "required") bad("tool_choice", "tool_choice must be none, auto, required or a function");
+      if (s == "none")
+        ro.tools = json::array();
+      else if (s != "auto" && s != "required")
+        bad("tool_choice", "tool_choice must be none, auto, required or a function");
     } else if (tc.is_object() && tc.contains("function") && tc["function"].is_object() &&
                tc["function"].contains("name") && tc["function"]["name"].is_string()) {
       const std::string name = tc["function"]["name"].get<std::string>();
       json only = json::array();
       for (const auto& t : ro.tools)
-        if (t.is_object() && t.contains("function") && t["function"].is_object() && t["function"].value("name", "") == name)
+        if (t.is_object() && t.contains("function") && t["function"].is_object() &&
+            t["function"].value("name", "") == name)
           only.push_back(t);
       if (only.empty()) bad("tool_choice", "tool_choice names the function '" + name + "', which is not in tools");
       ro.tools = only;
       ro.tool_choice_required = true;
     } else {
-      bad("tool_choice", "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}");
+      bad("tool_choice",
+          "tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}");
     }
   }
   for (size_t i = 0; i < ro.tools.size(); ++i) {
@@ -274,7 +282,8 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
     if (!rf.is_object() || !rf.contains("type") || !rf["type"].is_string())
       bad("response_format", "response_format must be {\"type\": \"text\"} or {\"type\": \"json_object\"}");
     const std::string t = rf["type"].get<std::string>();
-    if (t == "json_object") ro.thinking = false;  // the JSON body is the answer: no reasoning section
+    if (t == "json_object")
+      ro.thinking = false;  // the JSON body is the answer: no reasoning section
     else if (t != "text")
       throw ApiError(400, "response_format type '" + t + "' is not supported (text, json_object)", "response_format",
                      "unsupported_parameter");
@@ -308,11 +317,36 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
 }
 
 ApiRequest map_chat_request(const json& b, const Engine& e, const ApiConfig& cfg) {
-  static const std::set<std::string> allowed = {
-      "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-      "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "logprobs",
-      "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "response_format", "reasoning_effort",
-      "chat_template_kwargs", "thinking", "user", "logit_bias", "ignore_eos", "cache_prompt", "timeout"};
+  static const std::set<std::string> allowed = {"model",
+                                                "messages",
+                                                "stream",
+                                                "stream_options",
+                                                "max_tokens",
+                                                "max_completion_tokens",
+                                                "temperature",
+                                                "top_p",
+                                                "top_k",
+                                                "min_p",
+                                                "presence_penalty",
+                                                "frequency_penalty",
+                                                "repetition_penalty",
+                                                "seed",
+                                                "stop",
+                                                "n",
+                                                "logprobs",
+                                                "top_logprobs",
+                                                "tools",
+                                                "tool_choice",
+                                                "parallel_tool_calls",
+                                                "response_format",
+                                                "reasoning_effort",
+                                                "chat_template_kwargs",
+                                                "thinking",
+                                                "user",
+                                                "logit_bias",
+                                                "ignore_eos",
+                                                "cache_prompt",
+                                                "timeout"};
   check_keys(b, allowed, "/v1/chat/completions");
   ApiRequest r;
   check_model(b, cfg, r.model);
@@ -344,10 +378,29 @@ ApiRequest map_chat_request(const json& b, const Engine& e, const ApiConfig& cfg
 }
 
 ApiRequest map_completion_request(const json& b, const Engine& e, const ApiConfig& cfg) {
-  static const std::set<std::string> allowed = {
-      "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-      "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop", "n", "logprobs", "echo", "user",
-      "logit_bias", "ignore_eos", "cache_prompt", "timeout", "best_of"};
+  static const std::set<std::string> allowed = {"model",
+                                                "prompt",
+                                                "stream",
+                                                "stream_options",
+                                                "max_tokens",
+                                                "temperature",
+                                                "top_p",
+                                                "top_k",
+                                                "min_p",
+                                                "presence_penalty",
+                                                "frequency_penalty",
+                                                "repetition_penalty",
+                                                "seed",
+                                                "stop",
+                                                "n",
+                                                "logprobs",
+                                                "echo",
+                                                "user",
+                                                "logit_bias",
+                                                "ignore_eos",
+                                                "cache_prompt",
+                                                "timeout",
+                                                "best_of"};
   check_keys(b, allowed, "/v1/completions");
   ApiRequest r;
   check_model(b, cfg, r.model);
@@ -363,7 +416,8 @@ ApiRequest map_completion_request(const json& b, const Engine& e, const ApiConfi
     r.echo_text = p.get<std::string>();
     const auto t = e.tokenize(r.echo_text);
     g.prompt.insert(g.prompt.end(), t.begin(), t.end());
-  } else if (p.is_array() && !p.empty() && std::all_of(p.begin(), p.end(), [](const json& x) { return x.is_number_integer(); })) {
+  } else if (p.is_array() && !p.empty() &&
+             std::all_of(p.begin(), p.end(), [](const json& x) { return x.is_number_integer(); })) {
     for (const auto& x : p) {
       const int64_t id = x.get<int64_t>();
       if (id < 0 || id >= e.vocab_size())
@@ -372,7 +426,8 @@ ApiRequest map_completion_request(const json& b, const Engine& e, const ApiConfi
       g.prompt.push_back(int32_t(id));
     }
     try {
-      r.echo_text = e.detokenize(std::vector<int32_t>(g.prompt.begin() + (cfg.add_bos && e.bos_id() >= 0 ? 1 : 0), g.prompt.end()));
+      r.echo_text = e.detokenize(
+          std::vector<int32_t>(g.prompt.begin() + (cfg.add_bos && e.bos_id() >= 0 ? 1 : 0), g.prompt.end()));
     } catch (const std::exception& ex) {
       bad("prompt", ex.what());
     }
@@ -438,8 +493,10 @@ json ChatResponder::chunk_base() const {
 
 json ChatResponder::first_chunk() const {
   json c = chunk_base();
-  c["choices"] = json::array(
-      {json{{"index", 0}, {"delta", {{"role", "assistant"}, {"content", ""}}}, {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+  c["choices"] = json::array({json{{"index", 0},
+                                   {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                   {"logprobs", nullptr},
+                                   {"finish_reason", nullptr}}});
   return c;
 }
 
@@ -502,8 +559,8 @@ std::optional<json> ChatResponder::chunk(const Delta& d) {
 
 json ChatResponder::final_chunk(const Finish& f) const {
   json c = chunk_base();
-  c["choices"] = json::array(
-      {json{{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", f.reason}}});
+  c["choices"] =
+      json::array({json{{"index", 0}, {"delta", json::object()}, {"logprobs", nullptr}, {"finish_reason", f.reason}}});
   return c;
 }
 
@@ -521,17 +578,14 @@ json ChatResponder::response(const Finish& f) const {
   if (!calls_.empty()) {
     json tc = json::array();
     for (const Call& c : calls_)
-      tc.push_back(json{{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+      tc.push_back(
+          json{{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
     msg["tool_calls"] = tc;
   }
   json choice = {{"index", 0}, {"message", msg}, {"finish_reason", f.reason}};
   choice["logprobs"] = logprobs_ ? json{{"content", lp_content_}} : json(nullptr);
-  return json{{"id", id_},
-              {"object", "chat.completion"},
-              {"created", created_},
-              {"model", model_},
-              {"choices", json::array({choice})},
-              {"usage", usage_json(f)}};
+  return json{{"id", id_},       {"object", "chat.completion"},      {"created", created_},
+              {"model", model_}, {"choices", json::array({choice})}, {"usage", usage_json(f)}};
 }
 
 // ---- completion responses
@@ -594,23 +648,25 @@ std::optional<json> CompletionResponder::chunk(const Delta& d) {
   if (text.empty() && !(logprobs_ && d.lp)) return std::nullopt;
   json lp = nullptr;
   if (logprobs_ && d.lp) lp = lp_json({&*d.lp}, {d.token}, 0, false);
-  return json{{"id", id_},
-              {"object", "text_completion"},
-              {"created", created_},
-              {"model", model_},
-              {"choices", json::array({json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", nullptr}}})}};
+  return json{
+      {"id", id_},
+      {"object", "text_completion"},
+      {"created", created_},
+      {"model", model_},
+      {"choices", json::array({json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", nullptr}}})}};
 }
 
 json CompletionResponder::final_chunk(const Finish& f) const {
-  return json{{"id", id_},
-              {"object", "text_completion"},
-              {"created", created_},
-              {"model", model_},
-              {"choices", json::array({json{{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", f.reason}}})}};
+  return json{
+      {"id", id_},
+      {"object", "text_completion"},
+      {"created", created_},
+      {"model", model_},
+      {"choices", json::array({json{{"index", 0}, {"text", ""}, {"logprobs", nullptr}, {"finish_reason", f.reason}}})}};
 }
 
 json CompletionResponder::usage_chunk(const Finish& f) const {
-  return json{{"id", id_},      {"object", "text_completion"}, {"created", created_},
+  return json{{"id", id_},       {"object", "text_completion"}, {"created", created_},
               {"model", model_}, {"choices", json::array()},    {"usage", usage_json(f)}};
 }
 
@@ -632,12 +688,13 @@ json CompletionResponder::response(const Finish& f) {
     lp = lp_json(all, ids, 0, false);
   }
   const std::string text = (echo_text_.empty() ? "" : echo_text_) + text_;
-  return json{{"id", id_},
-              {"object", "text_completion"},
-              {"created", created_},
-              {"model", model_},
-              {"choices", json::array({json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", f.reason}}})},
-              {"usage", usage_json(f)}};
+  return json{
+      {"id", id_},
+      {"object", "text_completion"},
+      {"created", created_},
+      {"model", model_},
+      {"choices", json::array({json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", f.reason}}})},
+      {"usage", usage_json(f)}};
 }
 
 }  // namespace k3::server

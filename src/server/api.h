@@ -23,8 +23,7 @@ using json = nlohmann::json;
 struct ApiError : std::runtime_error {
   int status;
   std::string type, code, param;
-  ApiError(int st, std::string message, std::string param_ = "", std::string code_ = "",
-           std::string type_ = "");
+  ApiError(int st, std::string message, std::string param_ = "", std::string code_ = "", std::string type_ = "");
 };
 json error_json(int status, const std::string& message, const std::string& param = "", const std::string& code = "",
                 const std::string& type = "");
@@ -70,7 +69,7 @@ json models_json(const ApiConfig& cfg, int64_t created);
 class ChatResponder {
  public:
   ChatResponder(const Engine& e, std::string id, std::string model, int64_t created, bool logprobs);
-  json first_chunk() const;                  // delta {role: assistant, content: ""}
+  json first_chunk() const;                   // delta {role: assistant, content: ""}
   std::optional<json> chunk(const Delta& d);  // nullopt when the delta shows nothing
   json final_chunk(const Finish& f) const;    // empty delta + finish_reason
   json usage_chunk(const Finish& f) const;    // choices [] + usage

@@ -7,10 +7,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <httplib.h>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
-#include <httplib.h>
 
 #include "core/error.h"
 #include "server/k3_web_page.h"
@@ -100,7 +100,6 @@ std::deque<Delta> wait_job(Job& j, int fd, bool* finished, Finish* fin, millisec
   return out;
 }
 
-
 }  // namespace
 
 bool keys_equal(const std::string& presented, const std::string& expected) {
@@ -115,7 +114,8 @@ bool keys_equal(const std::string& presented, const std::string& expected) {
   return diff == 0;
 }
 
-HttpServer::HttpServer(const HttpOptions& o, Metrics& m) : metrics_(m), opt_(o), svr_(std::make_unique<httplib::Server>()) {
+HttpServer::HttpServer(const HttpOptions& o, Metrics& m)
+    : metrics_(m), opt_(o), svr_(std::make_unique<httplib::Server>()) {
   started_ = int64_t(std::time(nullptr));
   routes();
 }
@@ -178,7 +178,8 @@ void HttpServer::routes() {
         return httplib::Server::HandlerResponse::Handled;
       }
     }
-    if (opt_.api_key.empty() || req.path == "/" || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+    if (opt_.api_key.empty() || req.path == "/" || req.path == "/health")
+      return httplib::Server::HandlerResponse::Unhandled;
     const std::string auth = req.get_header_value("Authorization");
     const std::string prefix = "Bearer ";
     const bool ok = auth.size() > prefix.size() && auth.compare(0, prefix.size(), prefix) == 0 &&
@@ -192,8 +193,7 @@ void HttpServer::routes() {
     return httplib::Server::HandlerResponse::Handled;
   });
 
-  s.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
-                                                                   httplib::Response& res) {
+  s.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty() || res.status == 204) return httplib::Server::HandlerResponse::Unhandled;
     std::string msg;
     switch (res.status) {
@@ -201,7 +201,8 @@ void HttpServer::routes() {
         msg = "no route for " + req.method + " " + req.path;
         break;
       case 413:
-        msg = "the request body is larger than this server's limit of " + std::to_string(opt_.max_body_bytes) + " bytes";
+        msg =
+            "the request body is larger than this server's limit of " + std::to_string(opt_.max_body_bytes) + " bytes";
         break;
       case 400:
         msg = "malformed HTTP request";
@@ -227,7 +228,8 @@ void HttpServer::routes() {
   });
 
   s.Get("/", [](const httplib::Request&, httplib::Response& res) {
-    res.set_header("Content-Security-Policy", "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'");
+    res.set_header("Content-Security-Policy",
+                   "default-src 'self'; style-src 'unsafe-inline'; script-src 'unsafe-inline'");
     res.set_header("X-Content-Type-Options", "nosniff");
     res.set_content(kWebPage, sizeof(kWebPage) - 1, "text/html; charset=utf-8");
   });
@@ -302,10 +304,12 @@ void HttpServer::routes() {
         throw ApiError(400, "tokens must be an array of token ids", "tokens", "invalid_type");
       std::vector<int32_t> ids;
       for (const auto& x : b["tokens"]) {
-        if (!x.is_number_integer()) throw ApiError(400, "tokens must be an array of token ids", "tokens", "invalid_type");
+        if (!x.is_number_integer())
+          throw ApiError(400, "tokens must be an array of token ids", "tokens", "invalid_type");
         const int64_t v = x.get<int64_t>();
         if (v < 0 || v >= engine_->vocab_size())
-          throw ApiError(400, "token id " + std::to_string(v) + " is outside the vocabulary", "tokens", "invalid_value");
+          throw ApiError(400, "token id " + std::to_string(v) + " is outside the vocabulary", "tokens",
+                         "invalid_value");
         ids.push_back(int32_t(v));
       }
       std::string text;
@@ -343,8 +347,9 @@ void HttpServer::routes() {
     const int fd = connection_fd(req);
     if (!sched_->submit(job)) {
       send_json(res, 429,
-                error_json(429, "too many requests are waiting (" + std::to_string(sched_->options().max_queue) +
-                                    " queued); retry later",
+                error_json(429,
+                           "too many requests are waiting (" + std::to_string(sched_->options().max_queue) +
+                               " queued); retry later",
                            "", "queue_full"));
       metrics_.request_done(endpoint, 429);
       return;
@@ -445,8 +450,10 @@ void HttpServer::routes() {
         });
   };
 
-  s.Post("/v1/chat/completions", [generate](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });
-  s.Post("/v1/completions", [generate](const httplib::Request& req, httplib::Response& res) { generate(req, res, false); });
+  s.Post("/v1/chat/completions",
+         [generate](const httplib::Request& req, httplib::Response& res) { generate(req, res, true); });
+  s.Post("/v1/completions",
+         [generate](const httplib::Request& req, httplib::Response& res) { generate(req, res, false); });
 }
 
 }  // namespace k3::server

@@ -22,14 +22,14 @@ namespace k3::server {
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
-  int port = 8080;              // 0 = any free port
-  std::string api_key;          // "" = no authentication
-  std::string cors_origin;      // "" = no CORS headers
+  int port = 8080;          // 0 = any free port
+  std::string api_key;      // "" = no authentication
+  std::string cors_origin;  // "" = no CORS headers
   size_t max_body_bytes = 16u << 20;
-  int threads = 0;              // HTTP worker threads; 0 = parallel + max_queue + 8
-  int write_timeout_s = 10;     // a client that reads nothing for this long is dropped
+  int threads = 0;           // HTTP worker threads; 0 = parallel + max_queue + 8
+  int write_timeout_s = 10;  // a client that reads nothing for this long is dropped
   int read_timeout_s = 30;
-  double keepalive_s = 5;       // SSE comment after this much silence (also probes for a gone client)
+  double keepalive_s = 5;  // SSE comment after this much silence (also probes for a gone client)
 };
 
 // Constant-time comparison of a presented key with the expected one (no early exit on content).
@@ -39,7 +39,7 @@ class HttpServer {
  public:
   HttpServer(const HttpOptions& o, Metrics& m);
   ~HttpServer();
-  int bind();  // binds (port 0: a free one) and returns the port; k3::Error on failure
+  int bind();    // binds (port 0: a free one) and returns the port; k3::Error on failure
   void serve();  // blocks until stop()
   void stop();
 

@@ -27,15 +27,15 @@ struct GenRequest {
   int64_t max_tokens = 16;  // resolved (prompt + max_tokens <= context)
   std::vector<std::string> stop;
   bool ignore_eos = false;
-  int top_logprobs = -1;        // -1: no logprobs; 0..20: logprob of each token + this many alternatives
+  int top_logprobs = -1;         // -1: no logprobs; 0..20: logprob of each token + this many alternatives
   bool prompt_logprobs = false;  // completions echo + logprobs: logprobs of the prompt tokens too
   bool chat = false;             // parse the output as XTML (reasoning / content / tool calls)
   bool thinking_prompt = true;   // the generation prompt opened `think`
   bool json_object = false;      // response_format json_object: constrained to one JSON object
   bool parallel_tool_calls = true;
   std::vector<std::pair<int32_t, float>> logit_bias;
-  bool use_cache = true;       // may restore a prefix-cache snapshot
-  int64_t cache_point = -1;    // extra snapshot position inside the prompt (chat: before the generation prompt)
+  bool use_cache = true;     // may restore a prefix-cache snapshot
+  int64_t cache_point = -1;  // extra snapshot position inside the prompt (chat: before the generation prompt)
   double timeout_s = 600;
 };
 

@@ -34,9 +34,8 @@ TokenLogprob logprob_of(const float* row, int64_t vocab, int32_t token, int top)
     std::vector<int32_t> idx(static_cast<size_t>(vocab));
     for (int64_t v = 0; v < vocab; ++v) idx[size_t(v)] = int32_t(v);
     const size_t k = std::min<size_t>(size_t(top), idx.size());
-    std::partial_sort(idx.begin(), idx.begin() + std::ptrdiff_t(k), idx.end(), [&](int32_t a, int32_t b) {
-      return row[a] > row[b] || (row[a] == row[b] && a < b);
-    });
+    std::partial_sort(idx.begin(), idx.begin() + std::ptrdiff_t(k), idx.end(),
+                      [&](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
     for (size_t i = 0; i < k; ++i) lp.top.emplace_back(idx[i], float(double(row[idx[i]]) - lse));
   }
   return lp;
@@ -422,7 +421,8 @@ void Scheduler::loop() {
             // row k predicts the token at start + k + 1
             for (int64_t k = 0; k < n && start + k + 1 < plen; ++k)
               a.prompt_lps.push_back(logprob_of(logits_.data() + (row + size_t(k)) * size_t(vocab_), vocab_,
-                                                a.req->prompt[size_t(start + k + 1)], std::max(0, a.req->top_logprobs)));
+                                                a.req->prompt[size_t(start + k + 1)],
+                                                std::max(0, a.req->top_logprobs)));
           }
           a.fed += n;
           a.prefill_computed += n;

@@ -69,7 +69,7 @@ TEST(PrefixCache, LruEvictionUnderTheBudgetAndPruning) {
   c.insert(ids({1, 2}), 2);
   c.insert(ids({1, 3}), 3);
   EXPECT_EQ(c.lookup(ids({1, 1, 0}), 3).seq, 1);  // 1 becomes most recently used
-  c.insert(ids({2, 2}), 4);                      // evicts 2, the least recently used
+  c.insert(ids({2, 2}), 4);                       // evicts 2, the least recently used
   EXPECT_EQ(f.freed, std::set<int32_t>{2});
   EXPECT_EQ(c.lookup(ids({1, 2, 0}), 3).seq, -1);
   EXPECT_EQ(c.lookup(ids({1, 1, 0}), 3).seq, 1);
@@ -97,8 +97,8 @@ TEST(Sse, Framing) {
 }
 
 TEST(JsonObjectPrefix, AcceptsObjectsByteByByte) {
-  for (const std::string doc : {R"({})", R"( {"a": [1, -2.5e3, true, null, "x\"\u00e9"], "b": {"c": {}}})",
-                                R"({"k":0.5,"l":[[],[{}]]})"}) {
+  for (const std::string doc :
+       {R"({})", R"( {"a": [1, -2.5e3, true, null, "x\"\u00e9"], "b": {"c": {}}})", R"({"k":0.5,"l":[[],[{}]]})"}) {
     JsonObjectPrefix p;
     for (char ch : doc) ASSERT_TRUE(p.feed(std::string(1, ch))) << doc << " at " << ch;
     EXPECT_TRUE(p.complete()) << doc;
@@ -201,8 +201,13 @@ TEST_F(WithTinyChat, MappingRefusesBadRequestsByName) {
 
 TEST_F(WithTinyChat, MappingResolvesSettings) {
   const json msgs = json::array({{{"role", "user"}, {"content", "hi"}}});
-  ApiRequest r = map_chat_request({{"messages", msgs}, {"temperature", 0}, {"max_completion_tokens", 7},
-                                   {"stop", "x"}, {"seed", 9}, {"top_logprobs", 2}, {"logprobs", true}},
+  ApiRequest r = map_chat_request({{"messages", msgs},
+                                   {"temperature", 0},
+                                   {"max_completion_tokens", 7},
+                                   {"stop", "x"},
+                                   {"seed", 9},
+                                   {"top_logprobs", 2},
+                                   {"logprobs", true}},
                                   *engine_, cfg_);
   EXPECT_EQ(r.gen.max_tokens, 7);
   EXPECT_EQ(r.gen.sampling.temperature, 0.0f);
@@ -211,8 +216,8 @@ TEST_F(WithTinyChat, MappingResolvesSettings) {
   EXPECT_EQ(r.gen.stop, std::vector<std::string>{"x"});
   EXPECT_TRUE(r.gen.thinking_prompt);
   // the cache point is the end of the last message, before the generation prompt
-  ApiRequest nogen = map_chat_request({{"messages", msgs}, {"chat_template_kwargs", {{"enable_thinking", false}}}},
-                                      *engine_, cfg_);
+  ApiRequest nogen =
+      map_chat_request({{"messages", msgs}, {"chat_template_kwargs", {{"enable_thinking", false}}}}, *engine_, cfg_);
   EXPECT_FALSE(nogen.gen.thinking_prompt);
   EXPECT_GT(r.gen.cache_point, 0);
   EXPECT_LT(r.gen.cache_point, int64_t(r.gen.prompt.size()));
@@ -291,8 +296,8 @@ std::vector<int32_t> wait_tokens(Job& j, Finish* fin) {
 }
 
 std::vector<int32_t> prompt_of(const k3::Engine& e, int i) {
-  return e.tokenize("Prompt number " + std::to_string(i) + " says something different from the others: " +
-                    std::string(size_t(i % 5), 'x'));
+  return e.tokenize("Prompt number " + std::to_string(i) +
+                    " says something different from the others: " + std::string(size_t(i % 5), 'x'));
 }
 
 }  // namespace
