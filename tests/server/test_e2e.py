@@ -412,7 +412,9 @@ class PrefixCache(unittest.TestCase):
 @unittest.skipIf(SANITIZED, "RSS test skipped in the sanitizer build (ASan's quarantine grows RSS by design)")
 class Rss(unittest.TestCase):
     def test_rss_flat_over_1000_mixed_requests(self):
-        s = Server("--parallel", "4", "--prefix-cache-mem", "4M")
+        # --max-queue 8: 20 HTTP worker threads; each thread that serves a request can grow its own malloc
+        # arena, which is growth by thread count, not by request count.
+        s = Server("--parallel", "4", "--max-queue", "8", "--prefix-cache-mem", "4M")
         try:
             c = s.client(timeout=120)
 
