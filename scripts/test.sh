@@ -20,6 +20,13 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
   build/tokvenv/bin/python tools/tokenizer/gen_unicode_props.py --check
 fi
 
+echo "== server tests: the OpenAI Python client (pinned) in build/servevenv"
+# tests/server/test_e2e.py (ctest server_e2e) runs with this venv; without it the test skips with a message.
+if [[ "${K3_TEST_NO_SERVER_VENV:-0}" != 1 ]]; then
+  if [[ ! -x build/servevenv/bin/python ]]; then python3 -m venv build/servevenv; fi
+  build/servevenv/bin/pip install -q --disable-pip-version-check -r tests/server/requirements.txt
+fi
+
 echo "== docs: every section reference in the code resolves in docs/architecture.md"
 python3 tools/check_section_refs.py
 
@@ -33,7 +40,7 @@ if [[ "${K3_TEST_NO_SANITIZE:-0}" != 1 ]]; then
   # K3_CUDA=OFF here: the sanitizers cover host code, and this build also checks that the engine
   # builds and refuses --device cuda cleanly without the CUDA backend.
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DK3_SANITIZE=ON -DK3_CUDA=OFF \
-    -DK3_TOKENIZER_DATA="$root/build/tokenizer-data" >/dev/null
+    -DK3_TOKENIZER_DATA="$root/build/tokenizer-data" -DK3_SERVER_VENV="$root/build/servevenv" >/dev/null
   cmake --build build-asan -j"$jobs"
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
      ctest --output-on-failure -j"$jobs" --timeout 1800)

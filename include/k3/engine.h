@@ -12,6 +12,7 @@
 //  - The thread count (EngineOptions::threads) is a process-wide setting of the CPU loops' pool.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -37,6 +38,9 @@ struct EngineOptions {
   bool need_tokenizer = true;     // false: load without a tokenizer (token ids only; text calls throw)
   bool prefault = true;           // CPU: read the weights in at load time (else on first use)
   bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
+  // Called during load(), on the loading thread, with bytes done/total while the weights are read in
+  // (CPU prefault); a server reports it on /health. Empty = no reports.
+  std::function<void(uint64_t done, uint64_t total)> load_progress;
 };
 
 // One sequence's part of a step: n tokens appended to sequence seq. ids must stay valid during step.
@@ -90,6 +94,11 @@ class Engine {
   void reset_sequence(int32_t seq);     // back to empty
   int64_t position(int32_t seq) const;  // tokens the sequence holds
 
+  // Memory of sequences (const; any thread): what a cache of forked sequences budgets with.
+  uint64_t sequence_state_bytes() const;  // fixed per sequence: KDA recurrent + conv state of every KDA layer
+  uint64_t cache_bytes_per_token() const;  // MLA latent cache per held token, all MLA layers
+  int64_t cache_page_tokens() const;       // tokens per cache page (forks share whole pages until written)
+
   // One step of many distinct live sequences. logits (when given) is resized to the output rows,
   // sequence by sequence in input order (n rows with all_logits, else 1), times vocab_size(); argmax
   // (when given) to in.size(): the argmax of each sequence's last row (ties -> lowest id). At least
@@ -103,6 +112,7 @@ class Engine {
   int32_t bos_id() const;                 // -1 when the model has none
   int32_t end_of_turn_id() const;         // <|end_of_msg|>, -1 when the tokenizer has none
   std::vector<int32_t> stop_ids() const;  // end of sequence (config + generation_config) and end of turn
+  int32_t special_id(std::string_view text) const;  // the id of a special token's text ("<|open|>"), -1 if none
 
   // ---- chat (const; any thread): the K3 chat format rendered to ids, ready to feed.
   std::vector<int32_t> render_chat(const std::vector<ChatMessage>& messages, const ChatRenderOptions& o = {}) const;

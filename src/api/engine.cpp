@@ -118,7 +118,7 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
     m.use_gpu(gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0));
   } else {
     m.set_max_step_rows(options.step_tokens);
-    if (options.prefault) prefault_weights(im->lc, {});
+    if (options.prefault) prefault_weights(im->lc, options.load_progress);
   }
   im->pool = m.new_pool();
   im->fwd.numerics = req.numerics;
@@ -195,9 +195,17 @@ std::string Engine::detokenize(const std::vector<int32_t>& ids, bool skip_specia
   return t.decode(v, skip_special);
 }
 
+uint64_t Engine::sequence_state_bytes() const { return impl_->lc.model->dims().kda_state_bytes(); }
+uint64_t Engine::cache_bytes_per_token() const { return impl_->lc.model->dims().mla_bytes_per_token(); }
+int64_t Engine::cache_page_tokens() const { return impl_->pool->page_tokens(); }
+
 int32_t Engine::bos_id() const { return impl_->bos; }
 int32_t Engine::end_of_turn_id() const { return impl_->eot; }
 std::vector<int32_t> Engine::stop_ids() const { return impl_->stops; }
+int32_t Engine::special_id(std::string_view text) const {
+  const auto id = impl_->tok().special_id(text);
+  return id ? int32_t(*id) : -1;
+}
 
 std::vector<int32_t> Engine::render_chat(const std::vector<ChatMessage>& messages, const ChatRenderOptions& o) const {
   const tok::Tokenizer& t = impl_->tok();

@@ -1,5 +1,5 @@
 // The `k3` command: one binary, one subcommand per job (run, chat, eval, bench, info, logits,
-// generate, tokenize, detokenize). Each subcommand parses its own flags (CLI11, one help format)
+// generate, tokenize, detokenize, serve). Each subcommand parses its own flags (CLI11, one help format)
 // and prints every failure as one line "k3 <sub>: error: <message>".
 // Owns: dispatch, `k3 --help` and `k3 --version`; exit codes (0 ok, 2 bad input/usage, 1 internal
 // error, 130 after Ctrl-C). Must not: contain model math.
@@ -12,6 +12,7 @@
 #include "cli/cmd_eval.h"
 #include "cli/cmd_ids.h"
 #include "cli/cmd_run.h"
+#include "cli/cmd_serve.h"
 #include "cli/cmd_tokenize.h"
 #include "k3/version.h"
 
@@ -33,6 +34,7 @@ const Subcommand kSubcommands[] = {
     {"generate", "greedy decoding from token ids", k3::cli::cmd_generate},
     {"tokenize", "text -> token ids", k3::cli::cmd_tokenize},
     {"detokenize", "token ids -> text", k3::cli::cmd_detokenize},
+    {"serve", "OpenAI-compatible HTTP server with continuous batching and a prefix cache", k3::cli::cmd_serve},
 };
 
 }  // namespace
