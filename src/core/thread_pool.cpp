@@ -6,18 +6,19 @@
 //  - the caller closes the loop when no range is left and waits only for the workers that joined;
 //  - between loops a worker spins for a short time (K3_SPIN_US, default 100 us), then sleeps on a
 //    futex: on a busy machine idle workers give their core back instead of fighting for it.
-// Adaptive team: every 10 ms (at a loop's start) the caller reads the number of runnable tasks of the
-// machine (/proc/loadavg), subtracts its own awake threads, and keeps a moving average of the rest
-// (scaled to this process's share of the CPUs under a cpuset); the loop then offers
-// max(1, CPUs - that) threads. A worker that joined and was then preempted
+// Adaptive team: at a loop's start the caller estimates how many of its CPUs other work keeps busy
+// (LoadEstimate: runnable tasks of the machine, or under a cpuset the busy time of our CPUs) and
+// offers max(1, CPUs - that) threads. A worker that joined and was then preempted
 // holds the loop until the OS runs it again (milliseconds on a busy machine, against loops of
 // microseconds): so when other processes want the cores, fewer threads are faster.
 // Owns: worker threads and their waiting. Must not: allocate per loop, or depend on the work.
 #include "core/thread_pool.h"
 
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -68,19 +69,106 @@ int affinity_cpus() {
   return n > 0 ? int(n) : 1;
 }
 
-// Runnable tasks of the whole machine right now (the 4th field of /proc/loadavg: "R/total"),
-// or -1 when it cannot be read.
-int machine_runnable() {
-  char buf[128];
-  FILE* f = std::fopen("/proc/loadavg", "r");
-  if (!f) return -1;
-  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
-  std::fclose(f);
+// Reads a small /proc file into buf (no allocation); its length, or -1.
+ssize_t read_proc(const char* path, char* buf, size_t cap) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  size_t n = 0;
+  for (ssize_t r; n + 1 < cap && (r = read(fd, buf + n, cap - 1 - n)) > 0;) n += size_t(r);
+  close(fd);
   buf[n] = '\0';
-  double a, b, c;
-  int running = 0, total = 0;
-  return std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) == 5 ? running : -1;
+  return ssize_t(n);
 }
+
+// How many of this process's CPUs other work keeps busy, as a moving average.
+//  - Whole machine (the affinity mask has every online CPU): the runnable tasks of the machine
+//    right now (/proc/loadavg, "R/total") minus this process's awake pool threads, every 10 ms.
+//    Counting runnable tasks sees demand at once, also the demand our own threads crowd out.
+//  - A cpuset (fewer CPUs than the machine): machine-wide counts say nothing about our CPUs, so
+//    the busy time of our CPUs (/proc/stat) minus this process's CPU time, every 50 ms.
+class LoadEstimate {
+ public:
+  LoadEstimate(int hw, long online) : hw_(hw), cpuset_(hw < online) {
+    if (!cpuset_) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    if (sched_getaffinity(0, sizeof(set), &set) != 0) return;
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) mine_.push_back(c);
+    stat_buf_.resize(size_t(64 + 200 * std::max<long>(online, 1)));
+  }
+
+  // Called at a loop's start; `ours`: this process's awake pool threads (the caller included).
+  void sample(Clock::time_point now, int ours) {
+    double others = 0;
+    if (!cpuset_) {
+      if (now - last_ < std::chrono::milliseconds(10)) return;
+      last_ = now;
+      char buf[128];
+      double a, b, c;
+      int running = 0, total = 0;
+      if (read_proc("/proc/loadavg", buf, sizeof buf) < 0 ||
+          std::sscanf(buf, "%lf %lf %lf %d/%d", &a, &b, &c, &running, &total) != 5)
+        return;
+      others = std::max(0, running - ours);
+    } else {
+      if (now - last_ < std::chrono::milliseconds(50)) return;
+      double busy_s = 0, self_s = 0;
+      if (!cpuset_busy(busy_s, self_s)) return;
+      const double wall = std::chrono::duration<double>(now - last_).count();
+      const bool first = last_ == Clock::time_point{};
+      last_ = now;
+      const double d_busy = busy_s - busy_prev_, d_self = self_s - self_prev_;
+      busy_prev_ = busy_s;
+      self_prev_ = self_s;
+      if (first || wall <= 0) return;
+      others = std::clamp((d_busy - d_self) / wall, 0.0, double(hw_));
+    }
+    avg_ = sampled_ ? 0.7 * avg_ + 0.3 * others : others;
+    sampled_ = true;
+  }
+  // CPUs that other work keeps busy, rounded.
+  int busy_cpus() const { return int(avg_ + 0.5); }
+
+ private:
+  // Busy seconds of our CPUs since boot (/proc/stat: user, nice, system, irq, softirq) and this
+  // process's CPU seconds.
+  bool cpuset_busy(double& busy_s, double& self_s) {
+    if (mine_.empty() || read_proc("/proc/stat", stat_buf_.data(), stat_buf_.size()) <= 0) return false;
+    static const double tick = 1.0 / double(std::max<long>(sysconf(_SC_CLK_TCK), 1));
+    size_t next = 0;
+    unsigned long long busy = 0;
+    for (const char* p = stat_buf_.data(); *p && next < mine_.size();) {
+      int cpu = -1;
+      unsigned long long user, nice, system, idle, iowait, irq, softirq;
+      if (std::strncmp(p, "cpu", 3) == 0 && p[3] >= '0' && p[3] <= '9' &&
+          std::sscanf(p + 3, "%d %llu %llu %llu %llu %llu %llu %llu", &cpu, &user, &nice, &system, &idle, &iowait, &irq,
+                      &softirq) == 8 &&
+          cpu == mine_[next]) {
+        busy += user + nice + system + irq + softirq;
+        ++next;
+      }
+      const char* nl = std::strchr(p, '\n');
+      if (!nl) break;
+      p = nl + 1;
+    }
+    if (next != mine_.size()) return false;
+    timespec ts;
+    if (clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts) != 0) return false;
+    busy_s = double(busy) * tick;
+    self_s = double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+    return true;
+  }
+
+  const int hw_;
+  const bool cpuset_;
+  std::vector<int> mine_;       // our CPUs, ascending
+  std::vector<char> stat_buf_;  // /proc/stat (sized once)
+  Clock::time_point last_{};
+  double busy_prev_ = 0, self_prev_ = 0;
+  double avg_ = 0;
+  bool sampled_ = false;
+};
 
 thread_local bool tl_in_parallel = false;
 
@@ -169,7 +257,7 @@ class Pool {
   }
 
  private:
-  Pool() : hw_(affinity_cpus()), online_(std::max<long>(hw_, sysconf(_SC_NPROCESSORS_ONLN))) {
+  Pool() : hw_(affinity_cpus()), load_(hw_, std::max<long>(hw_, sysconf(_SC_NPROCESSORS_ONLN))) {
     max_threads_ = hw_;
     spin_ns_ = int64_t(env_int("K3_SPIN_US", 100)) * 1000;
     adaptive_ = env_int("K3_ADAPTIVE_THREADS", 1) != 0;
@@ -196,22 +284,9 @@ class Pool {
   int choose_team() {
     const int mx = max_threads();
     if (!adaptive() || mx <= 1) return mx;
-    const Clock::time_point now = Clock::now();
-    if (now - last_sample_ >= std::chrono::milliseconds(10)) {
-      last_sample_ = now;
-      const int runnable = machine_runnable();
-      if (runnable >= 0) {
-        // Our own runnable threads: this one and every worker not asleep on a futex.
-        const int ours = 1 + int(workers_.size()) - asleep_.load(std::memory_order_relaxed);
-        // Runnable tasks count the whole machine; when this process may use only some of its
-        // CPUs (a cpuset), count the others' share of those CPUs.
-        const double others = double(std::max(0, runnable - ours)) * double(hw_) / double(online_);
-        others_avg_ = sampled_ ? 0.7 * others_avg_ + 0.3 * others : others;
-        sampled_ = true;
-      }
-    }
-    const int busy = int(others_avg_ + 0.5);
-    return std::clamp(hw_ - busy, 1, mx);
+    // Our own runnable threads: this one and every worker not asleep on a futex.
+    load_.sample(Clock::now(), 1 + int(workers_.size()) - asleep_.load(std::memory_order_relaxed));
+    return std::clamp(hw_ - load_.busy_cpus(), 1, mx);
   }
 
   // Called before the next loop is published: a new worker waits for loops after the current one.
@@ -288,7 +363,6 @@ class Pool {
   }
 
   const int hw_;
-  const long online_;  // CPUs of the machine (>= hw_)
   std::atomic<bool> busy_{false};
   std::atomic<int> max_threads_{1};
   std::atomic<bool> adaptive_{true};
@@ -311,9 +385,7 @@ class Pool {
   uint32_t epoch_counter_ = 0;
 
   std::vector<std::thread> workers_;  // grows only; touched by the caller's thread
-  Clock::time_point last_sample_{};
-  double others_avg_ = 0;
-  bool sampled_ = false;
+  LoadEstimate load_;                 // touched by the caller's thread
 
   std::atomic<int64_t> loops_{0}, worker_ranges_{0}, team_sum_{0}, shrunk_loops_{0};
 };
