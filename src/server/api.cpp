@@ -235,7 +235,8 @@ std::string random_id(const std::string& prefix, size_t n) {
   return s;
 }
 
-std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t* cache_point, bool* thinking_prompt) {
+std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t* cache_point, bool* thinking_prompt,
+                                     std::vector<int64_t>* cuts) {
   std::vector<chat::Message> msgs;
   chat::RenderOptions ro;
   try {
@@ -313,6 +314,12 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
     }
   }
   if (thinking_prompt) *thinking_prompt = ro.add_generation_prompt && ro.thinking && ro.thinking_effort != "none";
+  if (cuts) {
+    const int32_t end_of_msg = e.end_of_turn_id();
+    cuts->clear();
+    for (size_t i = 0; i + 1 < ids.size(); ++i)
+      if (ids[i] == end_of_msg) cuts->push_back(int64_t(i) + 1);
+  }
   return ids;
 }
 
@@ -372,7 +379,7 @@ ApiRequest map_chat_request(const json& b, const Engine& e, const ApiConfig& cfg
   if (has(b, "response_format") && b["response_format"].is_object() &&
       b["response_format"].value("type", "") == "json_object")
     g.json_object = true;
-  g.prompt = render_chat_ids(b, e, &g.cache_point, &g.thinking_prompt);
+  g.prompt = render_chat_ids(b, e, &g.cache_point, &g.thinking_prompt, &g.cuts);
   resolve_max_tokens(b, cfg, g, "messages");
   return r;
 }

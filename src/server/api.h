@@ -59,7 +59,7 @@ ApiRequest map_completion_request(const json& body, const Engine& e, const ApiCo
 
 // Renders chat messages (+ tools etc. of `body`) to ids exactly as map_chat_request does.
 std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t* cache_point = nullptr,
-                                     bool* thinking_prompt = nullptr);
+                                     bool* thinking_prompt = nullptr, std::vector<int64_t>* cuts = nullptr);
 
 json usage_json(const Finish& f);
 json models_json(const ApiConfig& cfg, int64_t created);

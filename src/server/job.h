@@ -36,6 +36,10 @@ struct GenRequest {
   std::vector<std::pair<int32_t, float>> logit_bias;
   bool use_cache = true;     // may restore a prefix-cache snapshot
   int64_t cache_point = -1;  // extra snapshot position inside the prompt (chat: before the generation prompt)
+  // Prompt positions where prefill pieces end, ascending (chat: after every message). They depend only
+  // on the prompt's tokens, so a snapshot taken at one by an earlier request of the same conversation
+  // is a piece boundary of this request too: restoring it computes exactly what a cold run computes.
+  std::vector<int64_t> cuts;
   double timeout_s = 600;
 };
 

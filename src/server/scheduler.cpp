@@ -174,6 +174,9 @@ int64_t Scheduler::piece_end(const Active& a) const {
   const int64_t n = int64_t(a.req->prompt.size());
   int64_t end = std::min(n, (a.fed / opt_.prefill_chunk + 1) * opt_.prefill_chunk);
   if (a.req->cache_point > a.fed && a.req->cache_point < end) end = a.req->cache_point;
+  const auto& cuts = a.req->cuts;
+  const auto next = std::upper_bound(cuts.begin(), cuts.end(), a.fed);
+  if (next != cuts.end() && *next < end) end = *next;
   return end;
 }
 

@@ -5,9 +5,10 @@
 // is consulted at admission and fed with snapshots. Owns sequences, samplers, detokenizers, output
 // parsers and stop matching. Must not: know HTTP or JSON (jobs carry plain settings and results).
 //
-// Determinism: a request's tokens are fed in pieces that depend only on its own prompt and start
-// position (ends at multiples of prefill_chunk and at its cache point), one token per decode step, so
-// its results equal the same request run alone (the Engine's step guarantee).
+// Determinism: a request's tokens are fed in pieces whose ends depend only on its prompt's tokens
+// (multiples of prefill_chunk, the ends of chat messages, its cache point), one token per decode
+// step, so its results equal the same request run alone (the Engine's step guarantee), and a prompt
+// snapshot restored by a later request sits on one of that request's own piece ends.
 #pragma once
 #include <atomic>
 #include <condition_variable>
