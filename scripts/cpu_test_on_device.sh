@@ -29,7 +29,7 @@ if [[ "${1:-}" != "--on-device" ]]; then
         -o \( -perm -u+x \( -name 'test_*' -o -name 'k3_*' \) \) \) -print) >/tmp/k3-cpu-pack.list
   (cd build-cpu && tar -cf - -T /tmp/k3-cpu-pack.list) | tar -x -C /tmp/k3-cpu-pack/build-cpu
   find /tmp/k3-cpu-pack/build-cpu -type f -perm -u+x -exec strip {} + 2>/dev/null || true
-  ldd build-cpu/bin/k3 | awk '/libedit|libbsd|libmd\.|libtinfo/ {print $3}' | xargs -r -I{} cp -L {} /tmp/k3-cpu-pack/build-cpu/lib/
+  ldd build-cpu/bin/k3 | awk '/libedit|libbsd|libmd\.|libtinfo|libcpp-httplib|libbrotli/ {print $3}' | xargs -r -I{} cp -L {} /tmp/k3-cpu-pack/build-cpu/lib/
   git rev-parse HEAD >/tmp/k3-cpu-pack/build-cpu/COMMIT
   git status --porcelain --untracked-files=no | grep -q . && echo "dirty" >>/tmp/k3-cpu-pack/build-cpu/COMMIT
   tar -C /tmp/k3-cpu-pack -cf - build-cpu | xz -6 -T"$(nproc)" >"$stage/cpu-tests.tar.xz"

@@ -29,7 +29,7 @@ if [[ "${1:-}" != "--on-device" ]]; then
   cp build-cuda/bin/k3 build-cuda-pack/cli/
   strip build-cuda-pack/gates/k3_cuda_tests build-cuda-pack/cli/k3
   # libedit with its own libraries (the chat prompt), by the names k3 asks for.
-  ldd build-cuda/bin/k3 | awk '/libedit|libbsd|libmd\./ {print $3}' | xargs -r -I{} cp -L {} build-cuda-pack/cli/
+  ldd build-cuda/bin/k3 | awk '/libedit|libbsd|libmd\.|libcpp-httplib|libbrotli/ {print $3}' | xargs -r -I{} cp -L {} build-cuda-pack/cli/
   if [[ -d ../shared/fixtures/third-party/kimi-k3-in-c-tiny ]]; then
     cp -r ../shared/fixtures/third-party/kimi-k3-in-c-tiny build-cuda-pack/gates/shared/fixtures/third-party/
   else

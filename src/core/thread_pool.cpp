@@ -173,11 +173,12 @@ class LoadEstimate {
 thread_local bool tl_in_parallel = false;
 
 // Every range of a loop on the calling thread, in order.
-void run_here(int64_t n, int64_t grain, detail::RangeFn fn, void* ctx) {
+void run_here(int64_t n, int64_t grain, detail::RangeFn fn, void* ctx, detail::SetupFn setup, void* setup_ctx) {
   struct Flag {
     Flag() { tl_in_parallel = true; }
     ~Flag() { tl_in_parallel = false; }
   } flag;
+  if (setup) setup(setup_ctx);
   for (int64_t b = 0; b < n; b += grain) fn(ctx, b, std::min(n, b + grain));
 }
 
@@ -217,19 +218,21 @@ class Pool {
   bool try_acquire() { return !busy_.exchange(true, std::memory_order_acquire); }
   void release() { busy_.store(false, std::memory_order_release); }
 
-  void run(int64_t n, int64_t grain, detail::RangeFn fn, void* ctx) {
+  void run(int64_t n, int64_t grain, detail::RangeFn fn, void* ctx, detail::SetupFn setup, void* setup_ctx) {
     const int team = choose_team();
     loops_.fetch_add(1, std::memory_order_relaxed);
     team_sum_.fetch_add(team, std::memory_order_relaxed);
     if (team < max_threads()) shrunk_loops_.fetch_add(1, std::memory_order_relaxed);
-    if (team <= 1) return run_here(n, grain, fn, ctx);  // the machine is busy: as -t 1 would
-    ensure_workers(max_threads() - 1);                  // all at once: a growing team then never creates a thread
+    if (team <= 1) return run_here(n, grain, fn, ctx, setup, setup_ctx);  // the machine is busy: as -t 1 would
+    ensure_workers(max_threads() - 1);  // all at once: a growing team then never creates a thread
     set_team_workers(team - 1);
 
     n_ = n;
     grain_ = grain;
     fn_ = fn;
     ctx_ = ctx;
+    setup_ = setup;
+    setup_ctx_ = setup_ctx;
     error_ = nullptr;
     next_.store(0, std::memory_order_relaxed);
     left_.store(0, std::memory_order_relaxed);
@@ -264,7 +267,18 @@ class Pool {
   }
 
   // Claims and runs ranges until none is left (the caller and joined workers alike).
+  // The loop's setup on this thread, then its ranges.
   int64_t work() {
+    if (setup_) {
+      try {
+        setup_(setup_ctx_);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu_);
+        if (!error_) error_ = std::current_exception();
+        next_.store(n_, std::memory_order_relaxed);
+        return 0;
+      }
+    }
     int64_t ranges = 0;
     for (;;) {
       const int64_t b = next_.fetch_add(grain_, std::memory_order_relaxed);
@@ -372,6 +386,8 @@ class Pool {
   int64_t n_ = 0, grain_ = 1;
   detail::RangeFn fn_ = nullptr;
   void* ctx_ = nullptr;
+  detail::SetupFn setup_ = nullptr;
+  void* setup_ctx_ = nullptr;
   std::exception_ptr error_;
   std::mutex error_mu_;
   alignas(64) std::atomic<int64_t> next_{0};
@@ -411,14 +427,15 @@ void reset_stats() { Pool::get().reset_stats(); }
 
 namespace detail {
 bool run_inline(int64_t n, int64_t grain) { return tl_in_parallel || n <= grain || Pool::get().max_threads() <= 1; }
-void run(int64_t n, int64_t grain, RangeFn fn, void* ctx) {
+void run(int64_t n, int64_t grain, RangeFn fn, void* ctx, SetupFn setup, void* setup_ctx) {
   Pool& pool = Pool::get();
-  if (!pool.try_acquire()) return run_here(n, grain, fn, ctx);  // another thread's loop holds the pool
+  if (!pool.try_acquire())
+    return run_here(n, grain, fn, ctx, setup, setup_ctx);  // another thread's loop holds the pool
   struct Release {
     Pool& p;
     ~Release() { p.release(); }
   } release{pool};
-  pool.run(n, grain, fn, ctx);
+  pool.run(n, grain, fn, ctx, setup, setup_ctx);
 }
 }  // namespace detail
 

@@ -53,9 +53,10 @@ void reset_stats();
 
 namespace detail {
 using RangeFn = void (*)(void* ctx, int64_t begin, int64_t end);
-// Runs fn over [0, n) in ranges of `grain` on the pool; rethrows the first exception of a range
-// after every range has finished.
-void run(int64_t n, int64_t grain, RangeFn fn, void* ctx);
+using SetupFn = void (*)(void* ctx);
+// Runs fn over [0, n) in ranges of `grain` on the pool, setup (if any) once on each thread that
+// joins; rethrows the first exception of a range or setup after every range has finished.
+void run(int64_t n, int64_t grain, RangeFn fn, void* ctx, SetupFn setup, void* setup_ctx);
 bool run_inline(int64_t n, int64_t grain);
 }  // namespace detail
 
@@ -74,7 +75,28 @@ void parallel_for(int64_t n, int64_t grain, F&& fn, bool parallel = true) {
   using Fn = std::remove_reference_t<F>;
   detail::run(
       n, grain, [](void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(ctx))(b, e); },
-      const_cast<void*>(static_cast<const void*>(&fn)));
+      const_cast<void*>(static_cast<const void*>(&fn)), nullptr, nullptr);
+}
+
+// parallel_for, and setup() once on every thread that joins the loop, before it claims a range (also
+// on a thread that then finds none left), and once on the caller when the loop runs inline. For
+// per-thread buffers: sized there, they grow when a thread joins a loop of a new size, not whenever
+// it first happens to win a range of one (a warm-up then sizes every awake worker's buffers).
+template <class S, class F>
+void parallel_for_setup(int64_t n, int64_t grain, S&& setup, F&& fn, bool parallel = true) {
+  if (n <= 0) return;
+  if (grain < 1) grain = 1;
+  if (!parallel || detail::run_inline(n, grain)) {
+    setup();
+    for (int64_t b = 0; b < n; b += grain) fn(b, b + grain < n ? b + grain : n);
+    return;
+  }
+  using Fn = std::remove_reference_t<F>;
+  using Sn = std::remove_reference_t<S>;
+  detail::run(
+      n, grain, [](void* ctx, int64_t b, int64_t e) { (*static_cast<Fn*>(ctx))(b, e); },
+      const_cast<void*>(static_cast<const void*>(&fn)), [](void* ctx) { (*static_cast<Sn*>(ctx))(); },
+      const_cast<void*>(static_cast<const void*>(&setup)));
 }
 
 // fn(i) for every i in [0, n), one index per claim (for items of uneven or large cost).
@@ -82,6 +104,17 @@ template <class F>
 void parallel_for_each(int64_t n, F&& fn, bool parallel = true) {
   parallel_for(
       n, 1,
+      [&fn](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) fn(i);
+      },
+      parallel);
+}
+
+// parallel_for_setup with one index per claim.
+template <class S, class F>
+void parallel_for_each_setup(int64_t n, S&& setup, F&& fn, bool parallel = true) {
+  parallel_for_setup(
+      n, 1, setup,
       [&fn](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) fn(i);
       },

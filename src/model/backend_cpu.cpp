@@ -483,14 +483,13 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
       }
       return;
     }
-    // Which thread takes which expert varies from step to step, so every thread sizes its GEMM
-    // buffers for the largest expert of the batch first (a repeated step then allocates nothing).
+    // Which thread takes which expert varies from step to step, so every thread that joins the loop
+    // sizes its GEMM buffers for the largest expert of the batch first (a repeated step then
+    // allocates nothing).
     int64_t most = 0, widest = latent;
     for (int64_t i = 0; i < n; ++i) most = std::max(most, n_rows(ids[i])), widest = std::max(widest, ew[i]->gate.rows);
-    par::parallel_for_each(n, [&](int64_t i) {
-      ops::reserve_matmul(most, widest);  // grows this thread's buffers once; a no-op after
-      expert_out(i, ids[i], *ew[i]);
-    });
+    par::parallel_for_each_setup(
+        n, [&] { ops::reserve_matmul(most, widest); }, [&](int64_t i) { expert_out(i, ids[i], *ew[i]); });
     for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
   const auto nsel = int64_t(m.selected.size());

@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
+#include <set>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -123,6 +125,40 @@ TEST(ThreadPool, WorkersTakeRanges) {
   EXPECT_EQ(s.team_sum, 2);
   EXPECT_GT(s.worker_ranges, 0);
   EXPECT_LT(s.worker_ranges, 400);  // the calling thread works too
+}
+
+TEST(ThreadPool, SetupRunsOnEveryJoiningThreadBeforeItsRanges) {
+  for (int threads : {1, 3}) {
+    const k3::par::FixedThreads fixed(threads);
+    std::mutex mu;
+    std::set<std::thread::id> set_up;
+    std::atomic<int> setups{0}, ranges_without_setup{0}, ranges{0};
+    k3::par::parallel_for_each_setup(
+        300,
+        [&] {
+          std::lock_guard<std::mutex> l(mu);
+          EXPECT_TRUE(set_up.insert(std::this_thread::get_id()).second) << "setup twice on one thread";
+          setups.fetch_add(1);
+        },
+        [&](int64_t) {
+          {
+            std::lock_guard<std::mutex> l(mu);
+            if (!set_up.count(std::this_thread::get_id())) ranges_without_setup.fetch_add(1);
+          }
+          ranges.fetch_add(1);
+          spin_work(20);
+        });
+    EXPECT_EQ(ranges.load(), 300);
+    EXPECT_EQ(ranges_without_setup.load(), 0);
+    EXPECT_GE(setups.load(), 1);
+    EXPECT_LE(setups.load(), threads);
+  }
+  // Inline (not parallel): setup once, on the caller.
+  int setups = 0, calls = 0;
+  k3::par::parallel_for_setup(
+      10, 2, [&] { ++setups; }, [&](int64_t, int64_t) { ++calls; }, /*parallel=*/false);
+  EXPECT_EQ(setups, 1);
+  EXPECT_EQ(calls, 5);
 }
 
 TEST(ThreadPool, SettingsAndScopes) {

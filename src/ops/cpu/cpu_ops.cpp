@@ -5,6 +5,7 @@
 // the plain loops below run (fp32 with fp64 accumulation of long sums).
 // Must not: change results beyond fp32 rounding versus the fp64 twins in ops/reference.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -181,12 +182,15 @@ void attend_groups(const cpu::AttnKernels& kern, int64_t n_groups, int64_t max_r
     pz = cpu::scratch<float>(cpu::ScratchId::AttnPartZ, items * max_rows);
   }
   const bool parallel = items > 1 && work >= kParallelMin;
-  par::parallel_for_each(
-      items,
+  const auto buffers = [&] {
+    return std::array<float*, 3>{cpu::scratch<float>(cpu::ScratchId::AttnBlock, max_rows * (K3_ATT_BLOCK + 4)),
+                                 cpu::scratch<float>(cpu::ScratchId::AttnM, max_rows),
+                                 cpu::scratch<float>(cpu::ScratchId::AttnZ, max_rows)};
+  };
+  par::parallel_for_each_setup(
+      items, buffers,
       [&](int64_t it) {
-        float* const scratch = cpu::scratch<float>(cpu::ScratchId::AttnBlock, max_rows * (K3_ATT_BLOCK + 4));
-        float* const m = cpu::scratch<float>(cpu::ScratchId::AttnM, max_rows);
-        float* const z = cpu::scratch<float>(cpu::ScratchId::AttnZ, max_rows);
+        const auto [scratch, m, z] = buffers();
         const int64_t gi = it / np, p = it % np;
         cpu::AttendPart a;
         setup(gi, a);
@@ -302,10 +306,11 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
   for (int64_t tb0 = 0; tb0 < T; tb0 += TB) {
     const int64_t Tb = std::min(TB, T - tb0);
     // A: q̃[t,h] = W_UK_hᵀ q_nope[t,h]; W_UK_h decoded once for the block's tokens.
-    par::parallel_for_each(
-        H,
+    const auto w_uk = [&] { return cpu::scratch<float>(cpu::ScratchId::MlaW, std::max(d.nope, d.v) * L); };
+    par::parallel_for_each_setup(
+        H, w_uk,
         [&](int64_t h) {
-          float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.nope * L);
+          float* const W = w_uk();
           decode_rows(kern, kv_b, h * per_head, d.nope, W);
           kern.gemm_nn(Tb, L, d.nope, q + (tb0 * H + h) * dq, H * dq, W, L, Qt + h * L, H * L, 0, nullptr);
         },
@@ -353,10 +358,10 @@ void mla_absorbed_simd(const cpu::AttnKernels& kern, const float* q, int64_t T, 
           par_heads);
       continue;
     }
-    par::parallel_for_each(
-        H,
+    par::parallel_for_each_setup(
+        H, w_uk,
         [&](int64_t h) {
-          float* const W = cpu::scratch<float>(cpu::ScratchId::MlaW, d.v * L);
+          float* const W = w_uk();
           decode_rows(kern, kv_b, h * per_head + d.nope, d.v, W);
           kern.gemm_nt(Tb, d.v, L, Ch + h * L, H * L, W, L, out + (tb0 * H + h) * d.v, H * d.v, 1.0f);
         },

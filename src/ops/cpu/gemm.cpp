@@ -102,10 +102,11 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
 void matmul_scalar(const WeightMat& W, const float* X, int64_t T, float* Y) {
   constexpr int64_t kRows = 8;
   const int64_t nblocks = (W.rows + kRows - 1) / kRows;
-  par::parallel_for_each(
-      nblocks,
+  const auto buffer = [&] { return cpu::scratch<float>(cpu::ScratchId::ScalarRows, kRows * W.cols); };
+  par::parallel_for_each_setup(
+      nblocks, buffer,
       [&](int64_t b) {
-        float* const buf = cpu::scratch<float>(cpu::ScratchId::ScalarRows, kRows * W.cols);
+        float* const buf = buffer();
         const int64_t r0 = b * kRows, r1 = std::min(W.rows, r0 + kRows);
         for (int64_t r = r0; r < r1; ++r) dequant_row_impl(W, r, buf + (r - r0) * W.cols);
         for (int64_t t = 0; t < T; ++t)
@@ -294,11 +295,12 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     uint32_t* const Xp = aligned64(tl_xp_buf(), size_t(tpad * np / 2));
     par::parallel_for_each(
         ngroups, [&](int64_t g) { K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp); }, parallel);
+    const auto rows_buffer = [&] { return aligned64(tl_rows_buf(), size_t(6 * np)); };
     for (int64_t t0 = 0; t0 < T; t0 += tb)
-      par::parallel_for_each(
-          nchunks,
+      par::parallel_for_each_setup(
+          nchunks, rows_buffer,
           [&](int64_t c) {
-            uint32_t* const rows_buf = aligned64(tl_rows_buf(), size_t(6 * np));
+            uint32_t* const rows_buf = rows_buffer();
             K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * kBf16RowChunk,
                         std::min(rows, (c + 1) * kBf16RowChunk), Y + t0 * rows, rows, rows_buf);
           },
@@ -312,10 +314,11 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
   }
   for (int64_t t0 = 0; t0 < T; t0 += kTokenBlock) {
     const int64_t tb = std::min(kTokenBlock, T - t0);
-    par::parallel_for(
-        nrb, par::balanced_grain(nrb),
+    const auto buffer = [&] { return cpu::scratch<float>(cpu::ScratchId::GemmRows, 4 * cols); };
+    par::parallel_for_setup(
+        nrb, par::balanced_grain(nrb), buffer,
         [&](int64_t b0, int64_t b1) {
-          float* const scratch = cpu::scratch<float>(cpu::ScratchId::GemmRows, 4 * cols);
+          float* const scratch = buffer();
           for (int64_t b = b0; b < b1; ++b)
             K.gemm_f32(W, X + t0 * cols, tb, b * kRowBlock, std::min(rows, (b + 1) * kRowBlock), Y + t0 * rows, rows,
                        scratch);

@@ -170,8 +170,8 @@ void kda_recurrent(Exec ex, const float* q, const float* k, const float* v, cons
   const cpu::AttnKernels* K = cpu::attn_kernels(ex);
   if (!K) return kda_recurrent_scalar(q, k, v, g, beta, T, H, Dk, Dv, S, o);
   // fp32 state updated in place, two passes over it per token (see attn_kernels.inc).
-  par::parallel_for(
-      H, par::balanced_grain(H),
+  par::parallel_for_setup(
+      H, par::balanced_grain(H), [&] { cpu::scratch<float>(cpu::ScratchId::KdaHead, K3_KDA_REC_SCRATCH(Dk, Dv)); },
       [&](int64_t h0, int64_t h1) {
         float* const scratch = cpu::scratch_zeroed<float>(cpu::ScratchId::KdaHead, K3_KDA_REC_SCRATCH(Dk, Dv));
         for (int64_t h = h0; h < h1; ++h)
@@ -187,8 +187,8 @@ void kda_chunked(Exec ex, const float* q, const float* k, const float* v, const 
   // `chunk` is a hint: the kernel caps it at K3_KDA_MAX_CHUNK and cuts a chunk earlier where the
   // cumulative log-decay would leave the fp32-safe range (factored decays, see attn_kernels.inc).
   const int64_t cmax = chunk <= 0 ? K3_KDA_MAX_CHUNK : std::min<int64_t>(chunk, K3_KDA_MAX_CHUNK);
-  par::parallel_for(
-      H, par::balanced_grain(H),
+  par::parallel_for_setup(
+      H, par::balanced_grain(H), [&] { cpu::scratch<float>(cpu::ScratchId::KdaHead, K3_KDA_CHUNK_SCRATCH(Dk, Dv)); },
       [&](int64_t h0, int64_t h1) {
         float* const scratch = cpu::scratch_zeroed<float>(cpu::ScratchId::KdaHead, K3_KDA_CHUNK_SCRATCH(Dk, Dv));
         for (int64_t h = h0; h < h1; ++h)
