@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Installs the Debian packages listed in scripts/deps.txt (root or sudo). Skips apt entirely when
-# every package is already present at the pinned version, so repeated runs are fast and offline.
+# Installs the Debian packages listed in scripts/deps.txt (or the list given as $1, e.g.
+# scripts/test-deps.txt) (root or sudo). Skips apt entirely when every package is already present at
+# the pinned version, so repeated runs are fast and offline.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-mapfile -t pkgs < <(grep -v '^\s*#' "$here/deps.txt" | grep -v '^\s*$')
+list=${1:-$here/deps.txt}
+mapfile -t pkgs < <(grep -v '^\s*#' "$list" | grep -v '^\s*$')
 missing=()
 for p in "${pkgs[@]}"; do
   name=${p%%=*}

@@ -8,6 +8,11 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/install_deps.sh
+# Test-only packages (headless Chromium for the chat page); the browser test skips with a message
+# when they cannot be installed (K3_TEST_NO_BROWSER=1 leaves them out).
+if [[ "${K3_TEST_NO_BROWSER:-0}" != 1 ]]; then
+  bash scripts/install_deps.sh scripts/test-deps.txt || echo "test.sh: warning: the browser packages did not install; tests/server/test_browser.py will skip" >&2
+fi
 jobs=$(nproc)
 
 echo "== tokenizer vocabulary (Kimi ranks rebuilt from splintr-rs; tiktoken is the reference)"
