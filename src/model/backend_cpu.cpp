@@ -487,9 +487,15 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
     // sizes its GEMM buffers for the largest expert of the batch first (a repeated step then
     // allocates nothing).
     int64_t most = 0, widest = latent;
-    for (int64_t i = 0; i < n; ++i) most = std::max(most, n_rows(ids[i])), widest = std::max(widest, ew[i]->gate.rows);
+    bool bf16 = false;
+    for (int64_t i = 0; i < n; ++i) {
+      most = std::max(most, n_rows(ids[i]));
+      widest = std::max(widest, ew[i]->gate.rows);
+      bf16 = bf16 || ew[i]->gate.fmt == WFormat::BF16 || ew[i]->down.fmt == WFormat::BF16;
+    }
     par::parallel_for_each_setup(
-        n, [&] { ops::reserve_matmul(most, widest); }, [&](int64_t i) { expert_out(i, ids[i], *ew[i]); });
+        n, [&] { ops::reserve_matmul(most, 2, widest, widest, bf16); },
+        [&](int64_t i) { expert_out(i, ids[i], *ew[i]); });
     for (int64_t i = 0; i < n; ++i) add_expert(i, ids[i]);
   };
   const auto nsel = int64_t(m.selected.size());

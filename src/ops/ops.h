@@ -79,11 +79,12 @@ struct LatentPages {
 // up to the order of fp32 sums at page ends).
 void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                                const WeightMat& kv_b, const MlaAttnDims& d, float* out);
-// Sizes the calling thread's GEMM buffers for matmuls of up to T rows of `cols` inputs, so that a
-// later call of that size allocates nothing on this thread. For parallel regions whose threads
-// take matmuls of different sizes in dynamic order (whole experts), where a thread would
-// otherwise first meet its largest size at any later step.
-void reserve_matmul(int64_t T, int64_t cols);
+// Sizes the calling thread's matmul buffers for products of 1..T rows with up to `n` weights at once
+// (matmul_many / matmul_shared_input) of up to `rows` rows and `cols` columns (`bf16`: some of them
+// BF16), so that a later call within those sizes allocates nothing on this thread. For parallel
+// loops whose threads take matmuls of different sizes in dynamic order (whole experts), where a
+// thread would otherwise first meet a size at any later step.
+void reserve_matmul(int64_t T, int64_t n, int64_t rows, int64_t cols, bool bf16);
 // Y[t] = matmul(ex, W, X + t * cols, 1, Y + t * rows) for each of T rows, bit for bit (each row as
 // a decode GEMV computes it alone), reading W once for all of them where the level has a
 // multi-input GEMV (dense formats on avx512; elsewhere T separate GEMVs). For the decode rows of

@@ -368,11 +368,26 @@ void quantize_q8_scalar(const float* x, int64_t cols, int8_t* xq, int32_t* xc, f
 
 void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W, r, out); }
 
-void reserve_matmul(int64_t T, int64_t cols) {
+void reserve_matmul(int64_t T, int64_t n, int64_t rows, int64_t cols, bool bf16) {
   // The bf16 GEMM's buffers (gemm_threaded): the packed activations and one row tile.
   const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16;
   aligned64(tl_xp_buf(), size_t(tpad * np / 2));
   aligned64(tl_rows_buf(), size_t(6 * np));
+  // The one-row driver (gemv_threaded): row chunks of at least 8 rows, one prepared input per weight.
+  GemvScratch& s = gemv_scratch();
+  s.chunks.reserve(size_t(n * (rows / 8 + 1)));
+  s.input_of.reserve(size_t(n));
+  s.prepared.reserve(size_t(n));
+  if (s.inputs.size() < size_t(n)) s.inputs.resize(size_t(n));
+  for (InputScratch& in : s.inputs) {
+    const size_t ng = size_t(cols / 128);
+    in.xq.reserve(ng * 128);
+    in.xc.reserve(ng * 16);
+    in.xs.reserve(ng * 16);
+    in.xr.reserve(size_t(cols));
+    if (bf16)
+      for (auto& b : in.xp_bf16) b.reserve(size_t(cols));
+  }
 }
 
 bool fast_applies(Exec ex, const WeightMat& W, int64_t T) {
