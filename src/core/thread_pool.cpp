@@ -263,7 +263,7 @@ class Pool {
   Pool() : hw_(affinity_cpus()), load_(hw_, std::max<long>(hw_, sysconf(_SC_NPROCESSORS_ONLN))) {
     max_threads_ = hw_;
     spin_ns_ = int64_t(env_int("K3_SPIN_US", 100)) * 1000;
-    adaptive_ = env_int("K3_ADAPTIVE_THREADS", 1) != 0;
+    adaptive_ = env_int("K3_ADAPTIVE_THREADS", 0) != 0;
   }
 
   // Claims and runs ranges until none is left (the caller and joined workers alike).
@@ -379,7 +379,7 @@ class Pool {
   const int hw_;
   std::atomic<bool> busy_{false};
   std::atomic<int> max_threads_{1};
-  std::atomic<bool> adaptive_{true};
+  std::atomic<bool> adaptive_{false};
   int64_t spin_ns_ = 100000;
 
   // The current loop (written by the caller before it publishes the epoch).

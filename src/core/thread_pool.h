@@ -1,7 +1,7 @@
 // The CPU's parallel loops: one process-wide pool of worker threads that join the calling thread
 // on a loop split into ranges, claimed one at a time by whichever thread is free. Workers spin
-// briefly between loops, then sleep; the team shrinks while other processes keep the cores busy
-// (docs/performance.md, "Threads on a busy machine").
+// briefly between loops, then sleep; optionally (K3_ADAPTIVE_THREADS=1) the team shrinks while other
+// processes keep the cores busy (docs/performance.md, "Threads on a busy machine").
 // Owns: the worker threads, how they wait, how many take part. Must not: know what the work is,
 // or let the result depend on which thread ran a range (callers write disjoint outputs).
 #pragma once
@@ -17,9 +17,11 @@ int max_threads();
 // n <= 0: the default (hardware_threads()). Takes effect at the next loop; call it from the thread
 // that runs the loops, not inside one.
 void set_max_threads(int n);
-// Adaptive team size (default on; K3_ADAPTIVE_THREADS=0 turns it off): before a loop the pool
+// Adaptive team size (default off; K3_ADAPTIVE_THREADS=1 turns it on): before a loop the pool
 // estimates how many of this machine's CPUs other processes keep busy and uses at most the rest,
-// never fewer than the calling thread. Off: every loop may use max_threads().
+// never fewer than the calling thread: it leaves the cores to other work. Off: every loop may use
+// max_threads(); claimed ranges already keep a busy machine from stalling the loops, and measured
+// with other processes busy, the whole team was faster than a shrunk one (docs/performance.md).
 void set_adaptive(bool on);
 bool adaptive();
 // True on a thread that is running a range of a parallel loop (a nested loop then runs inline).
