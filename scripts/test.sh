@@ -23,6 +23,9 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
   build/tokvenv/bin/python tools/tokenizer/setup_vocab.py --out build/tokenizer-data
   # the committed Unicode 16.0 property table is what its generator writes from the pinned data
   build/tokvenv/bin/python tools/tokenizer/gen_unicode_props.py --check
+  # the chat goldens (tests/fixtures/chat) equal what an independent renderer written from the format
+  # specification (tools/chat/xtml.py, no code shared with src/chat) renders
+  build/tokvenv/bin/python tools/chat/check_goldens.py
 fi
 
 echo "== server tests: the OpenAI Python client (pinned) in build/servevenv"
