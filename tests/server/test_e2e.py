@@ -269,6 +269,75 @@ class Basics(unittest.TestCase):
         self.assertIn(b'"finish_reason":"length"', got)
 
 
+class ToolCalls(unittest.TestCase):
+    """The chat-tuned K3-nano calls tools through the API: held-out tool prompts of
+    tests/fixtures/k3-nano-chat (the engine's own test counts 38 of 40 well-formed calls), each
+    non-streamed and streamed; the streamed call arrives in pieces that add up to the same call."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.s = Server("--parallel", "4")
+        cls.c = cls.s.client()
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "k3-nano-chat",
+                            "tool_prompts.jsonl")
+        with open(path, encoding="utf-8") as f:
+            cls.prompts = [json.loads(line) for line in f if line.strip()][:6]
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.s.stop()
+
+    def request(self, p):
+        msgs = ([{"role": "system", "content": p["system"]}] if p["system"] else []) + user(p["user"])
+        kw = dict(model=MODEL, messages=msgs, tools=p["tools"], max_tokens=256, temperature=0,
+                  tool_choice="required" if p["tool_choice_required"] else "auto")
+        if p["reasoning_effort"]:
+            kw["reasoning_effort"] = p["reasoning_effort"]
+        if not p["thinking"] and not p["reasoning_effort"]:
+            kw["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+        return kw
+
+    def test_tool_calls_stream_and_nonstream(self):
+        well_formed = 0
+        for p in self.prompts:
+            kw = self.request(p)
+            declared = {t["function"]["name"]: t["function"]["parameters"] for t in p["tools"]}
+            r = self.c.chat.completions.create(**kw)
+            calls = r.choices[0].message.tool_calls or []
+            if not calls:
+                continue
+            self.assertEqual(r.choices[0].finish_reason, "tool_calls", p["id"])
+            call = calls[0]
+            self.assertTrue(call.id.startswith("call_"), call.id)
+            self.assertEqual(call.type, "function")
+            args = json.loads(call.function.arguments)  # a JSON string of an object
+            self.assertIsInstance(args, dict)
+            if call.function.name in declared and all(k in args for k in declared[call.function.name].get("required", [])):
+                well_formed += 1
+            # streamed: the same calls, the arguments in more than one piece
+            pieces, got = {}, {}
+            finish = None
+            for ch in self.c.chat.completions.create(**kw, stream=True):
+                for c in ch.choices:
+                    finish = c.finish_reason or finish
+                    for tc in c.delta.tool_calls or []:
+                        slot = got.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                        if tc.id:
+                            slot["id"] = tc.id
+                        if tc.function and tc.function.name:
+                            slot["name"] += tc.function.name
+                        if tc.function and tc.function.arguments:
+                            slot["arguments"] += tc.function.arguments
+                            pieces[tc.index] = pieces.get(tc.index, 0) + 1
+            self.assertEqual(finish, "tool_calls", p["id"])
+            self.assertEqual([(g["name"], json.loads(g["arguments"])) for _, g in sorted(got.items())],
+                             [(c.function.name, json.loads(c.function.arguments)) for c in calls], p["id"])
+            self.assertTrue(all(g["id"] and g["id"].startswith("call_") for g in got.values()))
+            self.assertGreater(pieces.get(0, 0), 1, "the arguments arrived in one piece: " + p["id"])
+        self.assertGreaterEqual(well_formed, len(self.prompts) - 1,
+                                f"{well_formed} of {len(self.prompts)} held-out tool prompts gave a well-formed call")
+
+
 class AuthAndCors(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
