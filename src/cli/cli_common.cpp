@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <ctime>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "core/error.h"
@@ -213,6 +215,14 @@ int run_guarded(const char* who, const std::function<int()>& body) {
     print_error(who, std::string("internal error: ") + e.what());
     return 1;
   }
+}
+
+bool wants_bos(const std::string& tok_dir) {
+  std::ifstream f(std::filesystem::path(tok_dir) / "tokenizer_config.json");
+  if (!f) return false;
+  const auto j = nlohmann::json::parse(f, nullptr, false);
+  return j.is_object() && j.contains("add_bos_token") && j["add_bos_token"].is_boolean() &&
+         j["add_bos_token"].get<bool>();
 }
 
 bool stderr_is_tty() { return ::isatty(2) == 1; }

@@ -113,6 +113,8 @@ std::optional<int> parse_flags(CLI::App& app, int argc, char** argv);
 // stderr (print_error).
 int run_guarded(const char* who, const std::function<int()>& body);
 
+// The tokenizer_config.json in tok_dir asks for a BOS token in front of raw prompts.
+bool wants_bos(const std::string& tok_dir);
 bool stderr_is_tty();
 bool stdout_is_tty();
 

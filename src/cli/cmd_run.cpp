@@ -27,14 +27,6 @@ namespace {
 
 std::string read_all(std::istream& in) { return std::string(std::istreambuf_iterator<char>(in), {}); }
 
-bool wants_bos(const std::string& tok_dir) {
-  std::ifstream f(fs::path(tok_dir) / "tokenizer_config.json");
-  if (!f) return false;
-  const auto j = nlohmann::json::parse(f, nullptr, false);
-  return j.is_object() && j.contains("add_bos_token") && j["add_bos_token"].is_boolean() &&
-         j["add_bos_token"].get<bool>();
-}
-
 void write_out(const std::string& s) {
   if (s.empty()) return;
   std::fwrite(s.data(), 1, s.size(), stdout);

@@ -26,13 +26,6 @@ namespace {
 std::atomic<bool> g_stop{false};
 extern "C" void on_stop_signal(int) { g_stop.store(true); }
 
-bool wants_bos(const std::string& tok_dir) {
-  std::ifstream f(fs::path(tok_dir) / "tokenizer_config.json");
-  if (!f) return false;
-  const auto j = nlohmann::json::parse(f, nullptr, false);
-  return j.is_object() && j.contains("add_bos_token") && j["add_bos_token"].is_boolean() &&
-         j["add_bos_token"].get<bool>();
-}
 }  // namespace
 
 int cmd_serve(int argc, char** argv) {

@@ -323,37 +323,36 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
   return ids;
 }
 
+// Request keys both endpoints take (sampling, limits, streaming, logprobs, extras), plus `own`.
+std::set<std::string> with_common_keys(std::set<std::string> own) {
+  for (const char* k : {"model",
+                        "stream",
+                        "stream_options",
+                        "max_tokens",
+                        "temperature",
+                        "top_p",
+                        "top_k",
+                        "min_p",
+                        "presence_penalty",
+                        "frequency_penalty",
+                        "repetition_penalty",
+                        "seed",
+                        "stop",
+                        "n",
+                        "logprobs",
+                        "user",
+                        "logit_bias",
+                        "ignore_eos",
+                        "cache_prompt",
+                        "timeout"})
+    own.insert(k);
+  return own;
+}
+
 ApiRequest map_chat_request(const json& b, const Engine& e, const ApiConfig& cfg) {
-  static const std::set<std::string> allowed = {"model",
-                                                "messages",
-                                                "stream",
-                                                "stream_options",
-                                                "max_tokens",
-                                                "max_completion_tokens",
-                                                "temperature",
-                                                "top_p",
-                                                "top_k",
-                                                "min_p",
-                                                "presence_penalty",
-                                                "frequency_penalty",
-                                                "repetition_penalty",
-                                                "seed",
-                                                "stop",
-                                                "n",
-                                                "logprobs",
-                                                "top_logprobs",
-                                                "tools",
-                                                "tool_choice",
-                                                "parallel_tool_calls",
-                                                "response_format",
-                                                "reasoning_effort",
-                                                "chat_template_kwargs",
-                                                "thinking",
-                                                "user",
-                                                "logit_bias",
-                                                "ignore_eos",
-                                                "cache_prompt",
-                                                "timeout"};
+  static const std::set<std::string> allowed = with_common_keys(
+      {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+       "response_format", "reasoning_effort", "chat_template_kwargs", "thinking"});
   check_keys(b, allowed, "/v1/chat/completions");
   ApiRequest r;
   check_model(b, cfg, r.model);
@@ -385,29 +384,7 @@ ApiRequest map_chat_request(const json& b, const Engine& e, const ApiConfig& cfg
 }
 
 ApiRequest map_completion_request(const json& b, const Engine& e, const ApiConfig& cfg) {
-  static const std::set<std::string> allowed = {"model",
-                                                "prompt",
-                                                "stream",
-                                                "stream_options",
-                                                "max_tokens",
-                                                "temperature",
-                                                "top_p",
-                                                "top_k",
-                                                "min_p",
-                                                "presence_penalty",
-                                                "frequency_penalty",
-                                                "repetition_penalty",
-                                                "seed",
-                                                "stop",
-                                                "n",
-                                                "logprobs",
-                                                "echo",
-                                                "user",
-                                                "logit_bias",
-                                                "ignore_eos",
-                                                "cache_prompt",
-                                                "timeout",
-                                                "best_of"};
+  static const std::set<std::string> allowed = with_common_keys({"prompt", "echo", "best_of"});
   check_keys(b, allowed, "/v1/completions");
   ApiRequest r;
   check_model(b, cfg, r.model);
