@@ -279,7 +279,9 @@ void Scheduler::emit_token(Active& a, int32_t tok, std::optional<TokenLogprob> l
         a.saw_tool_call_end |= ev.kind == chat::EventKind::ToolCallEnd;
       }
       a.reasoning_tokens += reasoning;
-      if (a.parser->result().finished_message) reason = "stop";
+      // ignore_eos (a benchmarking extra) also goes past the end of the chat message: the tokens
+      // after it are generated and counted, and the parser shows none of them
+      if (a.parser->result().finished_message && !r.ignore_eos) reason = "stop";
       if (!r.parallel_tool_calls && a.saw_tool_call_end) reason = "stop";
     }
     if (r.json_object) {

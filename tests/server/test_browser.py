@@ -6,6 +6,7 @@ that, and the usage line shows the server's counts. K3_SCREENSHOT=PATH saves a s
 
 Exit 77 (skipped, with a message) when selenium, chromium or chromedriver is missing.
 """
+import json
 import os
 import shutil
 import sys
@@ -40,6 +41,16 @@ def wait_for(cond, timeout, what):
             return v
         time.sleep(0.02)
     raise AssertionError("timed out waiting for " + what)
+
+
+def never_end_bias():
+    """logit_bias that keeps the bundled model from closing its message: -100 on <|close|> and
+    <|end_of_msg|>, ids read from the model's tokenizer_config.json."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+    with open(os.path.join(root, "models", "k3-nano", "tokenizer_config.json"), encoding="utf-8") as f:
+        added = json.load(f)["added_tokens_decoder"]
+    ids = {v["content"]: k for k, v in added.items()}
+    return {ids["<|close|>"]: -100, ids["<|end_of_msg|>"]: -100}
 
 
 class ChatPage(unittest.TestCase):
@@ -81,6 +92,21 @@ class ChatPage(unittest.TestCase):
         wait_for(lambda: "k3-nano" in d.find_element(By.ID, "model").text, 30, "the model name from /v1/models")
 
         # 1. A long reply streams: the text grows in several steps while the request runs; then Stop.
+        # The chat-tuned model ends a reply within ~100 tokens, which can beat the Stop click, so this
+        # one request also tells the server never to pick <|close|> or <|end_of_msg|> (logit_bias,
+        # ids from the model's tokenizer_config.json), added to the page's request body by a wrapper
+        # around fetch; the page itself is unchanged.
+        d.execute_script("""
+            const bias = arguments[0];
+            const f = window.fetch;
+            window.fetch = (url, opts) => {
+              if (window.k3TestLongReply && opts && opts.body && String(url).endsWith("/v1/chat/completions")) {
+                const b = JSON.parse(opts.body); b.logit_bias = bias;
+                opts = Object.assign({}, opts, { body: JSON.stringify(b) });
+              }
+              return f(url, opts);
+            };
+            window.k3TestLongReply = true;""", never_end_bias())
         self.send("Tell me about the function returns.", 2000)
         box = wait_for(lambda: (self.assistant_boxes() or [None])[-1], 10, "the reply box")
         lengths = []
@@ -101,6 +127,7 @@ class ChatPage(unittest.TestCase):
         self.assertEqual(len(self.reply_text(box)), stopped_at, "text kept arriving after Stop")
 
         # 2. The page keeps working: a short reply completes with the usage line.
+        d.execute_script("window.k3TestLongReply = false;")
         self.send("What is a file?", 48)
         wait_for(lambda: len(self.assistant_boxes()) == 2, 10, "the second reply box")
         box2 = self.assistant_boxes()[-1]

@@ -140,6 +140,18 @@ class Basics(unittest.TestCase):
         _, tok, _ = self.s.http("POST", "/tokenize", {"messages": user("What is a file system?")})
         self.assertEqual(usage.prompt_tokens, len(tok["tokens"]))
 
+    def test_ignore_eos_runs_to_max_tokens(self):
+        # the chat-tuned model closes this answer well before 300 tokens; ignore_eos goes on
+        kw = dict(model=MODEL, messages=user("What is a socket?"), max_tokens=300, temperature=0)
+        r = self.c.chat.completions.create(**kw)
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertLess(r.usage.completion_tokens, 300)
+        shown = reasoning_of(r.choices[0].message) + (r.choices[0].message.content or "")
+        r2 = self.c.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+        self.assertEqual(r2.choices[0].finish_reason, "length")
+        self.assertEqual(r2.usage.completion_tokens, 300)
+        self.assertEqual(reasoning_of(r2.choices[0].message) + (r2.choices[0].message.content or ""), shown)
+
     def test_thinking_off_gives_content(self):
         r = self.c.chat.completions.create(model=MODEL, messages=user("Say something."), max_tokens=6, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
