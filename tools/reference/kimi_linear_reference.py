@@ -64,12 +64,32 @@ def l2norm(x):
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
+def rope_rotate(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate-half RoPE over the last dim (only for the `mla_rope_on_pe_dims` trap variant)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=F64) / d)
+    ang = pos.to(F64)[:, None] * inv[None, :]                      # [P, d/2]
+    shape = [ang.shape[0]] + [1] * (x.dim() - 2) + [d // 2]
+    cos, sin = torch.cos(ang).view(shape), torch.sin(ang).view(shape)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 class KimiLinearRef:
     """Float64 reference. `forward(ids, state)` appends ids to `state` (a dict from `new_state()`) and
     returns their logits [len(ids), vocab]; a fresh state gives the full causal pass."""
 
-    def __init__(self, cfg: dict, w: Dict[str, torch.Tensor]):
+    # deliberate mistakes, for tests/python/test_kl_fixture.py (must all be off for the reference)
+    VARIANTS = ("conv_taps_reversed", "decay_on_value_dim", "out_gate_silu", "o_norm_over_all_heads",
+                "no_qk_l2norm", "router_weights_from_biased_scores", "no_router_bias", "no_renormalize",
+                "mla_rope_on_pe_dims")
+
+    def __init__(self, cfg: dict, w: Dict[str, torch.Tensor], variant: Optional[set] = None):
         self.cfg, self.w = cfg, w
+        self.variant = set(variant or ())
+        unknown = self.variant - set(self.VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown variants {sorted(unknown)}")
         la = cfg["linear_attn_config"]
         self.L = cfg["num_hidden_layers"]
         kda = set(la["kda_layers"])
@@ -135,12 +155,17 @@ class KimiLinearRef:
             pre = x @ w[p + f"{n}_proj.weight"].T                        # [T, W]
             buf = torch.cat([st["conv"][j], pre], 0)                      # [K-1+T, W]
             cw = w[p + f"{n}_conv1d.weight"][:, 0, :]                     # [W, K]; tap K-1 = current token
+            if "conv_taps_reversed" in self.variant:
+                cw = cw.flip(-1)
             out = torch.stack([(buf[t:t + K] * cw.T).sum(0) for t in range(T)], 0)
             st["conv"][j] = buf[-(K - 1):].clone() if K > 1 else buf[:0]
             streams.append(silu(out).view(T, Hk, D))
         q, k, v = streams
-        q = l2norm(q) * (D ** -0.5)
-        k = l2norm(k)
+        if "no_qk_l2norm" in self.variant:
+            q = q * (D ** -0.5)
+        else:
+            q = l2norm(q) * (D ** -0.5)
+            k = l2norm(k)
         f = (x @ w[p + "f_a_proj.weight"].T) @ w[p + "f_b_proj.weight"].T     # [T, W]
         g = -torch.exp(w[p + "A_log"].reshape(Hk))[None, :, None] * softplus(
             (f + w[p + "dt_bias"].reshape(-1)).view(T, Hk, D))
@@ -152,13 +177,20 @@ class KimiLinearRef:
         o = torch.zeros(T, Hk, D, dtype=F64)
         for t in range(T):
             for h in range(Hk):
-                Sh = S[h] * decay[t, h][:, None]                  # decay along the key dim d
+                if "decay_on_value_dim" in self.variant:
+                    Sh = S[h] * decay[t, h][None, :]
+                else:
+                    Sh = S[h] * decay[t, h][:, None]              # decay along the key dim d
                 u = beta[t, h] * (v[t, h] - Sh.T @ k[t, h])       # [D_v]
                 Sh = Sh + torch.outer(k[t, h], u)
                 S[h] = Sh
                 o[t, h] = Sh.T @ q[t, h]
         gate = ((x @ w[p + "g_a_proj.weight"].T) @ w[p + "g_b_proj.weight"].T).view(T, Hk, D)
-        y = rmsnorm(o, w[p + "o_norm.weight"], self.eps) * torch.sigmoid(gate)
+        act = silu if "out_gate_silu" in self.variant else torch.sigmoid
+        if "o_norm_over_all_heads" in self.variant:
+            y = rmsnorm(o.reshape(T, Hk * D), w[p + "o_norm.weight"].repeat(Hk), self.eps).view(T, Hk, D) * act(gate)
+        else:
+            y = rmsnorm(o, w[p + "o_norm.weight"], self.eps) * act(gate)
         return y.reshape(T, Hk * D) @ w[p + "o_proj.weight"].T
 
     def mla(self, i: int, x: torch.Tensor, st: dict) -> torch.Tensor:
@@ -172,7 +204,11 @@ class KimiLinearRef:
         st["kpe"] = torch.cat([st["kpe"], ckv[:, R:]], 0)
         P = st["c"].shape[0]                                    # positions so far (incl. these T)
         kv = (st["c"] @ w[p + "kv_b_proj.weight"].T).view(P, Nh, nope + vd)
-        kfull = torch.cat([kv[..., :nope], st["kpe"][:, None, :].expand(P, Nh, rope)], -1)
+        kpe = st["kpe"]
+        if "mla_rope_on_pe_dims" in self.variant:  # what a DeepSeek-style engine would do (wrong here)
+            q = torch.cat([q[..., :nope], rope_rotate(q[..., nope:], torch.arange(P - T, P))], -1)
+            kpe = rope_rotate(kpe, torch.arange(P))
+        kfull = torch.cat([kv[..., :nope], kpe[:, None, :].expand(P, Nh, rope)], -1)
         vfull = kv[..., nope:]
         scale = (nope + rope) ** -0.5
         out = torch.zeros(T, Nh, vd, dtype=F64)
@@ -189,7 +225,7 @@ class KimiLinearRef:
     def moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
         w, p = self.w, f"model.layers.{i}.block_sparse_moe."
         s = torch.sigmoid(x @ w[p + "gate.weight"].T)                       # [T, E]
-        choice = s + w[p + "gate.e_score_correction_bias"][None, :]
+        choice = s + (0 if "no_router_bias" in self.variant else w[p + "gate.e_score_correction_bias"][None, :])
         y = torch.zeros_like(x)
         for t in range(x.shape[0]):
             order = torch.argsort(choice[t], descending=True)
@@ -201,8 +237,8 @@ class KimiLinearRef:
                 if plain != set(idx.tolist()):
                     self.diag["bias_changed_selection_tokens"] += 1
                     self.diag["layers_with_bias_changed_selection"].add(i)
-            wt = s[t, idx]
-            if self.renorm:
+            wt = (choice if "router_weights_from_biased_scores" in self.variant else s)[t, idx]
+            if self.renorm and "no_renormalize" not in self.variant:
                 wt = wt / (wt.sum() + 1e-20)
             wt = wt * self.scaling
             for j, e in enumerate(idx.tolist()):
@@ -294,13 +330,11 @@ def transformers_logits(model, ids: List[int]) -> torch.Tensor:
 @torch.no_grad()
 def transformers_greedy(model, prompt: List[int], n: int):
     """Greedy with transformers' own cache: prefill (chunked KDA), then single-token recurrent steps."""
-    from transformers import GenerationConfig
-    gc = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None,
-                          pad_token_id=model.config.pad_token_id, use_cache=True)
-    g = model.generate(torch.tensor([prompt], dtype=torch.long), generation_config=gc,
-                       return_dict_in_generate=True, output_scores=True)
+    g = model.generate(torch.tensor([prompt], dtype=torch.long), do_sample=False, max_new_tokens=n,
+                       eos_token_id=None, pad_token_id=model.config.pad_token_id, use_cache=True,
+                       return_dict_in_generate=True, output_logits=True)
     ids = g.sequences[0, len(prompt):].tolist()
-    return ids, [s[0].to(F64) for s in g.scores]
+    return ids, [s[0].to(F64) for s in g.logits]  # raw logits of each step
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
