@@ -230,7 +230,7 @@ def shard_of(name: str, p: dict) -> int:
         return 0
     if name.startswith("model.layers."):
         li = int(name.split(".")[2])
-        if n >= p["layers"] + 1:  # kl-full: one layer per shard, embed+norm+head in the last
+        if n >= p["layers"] + 1:  # kl-full: one layer per shard (embed with layer 0, norm+head last)
             return li
         return li * n // p["layers"]
     return 0 if "embed_tokens" in name else n - 1
