@@ -126,7 +126,6 @@ def make_config(p: dict, dtype: str) -> dict:
         "routed_scaling_factor": p["scaling"],
         "tie_word_embeddings": False,
         "topk_group": 1,
-        "transformers_version": "4.57.1",
         "use_cache": True,
         "use_grouped_topk": True,
         "v_head_dim": p["v"],
