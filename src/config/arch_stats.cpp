@@ -100,43 +100,49 @@ ArchParams compute_arch_params(const ModelConfig& c) {
   const int64_t H = c.hidden_size;
   const int64_t N = c.num_hidden_layers;
 
-  // KDA (§2.5). A_log ships as [head_dim] (per-head values padded to head_dim: 128 for 96 heads);
-  // f_a_proj has rank head_dim. The full-rank output gate g_proj is [P, H].
+  // KDA (§2.5). K3's A_log ships as [head_dim] (per-head values padded to head_dim: 128 for 96
+  // heads), Kimi Linear's (the flat kimi_linear form) as [1, 1, heads, 1]; f_a_proj has rank
+  // head_dim. The output gate is the full-rank g_proj [P, H] (K3) or g_b · g_a of rank head_dim.
   const int64_t P = mul(c.kda_num_heads, c.kda_head_dim);
   const int64_t hd = c.kda_head_dim;
-  a.kda_attention = add({mul(3, P, H),                         // q_proj, k_proj, v_proj
-                         mul(3, P, c.short_conv_kernel_size),  // q/k/v_conv1d [P, 1, K]
-                         mul(hd, H), mul(P, hd),               // f_a_proj, f_b_proj
-                         hd, P,                                // A_log, dt_bias
-                         mul(c.kda_num_heads, H),              // b_proj
-                         mul(P, H),                            // g_proj
-                         hd,                                   // o_norm (shared by heads)
-                         mul(H, P)});                          // o_proj
+  const bool flat = c.model_type == "kimi_linear";
+  a.kda_attention = add({mul(3, P, H),                                                // q_proj, k_proj, v_proj
+                         mul(3, P, c.short_conv_kernel_size),                         // q/k/v_conv1d [P, 1, K]
+                         mul(hd, H), mul(P, hd),                                      // f_a_proj, f_b_proj
+                         flat ? c.kda_num_heads : hd, P,                              // A_log, dt_bias
+                         mul(c.kda_num_heads, H),                                     // b_proj
+                         c.use_full_rank_gate ? mul(P, H) : add({mul(hd, H), mul(P, hd)}),  // g_proj | g_a, g_b
+                         hd,                                                          // o_norm (shared by heads)
+                         mul(H, P)});                                                 // o_proj
 
-  // Gated MLA (§2.6).
+  // Gated MLA (§2.6); without a query LoRA a direct q_proj.
   const int64_t nq = c.num_attention_heads;
   const int64_t attn_out = mul(nq, c.v_head_dim);
   a.mla_attention = add({mul(c.q_lora_rank, H), c.q_lora_rank,                        // q_a_proj, q_a_layernorm
-                         mul(nq, c.mla_qk_head_dim(), c.q_lora_rank),                 // q_b_proj
+                         c.mla_q_lora ? mul(nq, c.mla_qk_head_dim(), c.q_lora_rank)  // q_b_proj
+                                      : mul(nq, c.mla_qk_head_dim(), H),              // | q_proj
                          mul(c.kv_lora_rank + c.qk_rope_head_dim, H),                 // kv_a_proj_with_mqa
                          c.kv_lora_rank,                                              // kv_a_layernorm
                          mul(nq, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank),  // kv_b_proj
                          c.mla_use_output_gate ? mul(attn_out, H) : 0,                // g_proj
                          mul(H, attn_out)});                                          // o_proj
 
-  // Stable LatentMoE without routed experts (§2.8).
-  const int64_t R = c.routed_expert_hidden_size;
-  a.moe_excl_routed = add({mul(c.num_experts, H), c.num_experts,                 // gate.weight, e_score_correction_bias
-                           mul(R, H), c.latent_moe_use_norm ? R : 0, mul(H, R),  // latent down, norm, up
-                           mul(3, c.shared_intermediate(), H)});                 // fused shared experts gate/up/down
+  // Stable LatentMoE (§2.8) or experts in the hidden space (Kimi Linear), without routed experts.
+  const bool latent = c.moe_kind == MoeKind::Latent;
+  const int64_t R = latent ? c.routed_expert_hidden_size : H;
+  a.moe_excl_routed = add({mul(c.num_experts, H), c.num_experts,  // gate.weight, e_score_correction_bias
+                           latent ? add({mul(R, H), c.latent_moe_use_norm ? R : 0, mul(H, R)}) : 0,  // down, norm, up
+                           mul(3, c.shared_intermediate(), H)});  // fused shared experts gate/up/down
   a.dense_ffn = mul(3, c.intermediate_size, H);
   a.routed_expert = mul(3, c.moe_intermediate_size, R);  // w1 [I,R], w3 [I,R], w2 [R,I]
-  a.layer_norms = mul(6, H);  // input, post_attention, self_attention_res_{norm,proj}, mlp_res_{norm,proj}
+  // input, post_attention (+ self_attention_res_{norm,proj}, mlp_res_{norm,proj} with Block AttnRes)
+  const bool attn_res = c.residual == ResidualKind::BlockAttnRes;
+  a.layer_norms = mul(attn_res ? 6 : 2, H);
 
   a.embedding = mul(c.vocab_size, H);
   a.lm_head = c.tie_word_embeddings ? 0 : mul(c.vocab_size, H);
   a.final_norm = H;
-  a.output_attn_res = mul(2, H);
+  a.output_attn_res = attn_res ? mul(2, H) : 0;
 
   a.n_kda_layers = count_kda(c);
   a.n_mla_layers = N - a.n_kda_layers;
@@ -230,8 +236,10 @@ std::string format_arch_report(const ModelConfig& c, int64_t ctx_tokens) {
   r += row("dense FFN", "width " + std::to_string(c.intermediate_size) + " (layers < " +
                             std::to_string(c.first_k_dense_replace) + ")");
   r += row("MoE", std::to_string(c.num_experts) + " routed experts, top-" + std::to_string(c.num_experts_per_token) +
-                      ", expert width " + std::to_string(c.moe_intermediate_size) + ", latent " +
-                      std::to_string(c.routed_expert_hidden_size) + ", " + std::to_string(c.num_shared_experts) +
+                      ", expert width " + std::to_string(c.moe_intermediate_size) +
+                      (c.moe_kind == MoeKind::Latent ? ", latent " + std::to_string(c.routed_expert_hidden_size)
+                                                     : std::string(", in the hidden space")) +
+                      ", " + std::to_string(c.num_shared_experts) +
                       " shared (fused width " + std::to_string(c.shared_intermediate()) + ")");
   r += row("activation", c.activation == FfnActivation::SiTU
                              ? "SiTU-GLU beta " + fmt("%g", c.situ_beta) + " / " + fmt("%g", c.situ_linear_beta)
@@ -242,7 +250,8 @@ std::string format_arch_report(const ModelConfig& c, int64_t ctx_tokens) {
   r += row("MoE block excl. routed", format_thousands(a.moe_excl_routed));
   r += row("dense FFN", format_thousands(a.dense_ffn));
   r += row("one routed expert", format_thousands(a.routed_expert));
-  r += row("norms + AttnRes / layer", format_thousands(a.layer_norms));
+  r += row(c.residual == ResidualKind::BlockAttnRes ? "norms + AttnRes / layer" : "norms / layer",
+           format_thousands(a.layer_norms));
   r += row("embedding", format_thousands(a.embedding));
   r += row("lm_head", format_thousands(a.lm_head));
   r += row("always active", params_str(a.always_active) + "  (trunk + embedding + lm_head)");

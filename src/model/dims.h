@@ -11,8 +11,9 @@ struct ModelConfig;
 // ---------------------------------------------------------------- KDA (§3.5)
 struct KdaDims {
   int64_t hidden = 0, heads = 0, head_dim = 0, conv_k = 0;
-  float lower_bound = -5.0f;
-  float norm_eps = 1e-5f;  // o_norm (per head RMSNorm)
+  float lower_bound = -5.0f;  // the bounded gate lb·σ(...) of K3; 0: the unbounded −exp(A_log)·softplus (Kimi Linear)
+  float norm_eps = 1e-5f;     // o_norm (per head RMSNorm)
+  bool low_rank_gate = false;  // output gate g_b(g_a x) (Kimi Linear) instead of the full-rank g_proj x (K3)
   int64_t dim() const { return heads * head_dim; }
   int64_t state_floats() const { return heads * head_dim * head_dim; }  // S [H, Dk, Dv], per sequence
   int64_t conv_floats() const { return dim() * (conv_k - 1); }          // one of q/k/v conv history
@@ -20,13 +21,14 @@ struct KdaDims {
 
 // ---------------------------------------------------------------- gated MLA, NoPE (§3.6)
 struct MlaDims {
-  int64_t hidden = 0, heads = 0, q_lora = 0, kv_lora = 0, nope = 0, rope = 0, v = 0;
+  int64_t hidden = 0, heads = 0, q_lora = 0, kv_lora = 0, nope = 0, rope = 0, v = 0;  // q_lora 0: a direct q_proj
   float lora_eps = 1e-6f;  // q_a_layernorm / kv_a_layernorm
   bool output_gate = true;
   int64_t cache_floats_per_token() const { return kv_lora + rope; }  // normed latent c + raw k_r
 };
 
 // ---------------------------------------------------------------- FFNs (§3.7, §3.8)
+// SiTU-GLU caps; {0, 0} is the SiLU-GLU g·σ(g)·u (hidden_act "silu", Kimi Linear).
 struct SituParams {
   float beta = 4.0f, linear_beta = 25.0f;
 };
@@ -34,12 +36,14 @@ struct SituParams {
 struct MoeDims {
   int64_t hidden = 0, latent = 0, inter = 0, experts = 0, top_k = 0;
   bool renormalize = true, latent_norm = true;
+  bool latent_proj = true;  // false: experts in the hidden space (latent == hidden, no down/up projection)
   float routed_scale = 1.0f, norm_eps = 1e-5f;
   SituParams situ;
 };
 
 struct ModelDims {
-  int64_t hidden = 0, vocab = 0, layers = 0, block_size = 0;
+  int64_t hidden = 0, vocab = 0, layers = 0;
+  int64_t block_size = 0;                     // Block AttnRes block size; 0: the plain residual sum
   int64_t kda_layers = 0, mla_layers = 0;     // how many of each attention kind
   int64_t dense_inter = 0, shared_inter = 0;  // dense FFN / fused shared experts intermediate (0 = none)
   float eps = 1e-5f;

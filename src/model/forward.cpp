@@ -25,12 +25,31 @@ StepNumerics step_numerics(ops::Numerics n) {
   return StepNumerics::Exact;
 }
 
-int64_t depth_slots(const ModelDims& d) { return d.layers / std::max<int64_t>(1, d.block_size) + 2; }
+int64_t depth_slots(const ModelDims& d) { return d.block_size > 0 ? d.layers / d.block_size + 2 : 1; }
+
+// The plain pre-norm residual stream (block_size 0, Kimi Linear): h += attn(norm(h)); h += ffn(norm(h)).
+void plain_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
+                 float* h, float* xn, float* y, const ForwardOptions& opt) {
+  const int64_t H = d.hidden, n = c.R * H;
+  c.be.rmsnorm(h, c.R, H, w.input_norm.data(), d.eps, xn);
+  if (w.is_kda)
+    kda_sublayer(c, d.kda, w.kda, pool.kda(L), xn, opt.kda_algo, opt.kda_chunk, y);
+  else
+    mla_sublayer(c, d.mla, w.mla, pool.mla(L), xn, opt.mla_algo, y);
+  c.be.add(h, y, n);
+  c.be.rmsnorm(h, c.R, H, w.post_norm.data(), d.eps, xn);
+  if (w.dense_ffn)
+    glu_sublayer(c, w.dense, d.situ, xn, y);
+  else
+    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+  c.be.add(h, y, n);
+}
 
 }  // namespace
 
 void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
                    DepthState& depth, float* const* spare, float* a, float* xn, float* y, const ForwardOptions& opt) {
+  if (d.block_size == 0) return plain_layer(c, d, L, w, pool, depth.partial, xn, y, opt);
   const int64_t H = d.hidden, n = c.R * H;
   // 1. attention-site mix (pass-through while no block has been snapshotted: layer 0)
   if (depth.blocks.empty())
@@ -222,8 +241,12 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
       be.embed(placed_.embed, ids.data(), R, depth.partial);
       for (int64_t L = 0; L < d.layers; ++L)
         decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
-      // Output aggregator over B ∪ {P}, then for the rows whose logits are wanted: final norm, lm_head.
-      attnres_site(c, placed_.output_res, depth, H, d.eps, h);
+      // Output aggregator over B ∪ {P} (the residual stream itself without Block AttnRes), then for
+      // the rows whose logits are wanted: final norm, lm_head.
+      if (d.block_size > 0)
+        attnres_site(c, placed_.output_res, depth, H, d.eps, h);
+      else
+        h = depth.partial;
       be.gather_rows(h, sel.data(), nsel, H, hs);
       be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
       be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);

@@ -18,21 +18,30 @@ ModelDims ModelDims::from_config(const ModelConfig& c) {
   d.hidden = c.hidden_size;
   d.vocab = c.vocab_size;
   d.layers = c.num_hidden_layers;
-  d.block_size = c.attn_res_block_size;
+  d.block_size = c.residual == ResidualKind::BlockAttnRes ? c.attn_res_block_size : 0;
   d.eps = float(c.rms_norm_eps);
-  d.situ = {float(c.situ_beta), float(c.situ_linear_beta)};
-  d.kda = {c.hidden_size,        c.kda_num_heads, c.kda_head_dim, c.short_conv_kernel_size, float(c.gate_lower_bound),
-           float(c.rms_norm_eps)};
-  d.mla = {c.hidden_size,  c.num_attention_heads,      c.q_lora_rank,
+  // SiLU is the SiTU-GLU without caps (ops.h situ_glu).
+  d.situ = c.activation == FfnActivation::SiLU ? SituParams{0.0f, 0.0f}
+                                                : SituParams{float(c.situ_beta), float(c.situ_linear_beta)};
+  // The unbounded decay gate is lower_bound 0 (ops.h kda_gate).
+  d.kda = {c.hidden_size,
+           c.kda_num_heads,
+           c.kda_head_dim,
+           c.short_conv_kernel_size,
+           c.kda_gate_bounded ? float(c.gate_lower_bound) : 0.0f,
+           float(c.rms_norm_eps),
+           !c.use_full_rank_gate};
+  d.mla = {c.hidden_size,  c.num_attention_heads,      c.mla_q_lora ? c.q_lora_rank : 0,
            c.kv_lora_rank, c.qk_nope_head_dim,         c.qk_rope_head_dim,
            c.v_head_dim,   float(c.mla_lora_norm_eps), c.mla_use_output_gate};
   d.moe.hidden = c.hidden_size;
-  d.moe.latent = c.routed_expert_hidden_size;
+  d.moe.latent_proj = c.moe_kind == MoeKind::Latent;
+  d.moe.latent = d.moe.latent_proj ? c.routed_expert_hidden_size : c.hidden_size;
   d.moe.inter = c.moe_intermediate_size;
   d.moe.experts = c.num_experts;
   d.moe.top_k = c.num_experts_per_token;
   d.moe.renormalize = c.moe_renormalize;
-  d.moe.latent_norm = c.latent_moe_use_norm;
+  d.moe.latent_norm = d.moe.latent_proj && c.latent_moe_use_norm;
   d.moe.routed_scale = float(c.routed_scaling_factor);
   d.moe.norm_eps = float(c.rms_norm_eps);
   d.moe.situ = d.situ;
@@ -58,12 +67,11 @@ std::vector<Refusal> refusals(const ModelConfig& c) {
                              " is not implemented by this engine (it implements " + impl + ")"});
   };
   const auto q = [](const std::string& v) { return "\"" + v + "\""; };
-  refuse(c.tie_word_embeddings, "tie_word_embeddings true", "", "the separate lm_head K3 ships");
-  refuse(c.activation != FfnActivation::SiTU, "hidden_act " + q(c.hidden_act), "", "the SiTU-GLU of K3, \"situ\"");
+  refuse(c.tie_word_embeddings, "tie_word_embeddings true", "", "the separate lm_head K3 and Kimi Linear ship");
+  refuse(c.activation == FfnActivation::Other, "hidden_act " + q(c.hidden_act), "",
+         "the SiTU-GLU of K3, \"situ\", and the SiLU-GLU of Kimi Linear, \"silu\"");
   refuse(c.moe_layer_freq != 1, "moe_layer_freq " + std::to_string(c.moe_layer_freq), "",
          "1: every layer from first_k_dense_replace on is MoE");
-  refuse(c.moe_kind != MoeKind::Latent, "routed_expert_hidden_size absent", "experts in the hidden space",
-         "the latent MoE of K3");
   refuse(c.router_activation != RouterActivation::Sigmoid, "moe_router_activation_func " + q(c.router_activation_name),
          "", "\"sigmoid\"");
   refuse(!c.topk_method.empty() && c.topk_method != "noaux_tc", "topk_method " + q(c.topk_method), "",
@@ -71,13 +79,6 @@ std::vector<Refusal> refusals(const ModelConfig& c) {
   refuse(c.num_expert_group != 1, "num_expert_group " + std::to_string(c.num_expert_group), "grouped top-k",
          "one group");
   refuse(!c.mla_use_nope, "mla_use_nope false", "RoPE in MLA", "the NoPE MLA of K3");
-  refuse(!c.mla_q_lora, "q_lora_rank null", "MLA without a query LoRA", "the query LoRA of K3");
-  refuse(c.residual != ResidualKind::BlockAttnRes, "attn_res_block_size absent", "the plain residual sum",
-         "the Block AttnRes of K3");
-  refuse(!c.kda_gate_bounded, "linear_attn_config.gate_lower_bound absent", "the unbounded KDA decay gate",
-         "the bounded gate of K3");
-  refuse(!c.use_full_rank_gate, "linear_attn_config.use_full_rank_gate false", "the low-rank KDA output gate",
-         "the full-rank g_proj of K3");
   refuse(c.short_conv_kernel_size < 1 || c.short_conv_kernel_size > 16,
          "linear_attn_config.short_conv_kernel_size " + std::to_string(c.short_conv_kernel_size), "", "1..16");
   return out;
@@ -194,7 +195,8 @@ class Binder {
     return FVec{store_.back().get(), int64_t(v.size())};
   }
 
-  // A_log ships padded to head_dim (spec §2.5): accept [heads] or [n >= heads]; use the first `heads`.
+  // A_log ships padded to head_dim in K3 (spec §2.5): accept [heads] or [padded]; use the first
+  // `heads`. Kimi Linear ships it as [1, 1, heads, 1] (one value per head), also accepted.
   FVec head_vec(const std::string& name, int64_t heads, int64_t padded) {
     used_.insert(name);
     const TensorView* t = ck_.find(name);
@@ -202,9 +204,11 @@ class Binder {
       problems_.add("missing tensor " + name + " [" + std::to_string(padded) + "]");
       return {};
     }
-    if (t->shape.size() != 1 || (t->shape[0] != heads && t->shape[0] != padded)) {
+    const bool flat = t->shape.size() == 1 && (t->shape[0] == heads || t->shape[0] == padded);
+    const bool per_head4 = t->shape == std::vector<int64_t>{1, 1, heads, 1};
+    if (!flat && !per_head4) {
       problems_.add("tensor " + name + " has shape " + t->shape_str() + ", expected [" + std::to_string(heads) +
-                    "] or [" + std::to_string(padded) + "]");
+                    "], [" + std::to_string(padded) + "] or [1, 1, " + std::to_string(heads) + ", 1]");
       return {};
     }
     auto v = decode(*t);
@@ -286,11 +290,16 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
 
   ProblemList problems;
   Binder b(*m->ckpt_, problems, m->vec_store_);
-  const std::string P = "language_model.model.";
+  // K3's multimodal wrapper prefixes the text model with "language_model."; a flat kimi_linear
+  // checkpoint (Kimi Linear 48B-A3B) has none.
+  const std::string W = m->ckpt_->find("language_model.model.embed_tokens.weight") ? "language_model." : "";
+  const std::string P = W + "model.";
+  const bool attn_res = d.block_size > 0;
   m->host_.embed = b.mat(P + "embed_tokens.weight", d.vocab, H);
   m->host_.final_norm = b.vec(P + "norm.weight", {H});
-  m->host_.output_res = bind_site(b, P + "output_attn_res_norm.weight", P + "output_attn_res_proj.weight", H);
-  m->host_.lm_head = b.mat("language_model.lm_head.weight", d.vocab, H);
+  if (attn_res)
+    m->host_.output_res = bind_site(b, P + "output_attn_res_norm.weight", P + "output_attn_res_proj.weight", H);
+  m->host_.lm_head = b.mat(W + "lm_head.weight", d.vocab, H);
 
   m->host_.layers.resize(size_t(d.layers));
   for (int64_t L = 0; L < d.layers; ++L) {
@@ -298,8 +307,10 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
     const std::string lp = P + "layers." + std::to_string(L) + ".";
     w.input_norm = b.vec(lp + "input_layernorm.weight", {H});
     w.post_norm = b.vec(lp + "post_attention_layernorm.weight", {H});
-    w.attn_res = bind_site(b, lp + "self_attention_res_norm.weight", lp + "self_attention_res_proj.weight", H);
-    w.mlp_res = bind_site(b, lp + "mlp_res_norm.weight", lp + "mlp_res_proj.weight", H);
+    if (attn_res) {
+      w.attn_res = bind_site(b, lp + "self_attention_res_norm.weight", lp + "self_attention_res_proj.weight", H);
+      w.mlp_res = bind_site(b, lp + "mlp_res_norm.weight", lp + "mlp_res_proj.weight", H);
+    }
     const std::string ap = lp + "self_attn.";
     w.is_kda = c.is_kda(L);
     if (w.is_kda) {
@@ -316,15 +327,24 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
       k.A_log = b.head_vec(ap + "A_log", d.kda.heads, std::max(d.kda.heads, Dh));
       k.dt_bias = b.vec(ap + "dt_bias", {C});
       k.b_proj = b.mat(ap + "b_proj.weight", d.kda.heads, H);
-      k.g_proj = b.mat(ap + "g_proj.weight", C, H);
+      if (d.kda.low_rank_gate) {
+        k.g_a_proj = b.mat(ap + "g_a_proj.weight", Dh, H);
+        k.g_b_proj = b.mat(ap + "g_b_proj.weight", C, Dh);
+      } else {
+        k.g_proj = b.mat(ap + "g_proj.weight", C, H);
+      }
       k.o_norm = b.vec(ap + "o_norm.weight", {Dh});
       k.o_proj = b.mat(ap + "o_proj.weight", H, C);
     } else {
       const MlaDims& a = d.mla;
       MlaWeights& ml = w.mla;
-      ml.q_a_proj = b.mat(ap + "q_a_proj.weight", a.q_lora, H);
-      ml.q_a_norm = b.vec(ap + "q_a_layernorm.weight", {a.q_lora});
-      ml.q_b_proj = b.mat(ap + "q_b_proj.weight", a.heads * (a.nope + a.rope), a.q_lora);
+      if (a.q_lora > 0) {
+        ml.q_a_proj = b.mat(ap + "q_a_proj.weight", a.q_lora, H);
+        ml.q_a_norm = b.vec(ap + "q_a_layernorm.weight", {a.q_lora});
+        ml.q_b_proj = b.mat(ap + "q_b_proj.weight", a.heads * (a.nope + a.rope), a.q_lora);
+      } else {
+        ml.q_proj = b.mat(ap + "q_proj.weight", a.heads * (a.nope + a.rope), H);
+      }
       ml.kv_a_proj = b.mat(ap + "kv_a_proj_with_mqa.weight", a.kv_lora + a.rope, H);
       ml.kv_a_norm = b.vec(ap + "kv_a_layernorm.weight", {a.kv_lora});
       ml.kv_b_proj = b.mat(ap + "kv_b_proj.weight", a.heads * (a.nope + a.v), a.kv_lora);
@@ -341,9 +361,11 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
       mo.layer = L;
       mo.gate = b.mat(mp + "gate.weight", e.experts, H);
       mo.bias = b.vec(mp + "gate.e_score_correction_bias", {e.experts});
-      mo.down_lat = b.mat(mp + "routed_expert_down_proj.weight", e.latent, H);
-      if (e.latent_norm) mo.lat_norm = b.vec(mp + "routed_expert_norm.weight", {e.latent});
-      mo.up_lat = b.mat(mp + "routed_expert_up_proj.weight", H, e.latent);
+      if (e.latent_proj) {
+        mo.down_lat = b.mat(mp + "routed_expert_down_proj.weight", e.latent, H);
+        if (e.latent_norm) mo.lat_norm = b.vec(mp + "routed_expert_norm.weight", {e.latent});
+        mo.up_lat = b.mat(mp + "routed_expert_up_proj.weight", H, e.latent);
+      }
       mo.experts.resize(size_t(e.experts));
       for (int64_t x = 0; x < e.experts; ++x) {
         const std::string ep = mp + "experts." + std::to_string(x) + ".";

@@ -33,7 +33,7 @@ int64_t granule(int64_t n) { return (n + 15) & ~int64_t(15); }
 
 int64_t kda_work_floats(const KdaDims& d, int64_t R) {
   const int64_t C = d.dim();
-  return 10 * granule(R * C) + granule(R * d.head_dim) + granule(R * d.heads);
+  return 10 * granule(R * C) + 2 * granule(R * d.head_dim) + granule(R * d.heads);
 }
 int64_t mla_work_floats(const MlaDims& d, int64_t R) {
   const int64_t HV = d.heads * d.v;
@@ -53,14 +53,22 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   Backend& be = c.be;
   const int64_t R = c.R, C = d.dim(), H = d.heads, D = d.head_dim;
   float *qh = c.work.take(R * C), *kh = c.work.take(R * C), *vh = c.work.take(R * C), *fa = c.work.take(R * D),
-        *f = c.work.take(R * C), *b = c.work.take(R * H), *r = c.work.take(R * C);
-  // Projections from the same normed x.
+        *f = c.work.take(R * C), *b = c.work.take(R * H), *r = c.work.take(R * C), *ga = c.work.take(R * D);
+  // Projections from the same normed x; the output gate is full rank (K3) or low rank (g_b · g_a x).
   {
-    const WeightMat* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.b_proj, &w.g_proj};
-    float* ys[] = {qh, kh, vh, fa, b, r};
+    const WeightMat* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.b_proj,
+                             d.low_rank_gate ? &w.g_a_proj : &w.g_proj};
+    float* ys[] = {qh, kh, vh, fa, b, d.low_rank_gate ? ga : r};
     be.matmul_shared_input(ws, 6, x, R, ys, nullptr);
   }
-  be.matmul(w.f_b_proj, fa, R, f);
+  if (d.low_rank_gate) {
+    const WeightMat* wv[] = {&w.f_b_proj, &w.g_b_proj};
+    const float* xv[] = {fa, ga};
+    float* yv[] = {f, r};
+    be.matmul_many(wv, xv, 2, R, yv);
+  } else {
+    be.matmul(w.f_b_proj, fa, R, f);
+  }
   // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2).
   float *q = c.work.take(R * C), *k = c.work.take(R * C), *v = c.work.take(R * C);
   be.short_conv_silu(qh, c.seqs, C, w.q_conv.data(), d.conv_k, st.conv[0], q);
@@ -68,7 +76,7 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   be.short_conv_silu(vh, c.seqs, C, w.v_conv.data(), d.conv_k, st.conv[2], v);
   be.l2norm_scale(q, R * H, D, 1e-6f, float(1.0 / std::sqrt(double(D))));
   be.l2norm_scale(k, R * H, D, 1e-6f, 1.0f);
-  // Lower-bound decay gate and β.
+  // Decay gate (bounded below for K3, unbounded for Kimi Linear: d.lower_bound 0) and β.
   float* g = c.work.take(R * C);
   be.kda_gate(f, R, H, D, w.A_log.data(), w.dt_bias.data(), d.lower_bound, g);
   be.sigmoid(b, R * H);
@@ -89,15 +97,19 @@ void mla_sublayer(const StepCtx& c, const MlaDims& d, const MlaWeights& w, const
   const int64_t R = c.R, dq = d.nope + d.rope, HV = d.heads * d.v, kva = d.kv_lora + d.rope;
   float *qa = c.work.take(R * d.q_lora), *q = c.work.take(R * d.heads * dq), *ckv = c.work.take(R * kva),
         *a = c.work.take(R * HV), *gt = c.work.take(R * HV);
-  // The projections of x: W_qa x, W_kva x and (gated) the output gate W_g x.
+  // The projections of x: W_qa x (or q = W_q x without a query LoRA), W_kva x and (gated) the
+  // output gate W_g x.
   {
-    const WeightMat* ws[] = {&w.q_a_proj, &w.kv_a_proj, &w.g_proj};
-    float* ys[] = {qa, ckv, gt};
+    const bool lora = d.q_lora > 0;
+    const WeightMat* ws[] = {lora ? &w.q_a_proj : &w.q_proj, &w.kv_a_proj, &w.g_proj};
+    float* ys[] = {lora ? qa : q, ckv, gt};
     be.matmul_shared_input(ws, d.output_gate ? 3 : 2, x, R, ys, nullptr);
   }
   // q = W_qb · RMSNorm_{1e-6}(W_qa x)
-  be.rmsnorm(qa, R, d.q_lora, w.q_a_norm.data(), d.lora_eps, qa);
-  be.matmul(w.q_b_proj, qa, R, q);
+  if (d.q_lora > 0) {
+    be.rmsnorm(qa, R, d.q_lora, w.q_a_norm.data(), d.lora_eps, qa);
+    be.matmul(w.q_b_proj, qa, R, q);
+  }
   // c = RMSNorm_{1e-6}(ckv[:kv_lora]) ; k_r = ckv[kv_lora:] (raw, unrotated, shared), into the cache.
   be.mla_append(ckv, c.seqs, d.kv_lora, d.rope, w.kv_a_norm.data(), d.lora_eps, cache);
   const MlaAttnDims ad{d.heads, d.nope, d.rope, d.v, d.kv_lora, float(1.0 / std::sqrt(double(dq)))};
@@ -134,12 +146,25 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
   auto* idx = reinterpret_cast<int32_t*>(c.work.take(R * d.top_k));
   // The products of x: router logits, the latent down-projection and the shared experts' gate/up.
   // The router reads unrounded activations in every numerics: a bf16-rounded input can flip a
-  // near-tie in the top-k selection, which changes the output by a whole expert.
+  // near-tie in the top-k selection, which changes the output by a whole expert. Experts in the
+  // hidden space (Kimi Linear) read x itself and add into `out` directly.
+  const bool lat = d.latent_proj;
+  if (!lat) z = const_cast<float*>(x), agg = out;  // read only / written by moe_routed
   {
-    const WeightMat* ws[] = {&w.gate, &w.down_lat, &w.shared.gate, &w.shared.up};
-    float* ys[] = {logits, z, sg, su};
+    const WeightMat* ws[] = {&w.gate, &w.shared.gate, &w.shared.up, &w.down_lat};
+    float* ys[] = {logits, sg, su, z};
     const bool fp32[] = {true, false, false, false};
-    be.matmul_shared_input(ws, shared ? 4 : 2, x, R, ys, fp32);
+    // (gate, shared gate, shared up, latent down) with the absent ones left out
+    const WeightMat* wsel[4];
+    float* ysel[4];
+    bool fsel[4];
+    int64_t n = 0;
+    for (int i = 0; i < 4; ++i) {
+      if ((i == 1 || i == 2) && !shared) continue;
+      if (i == 3 && !lat) continue;
+      wsel[n] = ws[i], ysel[n] = ys[i], fsel[n] = fp32[i], ++n;
+    }
+    be.matmul_shared_input(wsel, n, x, R, ysel, fsel);
   }
   // Router: sigmoid scores, bias for selection only, renormalised unbiased weights.
   be.router_topk(logits, w.bias.empty() ? nullptr : w.bias.data(), R, d.experts, d.top_k, d.renormalize, d.routed_scale,
@@ -150,6 +175,13 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
   // full-width input alongside, added unweighted.
   if (d.latent_norm) be.rmsnorm(agg, R, d.latent, w.lat_norm.data(), d.norm_eps, agg);
   if (shared) be.situ_glu(sg, su, R * Is, d.situ.beta, d.situ.linear_beta, sg);
+  if (!lat) {  // the routed sum is already in `out`; the shared experts are added to it
+    if (shared) {
+      be.matmul(w.shared.down, sg, R, sh);
+      be.add(out, sh, R * d.hidden);
+    }
+    return;
+  }
   {
     const WeightMat* wv[] = {&w.up_lat, &w.shared.down};
     const float* xv[] = {agg, sg};

@@ -35,7 +35,8 @@ struct KdaWeights {
   WeightMat f_a_proj;                // [head_dim, hidden]   decay-gate low-rank A
   WeightMat f_b_proj;                // [heads*head_dim, head_dim]
   WeightMat b_proj;                  // [heads, hidden]      β logits
-  WeightMat g_proj;                  // [heads*head_dim, hidden] output gate
+  WeightMat g_proj;                  // [heads*head_dim, hidden] output gate (full rank, K3)
+  WeightMat g_a_proj, g_b_proj;      // or low rank: [head_dim, hidden], [heads*head_dim, head_dim] (Kimi Linear)
   WeightMat o_proj;                  // [hidden, heads*head_dim]
   FVec q_conv, k_conv, v_conv;       // [heads*head_dim, conv_k] taps oldest→newest
   FVec A_log;                        // [heads] (first `heads` of the padded checkpoint vector)
@@ -44,6 +45,7 @@ struct KdaWeights {
 };
 
 struct MlaWeights {
+  WeightMat q_proj;     // [heads*(nope+rope), hidden] when there is no query LoRA (Kimi Linear)
   WeightMat q_a_proj;   // [q_lora, hidden]
   WeightMat q_b_proj;   // [heads*(nope+rope), q_lora]
   WeightMat kv_a_proj;  // [kv_lora+rope, hidden]   rows [0,kv_lora) latent c, then shared k_r
@@ -128,12 +130,13 @@ void for_each_weight_impl(W& w, MatFn&& mat, VecFn&& vec) {
     v(l.mlp_res.fold);
     if (l.is_kda) {
       auto& k = l.kda;
-      for (auto* x : {&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj, &k.g_proj, &k.o_proj})
+      for (auto* x : {&k.q_proj, &k.k_proj, &k.v_proj, &k.f_a_proj, &k.f_b_proj, &k.b_proj, &k.g_proj, &k.g_a_proj,
+                      &k.g_b_proj, &k.o_proj})
         m(*x, WeightRole::Trunk);
       for (auto* x : {&k.q_conv, &k.k_conv, &k.v_conv, &k.A_log, &k.dt_bias, &k.o_norm}) v(*x);
     } else {
       auto& a = l.mla;
-      for (auto* x : {&a.q_a_proj, &a.q_b_proj, &a.kv_a_proj, &a.kv_b_proj, &a.g_proj, &a.o_proj})
+      for (auto* x : {&a.q_proj, &a.q_a_proj, &a.q_b_proj, &a.kv_a_proj, &a.kv_b_proj, &a.g_proj, &a.o_proj})
         m(*x, WeightRole::Trunk);
       v(a.q_a_norm);
       v(a.kv_a_norm);

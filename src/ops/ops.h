@@ -33,13 +33,15 @@ struct MlaAttnDims {
   void rmsnorm(__VA_ARGS__ const float* x, int64_t T, int64_t n, const float* w, float eps, float* out);               \
   /* In place, per row of n: x ← scale · x / sqrt(Σx² + eps)  (KDA q/k L2 norm, eps inside). */                   \
   void l2norm_scale(__VA_ARGS__ float* x, int64_t rows, int64_t n, float eps, float scale);                            \
-  /* out = [b1·tanh(g/b1)·σ(g)] · [b2·tanh(u/b2)]  (SiTU-GLU; σ of the uncapped gate). */                        \
+  /* out = [b1·tanh(g/b1)·σ(g)] · [b2·tanh(u/b2)]  (SiTU-GLU; σ of the uncapped gate). A cap of 0 is no cap:      \
+     b1 = b2 = 0 gives the SiLU-GLU g·σ(g)·u. */                                                                     \
   void situ_glu(__VA_ARGS__ const float* g, const float* u, int64_t n, float b1, float b2, float* out);                \
   /* Depthwise causal conv + SiLU. x,out [T,C]; w [C,K] (w[c,K-1] multiplies the current input);                       \
      state [C,K-1] holds the previous K-1 inputs oldest→newest and is updated. */                                    \
   void short_conv_silu(__VA_ARGS__ const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state,      \
                        float* out);                                                                                    \
-  /* KDA log-decay: g[t,h,d] = lb·σ(exp(A_log[h])·(f[t,h,d] + dt_bias[h,d])). f,g [T,H*D]. */                       \
+  /* KDA log-decay: g[t,h,d] = lb·σ(exp(A_log[h])·(f[t,h,d] + dt_bias[h,d])). f,g [T,H*D]. lb == 0 selects the      \
+     unbounded gate −exp(A_log[h])·softplus(f + dt_bias) (softplus(x) = x above 20). */                              \
   void kda_gate(__VA_ARGS__ const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias, \
                 float lower_bound, float* g);                                                                          \
   /* Gated delta rule, token by token. q (pre-normalised and scaled), k [T,H,Dk]; v [T,H,Dv];                          \

@@ -198,16 +198,27 @@ TEST(CliBadInput, ConfigProblems) {
                "config.json: hidden_act \"gelu\" is not implemented by this engine");
   }
   {
-    // A family member without Block AttnRes: `k3 info` describes it, running it is refused in one line.
+    // A family member with RoPE in MLA: `k3 info` describes it, running it is refused in one line.
+    ScratchModel s("cfg_rope");
+    s.edit_config([](nlohmann::json& j) { j["text_config"]["mla_use_nope"] = false; });
+    const auto info = run_k3("info " + s.m());
+    ASSERT_EQ(info.code, 0) << info.err;
+    EXPECT_NE(info.out.find("engine support: this engine cannot run this family member"), std::string::npos)
+        << info.out;
+    expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"),
+               "config.json: mla_use_nope false (RoPE in MLA) is not implemented by this engine");
+  }
+  {
+    // The plain residual sum is implemented (Kimi Linear), so a K3 checkpoint whose config lost
+    // attn_res_block_size is refused at the tensors it still has, in one line.
     ScratchModel s("cfg_plain_residual");
     s.edit_config([](nlohmann::json& j) { j["text_config"].erase("attn_res_block_size"); });
     const auto info = run_k3("info " + s.m());
     ASSERT_EQ(info.code, 0) << info.err;
     EXPECT_NE(info.out.find("plain residual sum"), std::string::npos) << info.out;
-    EXPECT_NE(info.out.find("engine support: this engine cannot run this family member"), std::string::npos)
-        << info.out;
     expect_bad(run_k3("generate " + s.m() + " --ids 1 -n 1 --greedy"),
-               "config.json: attn_res_block_size absent (the plain residual sum) is not implemented by this engine");
+               "checkpoint does not match config: 54 problems: unexpected tensor "
+               "language_model.model.layers.0.mlp_res_norm.weight");
   }
   {
     ScratchModel s("cfg_layers");

@@ -163,7 +163,7 @@ std::vector<int32_t> greedy_ids(const k3::Model& m, const std::vector<int32_t>& 
 
 TEST(CudaExpertSource, StreamedEqualsResident) {
   K3_REQUIRE_GPU();
-  for (const char* dir : {"tests/fixtures/tiny", "tests/fixtures/tiny-chat", "models/k3-nano"}) {
+  for (const char* dir : {"tests/fixtures/tiny", "tests/fixtures/tiny-chat", "tests/fixtures/kl-tiny", "models/k3-nano"}) {
     const fs::path p = k3test::source_dir() / dir;
     auto resident = on_gpu(p);
     auto streamed = k3::Model::load(p.string());

@@ -143,7 +143,7 @@ TEST_P(CudaOwnFixture, GatesInBothModes) {
   check_paths(*m, ids, expect, kFast, kBf16Tol, GetParam(), /*gated=*/false);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, CudaOwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat"));
+INSTANTIATE_TEST_SUITE_P(Tiny, CudaOwnFixture, ::testing::Values("tiny", "tiny-flat", "tiny-chat", "kl-tiny"));
 
 TEST(CudaThirdPartyTiny, TeacherForcedGreedyAndLogitsHead) {
   K3_REQUIRE_GPU();

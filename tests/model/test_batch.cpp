@@ -282,3 +282,15 @@ TEST(BatchEquivalenceF32, Reported) {
   }
 }
 }  // namespace
+
+// Kimi Linear (plain residual, experts in the hidden space, low-rank KDA gates, MLA with q_proj):
+// the same batch == alone gate on its tiny fixture.
+TEST(BatchEquivalenceKimiLinear, EightSequences) {
+  auto m = k3::Model::load(ours("kl-tiny").string());
+  const auto seqs = k3test::mixed_sequences(8, int32_t(m->dims().vocab), 11);
+  auto pool = m->new_pool();
+  const auto batched = k3test::run_batched(*m, seqs, {}, *pool);
+  for (size_t i = 0; i < seqs.size(); ++i)
+    EXPECT_LE(k3test::rel_l2(batched[i], k3test::run_alone(*m, seqs[i], {})), kBatchTol) << "sequence " << i;
+  EXPECT_EQ(pool->live_slots(), 0);
+}

@@ -75,7 +75,10 @@ void situ_glu(Exec ex, const float* g, const float* u, int64_t n, float b1, floa
   if (const cpu::AttnKernels* kern = cpu::attn_kernels(ex)) {
     return for_blocks(n, kElemBlock, 8, [&](int64_t i0, int64_t i1) { kern->situ_glu(g, u, i0, i1, b1, b2, out); });
   }
-  for (int64_t i = 0; i < n; ++i) out[i] = (b1 * std::tanh(g[i] / b1) * sigmoidf(g[i])) * (b2 * std::tanh(u[i] / b2));
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = b1 > 0 ? b1 * std::tanh(g[i] / b1) : g[i], c = b2 > 0 ? b2 * std::tanh(u[i] / b2) : u[i];
+    out[i] = a * sigmoidf(g[i]) * c;
+  }
 }
 
 void short_conv_silu(Exec ex, const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state,
@@ -135,7 +138,8 @@ void kda_gate(Exec ex, const float* f, int64_t T, int64_t H, int64_t D, const fl
       const float a = std::exp(A_log[h]);
       for (int64_t d = 0; d < D; ++d) {
         const int64_t i = t * H * D + h * D + d;
-        g[i] = lower_bound * sigmoidf(a * (f[i] + dt_bias[h * D + d]));
+        const float x = f[i] + dt_bias[h * D + d];
+        g[i] = lower_bound != 0 ? lower_bound * sigmoidf(a * x) : -a * (x > 20.0f ? x : std::log1p(std::exp(x)));
       }
     }
 }

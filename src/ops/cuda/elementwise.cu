@@ -228,8 +228,9 @@ __global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float
   pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float gi = g[i], ui = u[i];  // read both before the write: out may alias g
-    const float a = (b1 * tanhf(gi / b1)) * sigmoidf_(gi);
-    const float c = b2 * tanhf(ui / b2);
+    // a cap of 0 means none: b1 = b2 = 0 is the SiLU-GLU g·σ(g)·u (Kimi Linear)
+    const float a = (b1 > 0.0f ? b1 * tanhf(gi / b1) : gi) * sigmoidf_(gi);
+    const float c = b2 > 0.0f ? b2 * tanhf(ui / b2) : ui;
     out[i] = a * c;
   }
 }
@@ -240,8 +241,9 @@ __global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D,
   const int64_t n = T * H * D, HD = H * D;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t hd = i % HD, h = hd / D;
-    const float a = expf(A_log[h]);
-    g[i] = lb * sigmoidf_(a * (f[i] + dt_bias[hd]));
+    const float a = expf(A_log[h]), x = f[i] + dt_bias[hd];
+    // lb == 0: the unbounded gate −exp(A_log)·softplus(f + dt_bias) (Kimi Linear)
+    g[i] = lb != 0.0f ? lb * sigmoidf_(a * x) : -a * (x > 20.0f ? x : log1pf(expf(x)));
   }
 }
 

@@ -56,7 +56,8 @@ void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) {
 void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     const double gi = g[i], ui = u[i];
-    out[i] = float((b1 * std::tanh(gi / b1) * sigmoid(gi)) * (b2 * std::tanh(ui / b2)));
+    const double a = b1 > 0 ? b1 * std::tanh(gi / b1) : gi, c = b2 > 0 ? b2 * std::tanh(ui / b2) : ui;
+    out[i] = float(a * sigmoid(gi) * c);
   }
 }
 
@@ -81,8 +82,9 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) {
         const int64_t i = h * D + d;
-        g[t * H * D + i] =
-            float(lower_bound * sigmoid(std::exp(double(A_log[h])) * (double(f[t * H * D + i]) + dt_bias[i])));
+        const double a = std::exp(double(A_log[h])), x = double(f[t * H * D + i]) + dt_bias[i];
+        g[t * H * D + i] = lower_bound != 0 ? float(lower_bound * sigmoid(a * x))
+                                            : float(-a * (x > 20 ? x : std::log1p(std::exp(x))));
       }
 }
 
