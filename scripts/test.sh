@@ -35,6 +35,25 @@ if [[ "${K3_TEST_NO_SERVER_VENV:-0}" != 1 ]]; then
   build/servevenv/bin/pip install -q --disable-pip-version-check -r tests/server/requirements.txt
 fi
 
+echo "== Python checks of the float64 reference and the committed fixtures (torch)"
+# tests/python/test_trap_sensitivity.py (the tiny fixtures catch each trap of spec §6.4),
+# tools/gen/check_fixtures.py (the fixtures regenerate byte for byte) and
+# tools/reference/check_third_party.py (the reference against ../shared's third-party tiny K3; exit 77 =
+# skipped when absent) all run the PyTorch reference, so they need the tools venv (torch,
+# tools/setup_venv.sh -> build/venv): a multi-GB download that a fresh CI clone does not make by
+# default (README "Tests"). They run when that venv has torch, or with K3_TEST_TORCH=1, which creates it.
+if [[ "${K3_TEST_TORCH:-0}" == 1 ]]; then bash tools/setup_venv.sh build/venv; fi
+if [[ -x build/venv/bin/python ]] && build/venv/bin/python -c "import torch, numpy, safetensors" 2>/dev/null; then
+  build/venv/bin/python tests/python/test_trap_sensitivity.py
+  build/venv/bin/python tools/gen/check_fixtures.py
+  rc=0; build/venv/bin/python tools/reference/check_third_party.py || rc=$?
+  if [[ $rc == 77 ]]; then echo "test.sh: check_third_party.py skipped: ../shared/fixtures/third-party is absent"
+  elif [[ $rc != 0 ]]; then exit "$rc"; fi
+else
+  echo "test.sh: skipped the torch checks (test_trap_sensitivity.py, check_fixtures.py, check_third_party.py):" \
+       "build/venv has no torch; K3_TEST_TORCH=1 installs it (tools/setup_venv.sh) and runs them"
+fi
+
 echo "== docs: every section reference in the code resolves in docs/architecture.md"
 python3 tools/check_section_refs.py
 

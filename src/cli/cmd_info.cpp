@@ -33,6 +33,10 @@ int run_info(const std::string& model_flag, int64_t ctx) {
   const ModelConfig cfg = load_model_config(dir);
   std::string report = format_arch_report(cfg, ctx);
   std::printf("%s", report.c_str());
+  // The engine is text-only: kimi_k3.cpp skips the vision tower and projector when binding.
+  std::printf(
+      "input: text only (this engine does not implement the vision tower: vision_tower.* and "
+      "mm_projector.* tensors are not loaded, images are not accepted)\n");
   const std::vector<std::string> unsupported = unsupported_features(cfg);
   if (!unsupported.empty()) {
     std::printf("engine support: this engine cannot run this family member (the counts above assume K3's tensors)\n");

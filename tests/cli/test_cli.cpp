@@ -122,6 +122,8 @@ TEST(Cli, InfoOnRealK3ConfigOnly) {
   for (const char* s : {"2,779,484,478,208", "27,648", "434,110,464", "28,991,029,248"})
     EXPECT_NE(r.out.find(s), std::string::npos) << s << " missing from:\n" << r.out;
   EXPECT_NE(r.out.find("104.1"), std::string::npos) << "active ≈104.19B missing:\n" << r.out;
+  EXPECT_NE(r.out.find("input: text only (this engine does not implement the vision tower"), std::string::npos)
+      << r.out;
 }
 
 TEST(Cli, InfoOnTinyReportsWeightBytes) {

@@ -1,8 +1,8 @@
-// ops::matmul on every CPU level this machine has (scalar, avx2, avx512) in the F32 and Fast numerics
-// (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin k3::ref::matmul. Shapes cover the
-// kernels' edges: rows not a multiple of the 4-row tile or 16-row block, column tails (not a multiple of 8/16/32), T =
-// 1 (GEMV), T < 4 (exact even in Fast mode), token tiles and the 64- and 256-token block boundaries, and unaligned
-// rows. Owns: the GEMM tolerances below.
+// ops::matmul on every CPU level (scalar, avx2, avx512; one test per level, those this machine lacks skip by name) in
+// the F32 and Fast numerics (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin
+// k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of the 4-row tile or 16-row block, column tails
+// (not a multiple of 8/16/32), T = 1 (GEMV), T < 4 (exact even in Fast mode), token tiles and the 64- and 256-token
+// block boundaries, and unaligned rows. Owns: the GEMM tolerances below.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cpu_levels.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
@@ -68,16 +69,13 @@ std::vector<float> q8_dequant(const std::vector<float>& x) {
   return r;
 }
 
-std::vector<CpuIsa> levels() {
-  std::vector<CpuIsa> v;
-  for (CpuIsa l : {CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512})
-    if (int(l) <= int(k3::ops::cpu_isa_detected())) v.push_back(l);
-  return v;
-}
+}  // namespace
 
-struct LevelGuard {
-  ~LevelGuard() { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
-};
+// One test per CPU level (tests/common/cpu_levels.h: a level this CPU lacks is skipped by name).
+class GemmLevels : public k3test::CpuLevelTest {};
+INSTANTIATE_TEST_SUITE_P(Level, GemmLevels, k3test::all_cpu_levels(), k3test::cpu_level_name);
+
+namespace {
 
 std::string name(const Case& c) {
   return std::string(k3::wformat_name(c.fmt)) + " rows=" + std::to_string(c.rows) + " cols=" + std::to_string(c.cols) +
@@ -109,7 +107,7 @@ size_t data_bytes(const k3::WeightMat& w) {
 
 }  // namespace
 
-TEST(GemmLevels, DetectedLevelIsReported) {
+TEST(GemmIsa, DetectedLevelIsReported) {
   const CpuIsa best = k3::ops::cpu_isa_detected();
   std::printf("detected CPU level: %s\n", k3::ops::cpu_isa_name(best));
   EXPECT_EQ(k3::ops::parse_cpu_isa(k3::ops::cpu_isa_name(best)), best);
@@ -119,163 +117,152 @@ TEST(GemmLevels, DetectedLevelIsReported) {
   }
 }
 
-TEST(GemmLevels, F32MatchesTwinOnEveryLevel) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(77);
-    for (const Case& c : kCases) {
-      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
-      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
-      Unaligned U(W.w, data_bytes(W.w));
-      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-      auto y = nan_vec(size_t(c.T * c.rows)), y_ref = nan_vec(size_t(c.T * c.rows));
-      k3::ops::matmul(k3::ops::kF32, U.w, X.data(), c.T, y.data());
-      k3::ref::matmul(W.w, X.data(), c.T, y_ref.data());
-      ASSERT_EQ(count_nan(y), 0u);
-      EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+TEST_P(GemmLevels, F32MatchesTwin) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(77);
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+    k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+    Unaligned U(W.w, data_bytes(W.w));
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+    auto y = nan_vec(size_t(c.T * c.rows)), y_ref = nan_vec(size_t(c.T * c.rows));
+    k3::ops::matmul(k3::ops::kF32, U.w, X.data(), c.T, y.data());
+    k3::ref::matmul(W.w, X.data(), c.T, y_ref.data());
+    ASSERT_EQ(count_nan(y), 0u);
+    EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+  }
+}
+
+TEST_P(GemmLevels, FastIsExactProductOfRoundedActivations) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(78);
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+    k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+    // GEMMs: bf16-rounded activations; MXFP4 GEMVs: 8-bit (q8_0-style) activations.
+    std::vector<float> Xr(X.size());
+    for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
+    if (c.T == 1 && c.fmt == k3::WFormat::MXFP4) Xr = q8_dequant(X);
+    auto y = nan_vec(size_t(c.T * c.rows)), y_rounded = nan_vec(y.size()), y_exact = nan_vec(y.size());
+    k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, y.data());
+    k3::ref::matmul(W.w, Xr.data(), c.T, y_rounded.data());
+    k3::ref::matmul(W.w, X.data(), c.T, y_exact.data());
+    ASSERT_EQ(count_nan(y), 0u);
+    const bool rounds = k3::ops::fast_applies(k3::ops::kFast, W.w, c.T);
+    EXPECT_FALSE(k3::ops::fast_applies(k3::ops::kF32, W.w, c.T));
+    EXPECT_EQ(rounds, c.T >= k3::ops::kFastMinRows || (c.T == 1 && c.fmt == k3::WFormat::MXFP4));
+    if (!rounds) {
+      // The Fast output itself: the unrounded product, to the F32 tolerance, and the same bits as
+      // the F32 call (Fast adds nothing where it does not round).
+      EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
+      auto y_f32 = nan_vec(y.size());
+      k3::ops::matmul(k3::ops::kF32, W.w, X.data(), c.T, y_f32.data());
+      EXPECT_EQ(std::memcmp(y.data(), y_f32.data(), y.size() * 4), 0)
+          << "Fast differs from F32 where it does not round";
+    } else {
+      EXPECT_LT(rel_l2(y, y_rounded), kTolFastVsRounded);
+      EXPECT_LT(rel_l2(y, y_exact), kTolFastVsExact);
     }
   }
 }
 
-TEST(GemmLevels, FastIsExactProductOfRoundedActivations) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(78);
-    for (const Case& c : kCases) {
-      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
-      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
-      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-      // GEMMs: bf16-rounded activations; MXFP4 GEMVs: 8-bit (q8_0-style) activations.
-      std::vector<float> Xr(X.size());
-      for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
-      if (c.T == 1 && c.fmt == k3::WFormat::MXFP4) Xr = q8_dequant(X);
-      auto y = nan_vec(size_t(c.T * c.rows)), y_rounded = nan_vec(y.size()), y_exact = nan_vec(y.size());
-      k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, y.data());
-      k3::ref::matmul(W.w, Xr.data(), c.T, y_rounded.data());
-      k3::ref::matmul(W.w, X.data(), c.T, y_exact.data());
-      ASSERT_EQ(count_nan(y), 0u);
-      const bool rounds = k3::ops::fast_applies(k3::ops::kFast, W.w, c.T);
-      EXPECT_FALSE(k3::ops::fast_applies(k3::ops::kF32, W.w, c.T));
-      if (!rounds) k3::ops::matmul(k3::ops::kF32, W.w, X.data(), c.T, y.data());  // then the F32 product
-      EXPECT_EQ(rounds, c.T >= k3::ops::kFastMinRows || (c.T == 1 && c.fmt == k3::WFormat::MXFP4));
-      if (!rounds) {
-        EXPECT_LT(rel_l2(y, y_exact), kTolExact) << "below kFastMinRows the product stays exact";
-      } else {
-        EXPECT_LT(rel_l2(y, y_rounded), kTolFastVsRounded);
-        EXPECT_LT(rel_l2(y, y_exact), kTolFastVsExact);
+TEST_P(GemmLevels, ResultDoesNotDependOnThreadCount) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(79);
+  for (const Case& c : {Case{k3::WFormat::BF16, 301, 512, 1}, Case{k3::WFormat::MXFP4, 300, 512, 1},
+                        Case{k3::WFormat::BF16, 130, 256, 70}, Case{k3::WFormat::MXFP4, 99, 256, 33}}) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+    k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+    std::vector<std::vector<float>> outs;
+    for (int threads : {1, 2, 3}) {
+      const k3::par::FixedThreads fixed(threads);
+      for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+        outs.push_back(nan_vec(size_t(c.T * c.rows)));
+        k3::ops::matmul(k3::ops::Exec{num}, W.w, X.data(), c.T, outs.back().data());
       }
     }
-  }
-}
-
-TEST(GemmLevels, ResultDoesNotDependOnThreadCount) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(79);
-    for (const Case& c : {Case{k3::WFormat::BF16, 301, 512, 1}, Case{k3::WFormat::MXFP4, 300, 512, 1},
-                          Case{k3::WFormat::BF16, 130, 256, 70}, Case{k3::WFormat::MXFP4, 99, 256, 33}}) {
-      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
-      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
-      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-      std::vector<std::vector<float>> outs;
-      for (int threads : {1, 2, 3}) {
-        const k3::par::FixedThreads fixed(threads);
-        for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-          outs.push_back(nan_vec(size_t(c.T * c.rows)));
-          k3::ops::matmul(k3::ops::Exec{num}, W.w, X.data(), c.T, outs.back().data());
-        }
-      }
-      for (size_t i = 2; i < outs.size(); ++i)
-        EXPECT_EQ(std::memcmp(outs[i].data(), outs[i % 2].data(), outs[i].size() * 4), 0) << "run " << i;
-    }
+    for (size_t i = 2; i < outs.size(); ++i)
+      EXPECT_EQ(std::memcmp(outs[i].data(), outs[i % 2].data(), outs[i].size() * 4), 0) << "run " << i;
   }
 }
 
 // The fast GEMM computes each output as one chain over the columns: a token's outputs are the same
 // bits whatever the other tokens of the call (T >= kFastMinRows), so a prefill's result does not
 // depend on how its tokens are grouped once every group takes the GEMM path.
-TEST(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(80);
-    for (const Case& c : {Case{k3::WFormat::BF16, 75, 200, 20}, Case{k3::WFormat::MXFP4, 70, 256, 20}}) {
-      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
-      k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
-      const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-      auto all = nan_vec(size_t(c.T * c.rows));
-      k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, all.data());
-      ASSERT_EQ(count_nan(all), 0u);
-      // Tokens [3, 3 + n) alone, for n = 4 (a short tile), 9 (a full tile and a short one), 17.
-      for (int64_t n : {4, 9, 17}) {
-        auto part = nan_vec(size_t(n * c.rows));
-        k3::ops::matmul(k3::ops::kFast, W.w, X.data() + 3 * c.cols, n, part.data());
-        EXPECT_EQ(std::memcmp(part.data(), all.data() + 3 * c.rows, part.size() * 4), 0) << "n = " << n;
-      }
+TEST_P(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(80);
+  for (const Case& c : {Case{k3::WFormat::BF16, 75, 200, 20}, Case{k3::WFormat::MXFP4, 70, 256, 20}}) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
+    k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
+    auto all = nan_vec(size_t(c.T * c.rows));
+    k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, all.data());
+    ASSERT_EQ(count_nan(all), 0u);
+    // Tokens [3, 3 + n) alone, for n = 4 (a short tile), 9 (a full tile and a short one), 17.
+    for (int64_t n : {4, 9, 17}) {
+      auto part = nan_vec(size_t(n * c.rows));
+      k3::ops::matmul(k3::ops::kFast, W.w, X.data() + 3 * c.cols, n, part.data());
+      EXPECT_EQ(std::memcmp(part.data(), all.data() + 3 * c.rows, part.size() * 4), 0) << "n = " << n;
     }
   }
 }
 
 // Exact numerics run the scalar kernels on every level: bit-identical results to the scalar level.
-TEST(GemmLevels, ExactIsTheScalarLevelEverywhere) {
-  LevelGuard guard;
+TEST_P(GemmLevels, ExactIsTheScalarLevel) {
+  const CpuIsa level = GetParam();
+  EXPECT_EQ(k3::ops::kExact.level(), CpuIsa::Scalar);
+  EXPECT_EQ(k3::ops::kF32.level(), level);
   std::mt19937 rng(81);
   for (const Case& c : kCases) {
-    SCOPED_TRACE(name(c));
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
     k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
     const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
-    std::vector<std::vector<float>> outs;
-    for (CpuIsa level : levels()) {
-      k3::ops::set_cpu_isa(level);
-      EXPECT_EQ(k3::ops::kExact.level(), CpuIsa::Scalar);
-      EXPECT_EQ(k3::ops::kF32.level(), level);
-      outs.push_back(nan_vec(size_t(c.T * c.rows)));
-      k3::ops::matmul(k3::ops::kExact, W.w, X.data(), c.T, outs.back().data());
-    }
-    for (size_t i = 1; i < outs.size(); ++i)
-      EXPECT_EQ(std::memcmp(outs[i].data(), outs[0].data(), outs[0].size() * 4), 0);
+    auto y = nan_vec(size_t(c.T * c.rows)), y_scalar = nan_vec(y.size());
+    k3::ops::matmul(k3::ops::kExact, W.w, X.data(), c.T, y.data());
+    k3::ops::set_cpu_isa(CpuIsa::Scalar);
+    k3::ops::matmul(k3::ops::kExact, W.w, X.data(), c.T, y_scalar.data());
+    k3::ops::set_cpu_isa(level);
+    ASSERT_EQ(count_nan(y), 0u);
+    EXPECT_EQ(std::memcmp(y.data(), y_scalar.data(), y.size() * 4), 0);
   }
 }
 
-TEST(GemmLevels, ForcedLevelFromEnvironmentIsValidated) {
+TEST(GemmIsa, NumericsNamesAreValidated) {
   EXPECT_EQ(k3::ops::parse_numerics("exact"), k3::ops::Numerics::Exact);
   EXPECT_EQ(k3::ops::parse_numerics("fp32"), k3::ops::Numerics::F32);
   EXPECT_EQ(k3::ops::parse_numerics("fast"), k3::ops::Numerics::Fast);
   EXPECT_THROW(k3::ops::parse_numerics("fastest"), std::exception);
-  for (CpuIsa l : levels()) {
-    k3::ops::set_cpu_isa(l);
-    EXPECT_EQ(k3::ops::cpu_isa(), l);
-  }
-  k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected());
+}
+
+TEST_P(GemmLevels, ForcedLevelIsTheActiveLevel) {
+  EXPECT_EQ(k3::ops::cpu_isa(), GetParam());
+  EXPECT_EQ(k3::ops::parse_cpu_isa(k3::ops::cpu_isa_name(GetParam())), GetParam());
 }
 
 // Fast MXFP4 GEMV: rows whose E8M0 scales include 0 (2^-127, subnormal) take the per-block
 // path; the result must still be the exact product with the 8-bit activations. 255 (NaN) must
 // come out as NaN in that row only.
-TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(80);
-    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, 9, 224);
-    W.scales[1 * 7 + 2] = 0;    // row 1
-    W.scales[4 * 7 + 6] = 140;  // row 4, a large scale in a tail block (224 = one 128-group + 3 blocks)
-    W.scales[6 * 7 + 0] = 255;  // row 6: NaN
-    const auto x = k3test::rand_vec(rng, 224, 0.05f, 1.0f);
-    const std::vector<float> xr = q8_dequant(x);
-    auto y = nan_vec(9), y_ref = nan_vec(9);
-    k3::ops::matmul(k3::ops::kFast, W.w, x.data(), 1, y.data());
-    k3::ref::matmul(W.w, xr.data(), 1, y_ref.data());
-    for (int r = 0; r < 9; ++r) {
-      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " row " + std::to_string(r));
-      if (r == 6) {
-        EXPECT_TRUE(std::isnan(y[6]));
-      } else {
-        EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * (1.0 + std::fabs(y_ref[size_t(r)])));
-      }
+TEST_P(GemmLevels, FastMxfp4GemvSpecialScales) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(80);
+  k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, 9, 224);
+  W.scales[1 * 7 + 2] = 0;    // row 1
+  W.scales[4 * 7 + 6] = 140;  // row 4, a large scale in a tail block (224 = one 128-group + 3 blocks)
+  W.scales[6 * 7 + 0] = 255;  // row 6: NaN
+  const auto x = k3test::rand_vec(rng, 224, 0.05f, 1.0f);
+  const std::vector<float> xr = q8_dequant(x);
+  auto y = nan_vec(9), y_ref = nan_vec(9);
+  k3::ops::matmul(k3::ops::kFast, W.w, x.data(), 1, y.data());
+  k3::ref::matmul(W.w, xr.data(), 1, y_ref.data());
+  for (int r = 0; r < 9; ++r) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " row " + std::to_string(r));
+    if (r == 6) {
+      EXPECT_TRUE(std::isnan(y[6]));
+    } else {
+      EXPECT_NEAR(y[size_t(r)], y_ref[size_t(r)], 1e-5 * (1.0 + std::fabs(y_ref[size_t(r)])));
     }
   }
 }
@@ -283,41 +270,40 @@ TEST(GemmLevels, FastMxfp4GemvSpecialScales) {
 // The same special scales in the fast GEMM (T = 6: bf16 activations): a zero scale (2^-127, whose
 // products are subnormal: zero in the bf16 dot product, negligible in the reference) and a large one
 // stay exact, a NaN scale makes that row's outputs NaN for every token and no other row's.
-TEST(GemmLevels, FastMxfp4GemmSpecialScales) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(81);
-    const int64_t rows = 9, cols = 224, T = 6;
-    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, rows, cols);
-    W.scales[1 * 7 + 2] = 0;
-    W.scales[4 * 7 + 6] = 140;
-    W.scales[6 * 7 + 0] = 255;
-    const auto X = k3test::rand_vec(rng, size_t(T * cols), 0.05f, 1.0f);
-    std::vector<float> Xr(X.size());
-    for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
-    auto y = nan_vec(size_t(T * rows)), y_ref = nan_vec(size_t(T * rows));
-    k3::ops::matmul(k3::ops::kFast, W.w, X.data(), T, y.data());
-    k3::ref::matmul(W.w, Xr.data(), T, y_ref.data());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t r = 0; r < rows; ++r) {
-        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " token " + std::to_string(t) + " row " +
-                     std::to_string(r));
-        const float v = y[size_t(t * rows + r)], ref = y_ref[size_t(t * rows + r)];
-        if (r == 6) {
-          EXPECT_TRUE(std::isnan(v));
-        } else {
-          EXPECT_NEAR(v, ref, 1e-5 * (1.0 + std::fabs(ref)));
-        }
+TEST_P(GemmLevels, FastMxfp4GemmSpecialScales) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(81);
+  const int64_t rows = 9, cols = 224, T = 6;
+  k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::MXFP4, rows, cols);
+  W.scales[1 * 7 + 2] = 0;
+  W.scales[4 * 7 + 6] = 140;
+  W.scales[6 * 7 + 0] = 255;
+  const auto X = k3test::rand_vec(rng, size_t(T * cols), 0.05f, 1.0f);
+  std::vector<float> Xr(X.size());
+  for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
+  auto y = nan_vec(size_t(T * rows)), y_ref = nan_vec(size_t(T * rows));
+  k3::ops::matmul(k3::ops::kFast, W.w, X.data(), T, y.data());
+  k3::ref::matmul(W.w, Xr.data(), T, y_ref.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = 0; r < rows; ++r) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " token " + std::to_string(t) + " row " +
+                   std::to_string(r));
+      const float v = y[size_t(t * rows + r)], ref = y_ref[size_t(t * rows + r)];
+      if (r == 6) {
+        EXPECT_TRUE(std::isnan(v));
+      } else {
+        EXPECT_NEAR(v, ref, 1e-5 * (1.0 + std::fabs(ref)));
       }
-  }
+    }
 }
 
 // The SIMD quantiser of the fast MXFP4 GEMV's activations is bit-identical to its scalar twin
 // (every output array, including the tail blocks beyond the last whole 128-column group).
-TEST(GemmLevels, Q8QuantiserMatchesScalarTwin) {
+TEST(GemmIsa, Q8QuantiserMatchesScalarTwin) {
 #if defined(__x86_64__)  // where src/ops builds the x86 kernels
-  if (k3::ops::cpu_isa_detected() != CpuIsa::Avx512) GTEST_SKIP() << "no avx512 on this CPU";
+  if (k3::ops::cpu_isa_detected() != CpuIsa::Avx512)
+    GTEST_SKIP() << "this CPU lacks the avx512 level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected())
+                 << ")";
   std::mt19937 rng(83);
   for (int64_t cols : {32, 128, 224, 1024, 3584 + 96}) {
     SCOPED_TRACE("cols=" + std::to_string(cols));
@@ -345,38 +331,35 @@ TEST(GemmLevels, Q8QuantiserMatchesScalarTwin) {
 
 // matmul_shared_input gives exactly what one matmul per weight gives, on every level and
 // numerics, for decode (one parallel region) and prefill shapes, mixed formats included.
-TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(84);
-    for (int64_t T : {1, 3, 9}) {
-      const int64_t cols = 416;  // three 128-column groups and a 32-column tail block
-      std::vector<k3test::OwnedW> W;
-      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 37, cols));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 130, cols));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 8, cols));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::F32, 3, cols));
-      const auto X = k3test::rand_vec(rng, size_t(T * cols));
-      for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
-                     k3::ops::numerics_name(num));
-        const k3::ops::Exec ex{num};
-        std::vector<const k3::WeightMat*> ws;
-        std::vector<std::vector<float>> sep, fused;
-        std::vector<float*> ys;
-        for (auto& w : W) {
-          ws.push_back(&w.w);
-          sep.push_back(nan_vec(size_t(T * w.w.rows)));
-          fused.push_back(nan_vec(size_t(T * w.w.rows)));
-          k3::ops::matmul(ex, w.w, X.data(), T, sep.back().data());
-        }
-        for (auto& f : fused) ys.push_back(f.data());
-        k3::ops::matmul_shared_input(ex, ws.data(), int64_t(ws.size()), X.data(), T, ys.data());
-        for (size_t i = 0; i < W.size(); ++i) {
-          EXPECT_EQ(count_nan(fused[i]), 0u) << "weight " << i;
-          EXPECT_EQ(std::memcmp(fused[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
-        }
+TEST_P(GemmLevels, SharedInputEqualsSeparateMatmuls) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(84);
+  for (int64_t T : {1, 3, 9}) {
+    const int64_t cols = 416;  // three 128-column groups and a 32-column tail block
+    std::vector<k3test::OwnedW> W;
+    W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 37, cols));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 130, cols));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 8, cols));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::F32, 3, cols));
+    const auto X = k3test::rand_vec(rng, size_t(T * cols));
+    for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
+                   k3::ops::numerics_name(num));
+      const k3::ops::Exec ex{num};
+      std::vector<const k3::WeightMat*> ws;
+      std::vector<std::vector<float>> sep, fused;
+      std::vector<float*> ys;
+      for (auto& w : W) {
+        ws.push_back(&w.w);
+        sep.push_back(nan_vec(size_t(T * w.w.rows)));
+        fused.push_back(nan_vec(size_t(T * w.w.rows)));
+        k3::ops::matmul(ex, w.w, X.data(), T, sep.back().data());
+      }
+      for (auto& f : fused) ys.push_back(f.data());
+      k3::ops::matmul_shared_input(ex, ws.data(), int64_t(ws.size()), X.data(), T, ys.data());
+      for (size_t i = 0; i < W.size(); ++i) {
+        EXPECT_EQ(count_nan(fused[i]), 0u) << "weight " << i;
+        EXPECT_EQ(std::memcmp(fused[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
       }
     }
   }
@@ -385,51 +368,48 @@ TEST(GemmLevels, SharedInputEqualsSeparateMatmuls) {
 // matmul_many gives exactly what one matmul per weight gives: weights of different widths, each
 // with its own input or sharing one (prepared once), mixed formats in either order (a BF16 weight
 // first must not change how the MXFP4 ones after it treat their input), on every level/numerics.
-TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(86);
-    for (int64_t T : {1, 5}) {
-      std::vector<k3test::OwnedW> W;
-      W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 40, 256));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 33, 256));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 24, 416));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 17, 256));
-      W.push_back(k3test::make_weight(rng, k3::WFormat::F16, 9, 160));
-      const auto Xa = k3test::rand_vec(rng, size_t(T * 256));
-      const auto Xb = k3test::rand_vec(rng, size_t(T * 416));
-      const auto Xc = k3test::rand_vec(rng, size_t(T * 256));
-      const auto Xd = k3test::rand_vec(rng, size_t(T * 160));
-      // Weights 0 and 1 share Xa; weight 3 has the same width but its own input.
-      const std::vector<const float*> xs = {Xa.data(), Xa.data(), Xb.data(), Xc.data(), Xd.data()};
-      for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
-                     k3::ops::numerics_name(num));
-        const k3::ops::Exec ex{num};
-        std::vector<const k3::WeightMat*> ws;
-        std::vector<std::vector<float>> sep, many;
-        std::vector<float*> ys;
-        for (size_t i = 0; i < W.size(); ++i) {
-          ws.push_back(&W[i].w);
-          sep.push_back(nan_vec(size_t(T * W[i].w.rows)));
-          many.push_back(nan_vec(size_t(T * W[i].w.rows)));
-          k3::ops::matmul(ex, W[i].w, xs[i], T, sep.back().data());
-        }
-        for (auto& m : many) ys.push_back(m.data());
-        k3::ops::matmul_many(ex, ws.data(), xs.data(), int64_t(ws.size()), T, ys.data());
-        for (size_t i = 0; i < W.size(); ++i) {
-          EXPECT_EQ(count_nan(many[i]), 0u) << "weight " << i;
-          EXPECT_EQ(std::memcmp(many[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
-        }
-        // The shared-input form with a BF16 weight first, then MXFP4 ones.
-        std::vector<float> a = nan_vec(size_t(T * W[0].w.rows)), b = nan_vec(size_t(T * W[1].w.rows));
-        const k3::WeightMat* pair[] = {&W[0].w, &W[1].w};
-        float* pys[] = {a.data(), b.data()};
-        k3::ops::matmul_shared_input(ex, pair, 2, Xa.data(), T, pys);
-        EXPECT_EQ(std::memcmp(a.data(), sep[0].data(), a.size() * 4), 0);
-        EXPECT_EQ(std::memcmp(b.data(), sep[1].data(), b.size() * 4), 0);
+TEST_P(GemmLevels, ManyInputsEqualSeparateMatmuls) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(86);
+  for (int64_t T : {1, 5}) {
+    std::vector<k3test::OwnedW> W;
+    W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 40, 256));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 33, 256));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 24, 416));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 17, 256));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::F16, 9, 160));
+    const auto Xa = k3test::rand_vec(rng, size_t(T * 256));
+    const auto Xb = k3test::rand_vec(rng, size_t(T * 416));
+    const auto Xc = k3test::rand_vec(rng, size_t(T * 256));
+    const auto Xd = k3test::rand_vec(rng, size_t(T * 160));
+    // Weights 0 and 1 share Xa; weight 3 has the same width but its own input.
+    const std::vector<const float*> xs = {Xa.data(), Xa.data(), Xb.data(), Xc.data(), Xd.data()};
+    for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
+                   k3::ops::numerics_name(num));
+      const k3::ops::Exec ex{num};
+      std::vector<const k3::WeightMat*> ws;
+      std::vector<std::vector<float>> sep, many;
+      std::vector<float*> ys;
+      for (size_t i = 0; i < W.size(); ++i) {
+        ws.push_back(&W[i].w);
+        sep.push_back(nan_vec(size_t(T * W[i].w.rows)));
+        many.push_back(nan_vec(size_t(T * W[i].w.rows)));
+        k3::ops::matmul(ex, W[i].w, xs[i], T, sep.back().data());
       }
+      for (auto& m : many) ys.push_back(m.data());
+      k3::ops::matmul_many(ex, ws.data(), xs.data(), int64_t(ws.size()), T, ys.data());
+      for (size_t i = 0; i < W.size(); ++i) {
+        EXPECT_EQ(count_nan(many[i]), 0u) << "weight " << i;
+        EXPECT_EQ(std::memcmp(many[i].data(), sep[i].data(), sep[i].size() * 4), 0) << "weight " << i;
+      }
+      // The shared-input form with a BF16 weight first, then MXFP4 ones.
+      std::vector<float> a = nan_vec(size_t(T * W[0].w.rows)), b = nan_vec(size_t(T * W[1].w.rows));
+      const k3::WeightMat* pair[] = {&W[0].w, &W[1].w};
+      float* pys[] = {a.data(), b.data()};
+      k3::ops::matmul_shared_input(ex, pair, 2, Xa.data(), T, pys);
+      EXPECT_EQ(std::memcmp(a.data(), sep[0].data(), a.size() * 4), 0);
+      EXPECT_EQ(std::memcmp(b.data(), sep[1].data(), b.size() * 4), 0);
     }
   }
 }
@@ -437,37 +417,34 @@ TEST(GemmLevels, ManyInputsEqualSeparateMatmuls) {
 // matmul_rowwise gives each row exactly what its own one-row matmul gives (the decode rows of a
 // batched step equal each sequence alone), for every format, level and numerics, with row counts
 // that leave partial tiles, widths with tail columns, and BF16 rows at every head offset.
-TEST(GemmLevels, RowwiseEqualsOneRowMatmuls) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(87);
-    for (const auto& [fmt, rows, cols] : {std::tuple{k3::WFormat::BF16, 37, 416}, std::tuple{k3::WFormat::BF16, 9, 200},
-                                          std::tuple{k3::WFormat::F32, 13, 100}, std::tuple{k3::WFormat::F16, 6, 160},
-                                          std::tuple{k3::WFormat::MXFP4, 11, 256}}) {
-      k3test::OwnedW W = k3test::make_weight(rng, fmt, rows, cols);
-      // BF16: the same rows at several base offsets (each gives another head column).
-      std::vector<uint8_t> bytes(data_bytes(W.w) + 128);
-      const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
-      for (int off : fmt == k3::WFormat::BF16 ? std::vector<int>{0, 2, 20, 48} : std::vector<int>{0}) {
-        k3::WeightMat w = W.w;
-        if (fmt == k3::WFormat::BF16) {
-          auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
-          std::memcpy(p, W.w.data, data_bytes(W.w));
-          w.data = p;
-        }
-        for (int64_t T : {1, 2, 3, 5, 8, 13}) {
-          const auto X = k3test::rand_vec(rng, size_t(T * cols));
-          for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-            SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + k3::wformat_name(fmt) + " offset=" +
-                         std::to_string(off) + " T=" + std::to_string(T) + " " + k3::ops::numerics_name(num));
-            const k3::ops::Exec ex{num};
-            auto one = nan_vec(size_t(T * rows)), all = nan_vec(size_t(T * rows));
-            for (int64_t t = 0; t < T; ++t) k3::ops::matmul(ex, w, X.data() + t * cols, 1, one.data() + t * rows);
-            k3::ops::matmul_rowwise(ex, w, X.data(), T, all.data());
-            ASSERT_EQ(count_nan(one), 0u);
-            EXPECT_EQ(std::memcmp(all.data(), one.data(), all.size() * 4), 0);
-          }
+TEST_P(GemmLevels, RowwiseEqualsOneRowMatmuls) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(87);
+  for (const auto& [fmt, rows, cols] : {std::tuple{k3::WFormat::BF16, 37, 416}, std::tuple{k3::WFormat::BF16, 9, 200},
+                                        std::tuple{k3::WFormat::F32, 13, 100}, std::tuple{k3::WFormat::F16, 6, 160},
+                                        std::tuple{k3::WFormat::MXFP4, 11, 256}}) {
+    k3test::OwnedW W = k3test::make_weight(rng, fmt, rows, cols);
+    // BF16: the same rows at several base offsets (each gives another head column).
+    std::vector<uint8_t> bytes(data_bytes(W.w) + 128);
+    const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
+    for (int off : fmt == k3::WFormat::BF16 ? std::vector<int>{0, 2, 20, 48} : std::vector<int>{0}) {
+      k3::WeightMat w = W.w;
+      if (fmt == k3::WFormat::BF16) {
+        auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
+        std::memcpy(p, W.w.data, data_bytes(W.w));
+        w.data = p;
+      }
+      for (int64_t T : {1, 2, 3, 5, 8, 13}) {
+        const auto X = k3test::rand_vec(rng, size_t(T * cols));
+        for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+          SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + k3::wformat_name(fmt) + " offset=" +
+                       std::to_string(off) + " T=" + std::to_string(T) + " " + k3::ops::numerics_name(num));
+          const k3::ops::Exec ex{num};
+          auto one = nan_vec(size_t(T * rows)), all = nan_vec(size_t(T * rows));
+          for (int64_t t = 0; t < T; ++t) k3::ops::matmul(ex, w, X.data() + t * cols, 1, one.data() + t * rows);
+          k3::ops::matmul_rowwise(ex, w, X.data(), T, all.data());
+          ASSERT_EQ(count_nan(one), 0u);
+          EXPECT_EQ(std::memcmp(all.data(), one.data(), all.size() * 4), 0);
         }
       }
     }
@@ -477,31 +454,28 @@ TEST(GemmLevels, RowwiseEqualsOneRowMatmuls) {
 // BF16 GEMVs read rows from their first 64-byte boundary where every row starts equally aligned
 // (cols % 32 == 0, 4-byte aligned data) and fall back to unaligned loads otherwise: every base
 // offset a mmap'd shard can give (0..62 bytes) must give the same product (to fp32 rounding).
-TEST(GemmLevels, Bf16GemvAnyAlignment) {
-  LevelGuard guard;
-  for (CpuIsa level : levels()) {
-    k3::ops::set_cpu_isa(level);
-    std::mt19937 rng(85);
-    for (int64_t cols : {64, 96, 1024, 200}) {
-      const int64_t rows = 29;
-      k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::BF16, rows, cols);
-      const auto x = k3test::rand_vec(rng, size_t(cols), -1.0f, 1.0f);
-      auto y_ref = nan_vec(size_t(rows));
-      k3::ref::matmul(W.w, x.data(), 1, y_ref.data());
-      std::vector<uint8_t> bytes(size_t(rows * cols * 2) + 128);
-      const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
-      for (int off = 0; off < 64; off += 2) {
-        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " cols=" + std::to_string(cols) +
-                     " offset=" + std::to_string(off));
-        auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
-        std::memcpy(p, W.w.data, size_t(rows * cols * 2));
-        k3::WeightMat w = W.w;
-        w.data = p;
-        auto y = nan_vec(size_t(rows));
-        k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());  // BF16 GEMVs stay fp32 in fast mode
-        EXPECT_EQ(count_nan(y), 0u);
-        EXPECT_LT(rel_l2(y, y_ref), kTolExact);
-      }
+TEST_P(GemmLevels, Bf16GemvAnyAlignment) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(85);
+  for (int64_t cols : {64, 96, 1024, 200}) {
+    const int64_t rows = 29;
+    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::BF16, rows, cols);
+    const auto x = k3test::rand_vec(rng, size_t(cols), -1.0f, 1.0f);
+    auto y_ref = nan_vec(size_t(rows));
+    k3::ref::matmul(W.w, x.data(), 1, y_ref.data());
+    std::vector<uint8_t> bytes(size_t(rows * cols * 2) + 128);
+    const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
+    for (int off = 0; off < 64; off += 2) {
+      SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " cols=" + std::to_string(cols) +
+                   " offset=" + std::to_string(off));
+      auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
+      std::memcpy(p, W.w.data, size_t(rows * cols * 2));
+      k3::WeightMat w = W.w;
+      w.data = p;
+      auto y = nan_vec(size_t(rows));
+      k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());  // BF16 GEMVs stay fp32 in fast mode
+      EXPECT_EQ(count_nan(y), 0u);
+      EXPECT_LT(rel_l2(y, y_ref), kTolExact);
     }
   }
 }

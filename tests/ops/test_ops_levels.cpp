@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cpu_levels.h"
 #include "common/kda_inputs.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
@@ -43,20 +44,9 @@ using k3test::kTolReduce;
 // The vectorised exp (Cody-Waite + degree-6 polynomial): max relative error per value, ≈ 2 ulp.
 constexpr double kTolExpRel = 2.5e-7;
 
-std::string level_name(const ::testing::TestParamInfo<CpuIsa>& i) { return k3::ops::cpu_isa_name(i.param); }
-
 // Sets the level under test (skipping levels this CPU lacks) and restores the default after. Every
 // op runs in F32 numerics (kF32: Exact would run the scalar kernels on every level).
-class OpsLevels : public ::testing::TestWithParam<CpuIsa> {
- protected:
-  void SetUp() override {
-    if (int(GetParam()) > int(k3::ops::cpu_isa_detected()))
-      GTEST_SKIP() << "this CPU lacks the " << k3::ops::cpu_isa_name(GetParam())
-                   << " level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()) << ")";
-    k3::ops::set_cpu_isa(GetParam());
-  }
-  void TearDown() override { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
-};
+class OpsLevels : public k3test::CpuLevelTest {};
 
 // Runs fn once per thread count of the pool and expects bit-identical outputs (fn returns them).
 template <class Fn>
@@ -510,6 +500,6 @@ TEST_P(OpsLevels, MlaThreadCountIndependent) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Level, OpsLevels, ::testing::Values(CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512), level_name);
+INSTANTIATE_TEST_SUITE_P(Level, OpsLevels, k3test::all_cpu_levels(), k3test::cpu_level_name);
 
 }  // namespace

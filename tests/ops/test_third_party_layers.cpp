@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cpu_levels.h"
 #include "common/json_fixture.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
@@ -309,24 +310,32 @@ TEST(ThirdPartyLayers, Moe) {
   auto out1 = nan_vec(e.size());
   for (int64_t t = 0; t < T; ++t) run_moe(w, x.data() + t * kHidden, 1, out1.data() + t * kHidden);
   EXPECT_TRUE(all_close(out1, e, kAbs, kRel)) << "one token per call";
-  // The SIMD decode path (all experts' products in two parallel regions) on every CPU level,
-  // in fp32 and fast numerics (the fixture has no MXFP4 weights, so fast is fp32 at T = 1): fp32
-  // sums, so the project's fp32 reduction tolerance (relative L2), not the fp64 fixture's.
-  const k3::ops::CpuIsa detected = k3::ops::cpu_isa_detected();
-  for (auto level : {k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512}) {
-    if (int(level) > int(detected)) continue;
-    k3::ops::set_cpu_isa(level);
-    for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
-      const auto sn = num == k3::ops::Numerics::F32 ? k3::StepNumerics::F32 : k3::StepNumerics::Fast;
-      auto o = nan_vec(e.size());
-      for (int64_t t = 0; t < T; ++t) run_moe(w, x.data() + t * kHidden, 1, o.data() + t * kHidden, sn);
-      EXPECT_EQ(count_nan(o), 0u);
-      EXPECT_LE(k3test::rel_l2(o, e), k3test::kTolReduce)
-          << k3::ops::cpu_isa_name(level) << " " << k3::ops::numerics_name(num) << ", one token per call";
-    }
-  }
-  k3::ops::set_cpu_isa(detected);
 }
+
+// The MoE's SIMD decode path (all experts' products in two parallel regions) on every CPU level (one
+// test per level; those this CPU lacks skip by name), in fp32 and fast numerics (the fixture has no
+// MXFP4 weights, so fast is fp32 at T = 1): fp32 sums, so the project's fp32 reduction tolerance
+// (relative L2), not the fp64 fixture's.
+class ThirdPartyMoeLevels : public k3test::CpuLevelTest {};
+
+TEST_P(ThirdPartyMoeLevels, OneTokenPerCallMatchesFixture) {
+  K3_REQUIRE_THIRD_PARTY_OPS();
+  Fixture f = open_fx("moe.json");
+  const int64_t T = 3;
+  const auto& x = f.arr("in", {1, T, kHidden});
+  const auto& e = f.arr("out", {1, T, kHidden});
+  const k3::MoeWeights w = bind_moe(f, "");
+  for (auto num : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+    const auto sn = num == k3::ops::Numerics::F32 ? k3::StepNumerics::F32 : k3::StepNumerics::Fast;
+    auto o = nan_vec(e.size());
+    for (int64_t t = 0; t < T; ++t) run_moe(w, x.data() + t * kHidden, 1, o.data() + t * kHidden, sn);
+    EXPECT_EQ(count_nan(o), 0u);
+    EXPECT_LE(k3test::rel_l2(o, e), k3test::kTolReduce)
+        << k3::ops::cpu_isa_name(GetParam()) << " " << k3::ops::numerics_name(num) << ", one token per call";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Level, ThirdPartyMoeLevels, k3test::all_cpu_levels(), k3test::cpu_level_name);
 
 // ================================================================ decoder layer
 // layer_kda.json / layer_mla.json — one whole decoder layer (§3.3 steps 1-7) on T=4 tokens.
