@@ -136,7 +136,7 @@ TEST_P(Fp32Levels, FullDecodeAndStreamedMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(Level, Fp32Levels,
                          ::testing::Combine(k3test::all_cpu_levels(),
-                                            ::testing::Values("tiny", "tiny-flat", "tiny-chat")),
+                                            ::testing::Values("tiny", "tiny-flat", "tiny-chat", "kl-tiny")),
                          [](const ::testing::TestParamInfo<FixtureLevel>& i) {
                            std::string n = level_name(std::get<0>(i.param)) + "_" + std::get<1>(i.param);
                            std::replace(n.begin(), n.end(), '-', '_');

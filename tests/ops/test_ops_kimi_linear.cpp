@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cpu_levels.h"
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "ops/cpu/isa.h"
@@ -18,25 +19,13 @@
 
 namespace {
 
-using k3::ops::CpuIsa;
 using k3test::count_nan;
 using k3test::kTolElementwise;
 using k3test::nan_vec;
 using k3test::rand_vec;
 using k3test::rel_l2;
 
-std::string level_name(const ::testing::TestParamInfo<CpuIsa>& i) { return k3::ops::cpu_isa_name(i.param); }
-
-class KimiLinearOps : public ::testing::TestWithParam<CpuIsa> {
- protected:
-  void SetUp() override {
-    if (int(GetParam()) > int(k3::ops::cpu_isa_detected()))
-      GTEST_SKIP() << "this CPU lacks the " << k3::ops::cpu_isa_name(GetParam())
-                   << " level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected()) << ")";
-    k3::ops::set_cpu_isa(GetParam());
-  }
-  void TearDown() override { k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected()); }
-};
+class KimiLinearOps : public k3test::CpuLevelTest {};
 
 // g·σ(g)·u in fp64, written out (no caps).
 double silu_glu(double g, double u) { return g / (1 + std::exp(-g)) * u; }
@@ -92,7 +81,6 @@ TEST_P(KimiLinearOps, UnboundedKdaGate) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Level, KimiLinearOps, ::testing::Values(CpuIsa::Scalar, CpuIsa::Avx2, CpuIsa::Avx512),
-                         level_name);
+INSTANTIATE_TEST_SUITE_P(Level, KimiLinearOps, k3test::all_cpu_levels(), k3test::cpu_level_name);
 
 }  // namespace
