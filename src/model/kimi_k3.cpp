@@ -353,7 +353,11 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
     }
     w.dense_ffn = c.is_dense_ffn(L);
     if (w.dense_ffn) {
-      w.dense = bind_glu(b, lp + "mlp.", c.intermediate_size, H);
+      // transformers' save_pretrained (5.25) writes a kimi_linear dense MLP under block_sparse_moe.
+      // (docs/kimi-linear.md §2.1); Moonshot's release and K3 under mlp.
+      const bool tf_saved = !m->ckpt_->find(lp + "mlp.gate_proj.weight") &&
+                            m->ckpt_->find(lp + "block_sparse_moe.gate_proj.weight");
+      w.dense = bind_glu(b, lp + (tf_saved ? "block_sparse_moe." : "mlp."), c.intermediate_size, H);
     } else {
       const MoeDims& e = d.moe;
       const std::string mp = lp + "block_sparse_moe.";

@@ -4,9 +4,13 @@
 // chunked KDA == recurrent KDA, absorbed MLA == expanded MLA, prefill split anywhere == one pass.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "common/model_run.h"
@@ -127,4 +131,59 @@ TEST(ModelForward, ArgmaxOutIsTheFirstMaximumOfTheLogits) {
   m->forward(s, ids.data(), int64_t(ids.size()), false, l.data(), o);
   EXPECT_EQ(pick, int32_t(std::max_element(l.begin(), l.end()) - l.begin()));
   EXPECT_THROW(m->forward(s, ids.data(), 1, true, l.data(), o), k3::Error);  // needs last-token logits only
+}
+
+namespace {
+// Copies a checkpoint directory with every tensor name (safetensors headers and the index)
+// rewritten by `rename`; the tensor bytes are unchanged.
+void copy_renamed(const fs::path& from, const fs::path& to, const std::function<std::string(std::string)>& rename) {
+  fs::create_directories(to);
+  for (const auto& e : fs::directory_iterator(from)) {
+    const fs::path p = e.path();
+    const std::string name = p.filename().string();
+    if (p.extension() == ".safetensors") {
+      std::ifstream in(p, std::ios::binary);
+      uint64_t n = 0;
+      in.read(reinterpret_cast<char*>(&n), 8);
+      std::string hdr(size_t(n), '\0');
+      in.read(hdr.data(), std::streamsize(n));
+      const std::string body((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      nlohmann::json h = nlohmann::json::parse(hdr), out = nlohmann::json::object();
+      for (auto it = h.begin(); it != h.end(); ++it) out[it.key() == "__metadata__" ? it.key() : rename(it.key())] = it.value();
+      const std::string nh = out.dump();
+      const uint64_t nn = nh.size();
+      std::ofstream o(to / name, std::ios::binary);
+      o.write(reinterpret_cast<const char*>(&nn), 8);
+      o.write(nh.data(), std::streamsize(nn));
+      o.write(body.data(), std::streamsize(body.size()));
+    } else if (name == "model.safetensors.index.json") {
+      nlohmann::json j = read_json(p), map = nlohmann::json::object();
+      for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) map[rename(it.key())] = it.value();
+      j["weight_map"] = map;
+      std::ofstream(to / name) << j.dump(1);
+    } else if (e.is_regular_file()) {
+      fs::copy_file(p, to / name);
+    }
+  }
+}
+}  // namespace
+
+// The layout transformers' save_pretrained writes for kimi_linear (docs/kimi-linear.md §2.1): the
+// dense MLP of layer 0 under block_sparse_moe. instead of mlp.; the same model, the same logits.
+TEST(KimiLinear, TransformersSavedDenseLayerNamesLoad) {
+  const fs::path tmp = fs::temp_directory_path() / ("k3_kl_tf_saved_" + std::to_string(::getpid()));
+  fs::remove_all(tmp);
+  copy_renamed(ours("kl-tiny"), tmp, [](std::string n) {
+    const std::string from = "model.layers.0.mlp.";
+    if (n.rfind(from, 0) == 0) n = "model.layers.0.block_sparse_moe." + n.substr(from.size());
+    return n;
+  });
+  const auto map = read_json(tmp / "model.safetensors.index.json")["weight_map"];
+  ASSERT_TRUE(map.contains("model.layers.0.block_sparse_moe.gate_proj.weight"));
+  ASSERT_FALSE(map.contains("model.layers.0.mlp.gate_proj.weight"));
+  auto orig = k3::Model::load(ours("kl-tiny").string());
+  auto saved = k3::Model::load(tmp.string());
+  const std::vector<int32_t> ids{5, 100, 7, 300, 42, 9};
+  EXPECT_EQ(full_pass(*saved, ids), full_pass(*orig, ids));
+  fs::remove_all(tmp);
 }
