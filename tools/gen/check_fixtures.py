@@ -21,7 +21,11 @@ sys.path.insert(0, HERE)
 import make_fixtures as MF  # noqa: E402
 
 
-def compare(committed: str, fresh: str) -> list:
+def compare(committed: str, fresh: str, f32_tol: float = 1e-6, compare_reference=None) -> list:
+    """Problems between a committed fixture directory and a regenerated one: files present on one
+    side only, differing files; a .f32 logits file may differ by float32 rounding only (max |diff|
+    <= f32_tol with identical argmax); reference.json goes to compare_reference(a, b) -> problems
+    when given (else it must be byte-identical)."""
     problems = []
     names_c = set(os.listdir(committed))
     names_f = set(os.listdir(fresh))
@@ -31,6 +35,10 @@ def compare(committed: str, fresh: str) -> list:
         a, b = os.path.join(committed, n), os.path.join(fresh, n)
         if filecmp.cmp(a, b, shallow=False):
             continue
+        if n == "reference.json" and compare_reference is not None:
+            with open(a) as fa, open(b) as fb:
+                problems += compare_reference(json.load(fa), json.load(fb))
+            continue
         if n.endswith(".f32"):
             x = np.fromfile(a, dtype="<f4")
             y = np.fromfile(b, dtype="<f4")
@@ -39,7 +47,7 @@ def compare(committed: str, fresh: str) -> list:
                 with open(os.path.join(fresh, "reference.json")) as f:
                     shape = json.load(f)["logits_shape"]
                 same_argmax = bool((x.reshape(shape).argmax(-1) == y.reshape(shape).argmax(-1)).all())
-                if d <= 1e-6 and same_argmax:
+                if d <= f32_tol and same_argmax:
                     print(f"  note: {n} differs by float32 rounding only (max {d:.2e})")
                     continue
                 problems.append(f"{n}: max |diff| {d:.3e}, argmax identical: {same_argmax}")

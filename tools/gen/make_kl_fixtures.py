@@ -36,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "tools", "reference"))
 import gen_kimi_linear as G  # noqa: E402
+from make_fixtures import dumps  # noqa: E402  (one key per line, scalar lists on one line)
 import kimi_linear_reference as R  # noqa: E402
 
 COMMITTED = {"kl-tiny": 1}
@@ -55,17 +56,6 @@ def sig(x: float, digits: int = 6) -> float:
 def margins(logits: torch.Tensor) -> torch.Tensor:
     top = torch.topk(logits, 2, dim=-1).values
     return top[..., 0] - top[..., 1]
-
-
-def dumps(obj, indent=0) -> str:
-    """JSON with one key per line but lists of scalars on a single line."""
-    pad = " " * indent
-    if isinstance(obj, dict):
-        items = [f'{pad} {json.dumps(k)}: {dumps(v, indent + 1).lstrip()}' for k, v in obj.items()]
-        return pad + "{\n" + ",\n".join(items) + "\n" + pad + "}"
-    if isinstance(obj, list) and any(isinstance(x, (dict, list)) for x in obj):
-        return pad + "[\n" + ",\n".join(dumps(x, indent + 1) for x in obj) + "\n" + pad + "]"
-    return pad + json.dumps(obj)
 
 
 def make_fixture(preset: str, seed: int, out: str) -> dict:
