@@ -36,6 +36,7 @@
 #include "core/thread_pool.h"
 #include "io/safetensors.h"
 #include "k3/version.h"
+#include "model/backend_profile.h"
 #include "model/model.h"
 #include "model/traffic.h"
 #include "ops/cpu/isa.h"
@@ -93,6 +94,7 @@ struct Flags {
   int64_t chunk = 64, ubatch = 512;
   uint64_t seed = 1;
   bool progress = true, roofline = true;
+  bool profile = false;  // --profile: one more run per test with per-op times
   std::string numerics = "fast", cpu_isa;
   int64_t roofline_mib = 1024;
   std::string device = "cpu", graphs = "both";
@@ -181,6 +183,10 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->option_text("MODE");
   bool no_roofline = false;
   app.add_flag("--no-roofline", no_roofline, "skip the bandwidth / peak-FLOP probes and the ratio column")
+      ->disable_flag_override();
+  app.add_flag("--profile", f.profile,
+               "after each test, one more (untimed) run with the time of every backend op: a table per test "
+               "(op, calls, ms, share); on CUDA each op is waited for and graphs are off in that run")
       ->disable_flag_override();
   app.add_option("--roofline-mib", raw.roofline_mib,
                  "buffer the bandwidth probe reads, >> last-level cache (default 1024)")
@@ -353,6 +359,7 @@ struct Result {
   // while other processes keep the cores busy; core/thread_pool.h), and whether that was allowed.
   double threads_used = 0;
   bool adaptive_threads = false;
+  k3::OpProfile profile;  // --profile: the extra run's op times (profile.steps == 0: not profiled)
 };
 
 // Fills the roofline fields of `r` from its samples (summarize() first) and `work` per token.
@@ -585,9 +592,21 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
 
 // ---------------------------------------------------------------- report
 
+// The op table of a profiled run: ops by time, each with calls, ms and share of the run's op time.
+Json profile_json(const k3::OpProfile& p) {
+  std::vector<std::pair<std::string, k3::OpProfile::Entry>> ops(p.ops.begin(), p.ops.end());
+  std::sort(ops.begin(), ops.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  const double total = p.total_seconds();
+  Json rows = Json::array();
+  for (const auto& [name, e] : ops)
+    rows.push_back({{"op", name}, {"calls", e.calls}, {"ms", 1e3 * e.seconds}, {"share", total > 0 ? e.seconds / total : 0}});
+  return {{"steps", p.steps}, {"op_ms_total", 1e3 * total}, {"ops", rows}};
+}
+
 Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   const bool batched = f.batched();
   Json j;
+  if (r.profile.steps > 0) j["profile"] = profile_json(r.profile);
   j["model"] = mi.name;
   j["model_bytes"] = mi.bytes;
   j["n_params"] = mi.n_params;
@@ -760,6 +779,7 @@ class Report {
     if (f_.output == "md") {
       prog.done();
       out(table_.row(md_cells(r)));
+      if (r.profile.steps > 0) profiles_ += profile_md(r);
     } else if (f_.output == "jsonl") {
       prog.done();
       out(rj.dump() + "\n");
@@ -770,6 +790,7 @@ class Report {
   // The json document: on stdout with -o json, and into the --json-out file.
   void finish(Progress& prog, std::ofstream* json_file) {
     prog.done();
+    if (!profiles_.empty()) out(profiles_);
     const std::string text = doc_.dump(2) + "\n";
     if (f_.output == "json") out(text);
     if (json_file) {
@@ -811,8 +832,26 @@ class Report {
     return cells;
   }
 
+  // "profile of tg16 (t=2): 16 steps, 12.3 ms of ops" and a table of the ops by time.
+  std::string profile_md(const Result& r) const {
+    const Json j = profile_json(r.profile);
+    char head[160];
+    std::snprintf(head, sizeof head, "\nprofile of %s (t=%lld): %lld steps, %.3f ms in backend ops%s\n\n",
+                  r.test.name().c_str(), (long long)r.test.threads, (long long)r.profile.steps,
+                  j["op_ms_total"].get<double>(), p_.cuda ? " (each op waited for, no graphs)" : "");
+    std::string s = std::string(head) + "| op | calls | ms | share |\n|----|------:|---:|------:|\n";
+    for (const Json& o : j["ops"]) {
+      char line[200];
+      std::snprintf(line, sizeof line, "| %s | %lld | %.3f | %.1f%% |\n", o["op"].get<std::string>().c_str(),
+                    (long long)o["calls"].get<int64_t>(), o["ms"].get<double>(), 100 * o["share"].get<double>());
+      s += line;
+    }
+    return s;
+  }
+
   const Flags& f_;
   const Plan& p_;
+  std::string profiles_;  // md profile tables, printed after the results table
   Json doc_;
   MdTable table_;
   std::map<std::tuple<size_t, int64_t, bool, int64_t, int>, double> batch1_;  // aggregate t/s of batch 1
@@ -892,6 +931,17 @@ Result measure_test(const Flags& f, const Test& t, const k3::Model& model, Bench
   r.threads_used = used.loops ? used.mean_team() : double(t.threads);
   r.adaptive_threads = par::adaptive();
   summarize(r);
+  if (f.profile) {
+    prog.say(label + ": profile run");
+    k3::set_profile_sink(model.backend(), &r.profile);
+    try {
+      bench.run_once(t, prompts, first);
+    } catch (...) {
+      k3::set_profile_sink(model.backend(), nullptr);
+      throw;
+    }
+    k3::set_profile_sink(model.backend(), nullptr);
+  }
   if (auto it = roofs.find(t.threads); it != roofs.end()) {
     // A tg step of the batch reads the traffic of all its sequences; a pp token costs the same
     // weight FLOPs whatever the batch.
@@ -949,6 +999,11 @@ int run(const Flags& f, int argc, char** argv) {
   check_model_dir(f.model);
   const std::unique_ptr<std::ofstream> json_file = Report::open_json_out(f);
   const std::unique_ptr<k3::Model> model = load_model(f);
+  if (f.profile) {  // the timing wrapper around the backend, idle until a profile run
+    k3::OpProfile none;
+    model->set_op_profile(&none);
+    k3::set_profile_sink(model->backend(), nullptr);
+  }
   const Plan plan = make_plan(f, *model, argc, argv);
   Report report(f, plan);
   Progress prog(f.progress);

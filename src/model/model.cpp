@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "model/backend_profile.h"
 #include "model/backends.h"
 #include "model/model.h"
 
@@ -44,6 +45,12 @@ bool Model::on_gpu() const { return std::string_view(backend_->name()) == "cuda"
 
 void Model::set_gpu_graphs(bool on) const {
   if (!backend_->set_graphs(on)) fail("set_gpu_graphs: the model is not on the GPU");
+}
+
+void Model::set_op_profile(OpProfile* sink) {
+  if (set_profile_sink(*backend_, sink) || !sink) return;
+  // Wrapped once; memory already allocated through the backend stays with the wrapped one inside.
+  backend_ = make_profiling_backend(std::move(backend_), sink);
 }
 
 void Model::use_gpu(const GpuOptions& o) {

@@ -97,6 +97,7 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
 int64_t forward_work_floats(const ModelDims& d, int64_t R);
 
 class Session;
+struct OpProfile;
 
 class Model {
  public:
@@ -139,7 +140,10 @@ class Model {
   // F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
   void use_gpu(const GpuOptions& o = {});
   bool on_gpu() const;
-  void set_gpu_graphs(bool on) const;  // CUDA-graph replay of decode steps (default on); for benchmarks
+  void set_gpu_graphs(bool on) const;
+  // Per-op wall time of the steps that follow into `sink` (null: stop timing); see
+  // model/backend_profile.h. Call after use_gpu (which replaces the backend).
+  void set_op_profile(OpProfile* sink);  // CUDA-graph replay of decode steps (default on); for benchmarks
   Backend& backend() const { return *backend_; }
   const ModelWeights& placed() const { return placed_; }  // the weights as the backend reads them
 

@@ -450,3 +450,37 @@ TEST(CliBenchBadInput, BeyondMaxPositions) {
              "depth 4000 + generated 100 = 4100 tokens exceeds the model's max_position_embeddings (4096)");
   expect_bad(run_k3("bench " + m() + " -p 5000 -n 0"), "prompt 5000");
 }
+
+// --profile: each result carries the op table of one extra run (the steps of that run; the ops a
+// K3 layer calls, each with calls > 0 and non-negative time; shares summing to 1), printed in md
+// after the results table; without the flag there is none.
+TEST(CliBench, ProfileTables) {
+  const auto r = run_k3("bench " + m() + " -p 8 -n 4 -r 1 -t 1 -o json --no-progress --no-roofline --profile");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  ASSERT_EQ(doc["results"].size(), 2u);
+  for (const auto& res : doc["results"]) {
+    ASSERT_TRUE(res.contains("profile")) << res.dump();
+    const auto& p = res["profile"];
+    // pp8: one step (8 <= --ubatch); tg4: four decode steps
+    EXPECT_EQ(p["steps"].get<int64_t>(), res["n_prompt"].get<int64_t>() > 0 ? 1 : 4) << p.dump();
+    double share = 0;
+    std::vector<std::string> ops;
+    for (const auto& o : p["ops"]) {
+      EXPECT_GT(o["calls"].get<int64_t>(), 0) << o.dump();
+      EXPECT_GE(o["ms"].get<double>(), 0.0) << o.dump();
+      share += o["share"].get<double>();
+      ops.push_back(o["op"].get<std::string>());
+    }
+    EXPECT_NEAR(share, 1.0, 1e-9);
+    for (const char* want : {"matmul", "kda", "mla_attend", "moe_routed", "attnres_mix", "rmsnorm", "router_topk"})
+      EXPECT_NE(std::find(ops.begin(), ops.end(), want), ops.end()) << want << " missing from " << p.dump();
+  }
+  const auto md = run_k3("bench " + m() + " -p 0 -n 2 -r 1 -t 1 --no-progress --no-roofline --profile");
+  ASSERT_EQ(md.code, 0) << md.err;
+  EXPECT_NE(md.out.find("profile of tg2 (t=1): 2 steps"), std::string::npos) << md.out;
+  EXPECT_NE(md.out.find("| moe_routed |"), std::string::npos) << md.out;
+  const auto plain = run_k3("bench " + m() + " -p 8 -n 0 -r 1 -t 1 -o json --no-progress --no-roofline");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_FALSE(nlohmann::json::parse(plain.out)["results"][0].contains("profile"));
+}

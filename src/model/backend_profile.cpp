@@ -1,0 +1,134 @@
+// The timing Backend of backend_profile.h: every op forwarded, timed while a sink is set.
+#include "model/backend_profile.h"
+
+#include <chrono>
+#include <string_view>
+
+namespace k3 {
+
+namespace {
+
+class ProfilingBackend final : public Backend {
+ public:
+  ProfilingBackend(std::unique_ptr<Backend> inner, OpProfile* sink)
+      : in_(std::move(inner)), sink_(sink), async_(std::string_view(in_->name()) != "cpu") {}
+  void set_sink(OpProfile* s) { sink_ = s; }
+
+  const char* name() const override { return in_->name(); }
+  BackendCaps caps() const override { return in_->caps(); }
+  void* alloc(size_t bytes, const char* what) override { return in_->alloc(bytes, what); }
+  void release(void* p) noexcept override { in_->release(p); }
+  void upload(void* dst, const void* src, size_t bytes) override { in_->upload(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override { in_->download(dst, src, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override { timed("copy", [&] { in_->copy(dst, src, bytes); }); }
+  void zero(void* dst, size_t bytes) override { timed("zero", [&] { in_->zero(dst, bytes); }); }
+  void sync() override { in_->sync(); }
+  void place(ModelWeights& w) override { in_->place(w); }
+  bool set_graphs(bool on) override { return in_->set_graphs(on); }
+
+  bool begin_step(const StepView& s, const int32_t* ids, StepNumerics n, bool replayable) override {
+    if (sink_) ++sink_->steps;
+    return in_->begin_step(s, ids, n, replayable && !sink_);  // no graph replay while timing ops
+  }
+  void end_step() override { timed("end_step", [&] { in_->end_step(); }); }
+  void abort_step() noexcept override { in_->abort_step(); }
+
+  void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
+    timed("embed", [&] { in_->embed(E, ids, R, out); });
+  }
+  void matmul(const WeightMat& W, const float* x, int64_t R, float* y, const int32_t* groups,
+              int64_t n_groups) override {
+    timed("matmul", [&] { in_->matmul(W, x, R, y, groups, n_groups); });
+  }
+  void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
+                           const bool* fp32) override {
+    timed("matmul_shared_input", [&] { in_->matmul_shared_input(W, n, x, R, y, fp32); });
+  }
+  void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
+    timed("matmul_many", [&] { in_->matmul_many(W, x, n, R, y); });
+  }
+  void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
+    timed("rmsnorm", [&] { in_->rmsnorm(x, R, n, w, eps, out); });
+  }
+  void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
+    timed("l2norm_scale", [&] { in_->l2norm_scale(x, rows, n, eps, scale); });
+  }
+  void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
+    timed("glu_activation", [&] { in_->situ_glu(g, u, n, b1, b2, out); });
+  }
+  void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
+                float lower_bound, float* g) override {
+    timed("kda_gate", [&] { in_->kda_gate(f, R, H, D, A_log, dt_bias, lower_bound, g); });
+  }
+  void sigmoid(float* x, int64_t n) override { timed("sigmoid", [&] { in_->sigmoid(x, n); }); }
+  void sigmoid_mul(float* x, const float* gate, int64_t n) override {
+    timed("sigmoid_mul", [&] { in_->sigmoid_mul(x, gate, n); });
+  }
+  void add(float* y, const float* x, int64_t n) override { timed("add", [&] { in_->add(y, x, n); }); }
+  void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst) override {
+    timed("gather_rows", [&] { in_->gather_rows(src, rows, n, width, dst); });
+  }
+  void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
+                   float* out) override {
+    timed("attnres_mix", [&] { in_->attnres_mix(src, n_src, R, H, fold, eps, out); });
+  }
+  void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K, float* state_pool,
+                       float* out) override {
+    timed("short_conv_silu", [&] { in_->short_conv_silu(x, s, C, w, K, state_pool, out); });
+  }
+  void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
+           int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
+    timed("kda", [&] { in_->kda(q, k, v, g, beta, s, H, Dk, Dv, algo, chunk, S_pool, o); });
+  }
+  void mla_append(const float* ckv, const StepView& s, int64_t kv_lora, int64_t rope, const float* norm_w, float eps,
+                  const MlaPages& pages) override {
+    timed("mla_append", [&] { in_->mla_append(ckv, s, kv_lora, rope, norm_w, eps, pages); });
+  }
+  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b,
+                  const MlaAttnDims& d, MlaAlgo algo, float* out) override {
+    timed("mla_attend", [&] { in_->mla_attend(q, s, pages, kv_b, d, algo, out); });
+  }
+  void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
+                   int32_t* idx, float* w) override {
+    timed("router_topk", [&] { in_->router_topk(logits, bias, R, E, k, renorm, scale, idx, w); });
+  }
+  void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override {
+    timed("moe_routed", [&] { in_->moe_routed(w, latent, situ, z, idx, wt, R, top_k, agg, source); });
+  }
+  void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
+    timed("argmax_rows", [&] { in_->argmax_rows(logits, R, V, out); });
+  }
+
+ private:
+  template <class F>
+  void timed(const char* op, F&& f) {
+    if (!sink_) return f();
+    if (async_) in_->sync();  // the previous op's time is not this one's
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    if (async_) in_->sync();
+    OpProfile::Entry& e = sink_->ops[op];
+    ++e.calls;
+    e.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+
+  std::unique_ptr<Backend> in_;
+  OpProfile* sink_;
+  bool async_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_profiling_backend(std::unique_ptr<Backend> inner, OpProfile* sink) {
+  return std::make_unique<ProfilingBackend>(std::move(inner), sink);
+}
+
+bool set_profile_sink(Backend& be, OpProfile* sink) {
+  auto* p = dynamic_cast<ProfilingBackend*>(&be);
+  if (!p) return false;
+  p->set_sink(sink);
+  return true;
+}
+
+}  // namespace k3
