@@ -26,6 +26,10 @@ if [[ "${K3_TEST_NO_VOCAB:-0}" != 1 ]]; then
   # the chat goldens (tests/fixtures/chat) equal what an independent renderer written from the format
   # specification (tools/chat/xtml.py, no code shared with src/chat) renders
   build/tokvenv/bin/python tools/chat/check_goldens.py
+  # the Kimi K2 chat goldens (tests/fixtures/chat-k2) equal what the K2 chat template itself renders
+  # (jinja2, as transformers renders it) and tokenizes to; the K2 test tokenizer matches its generator
+  python3 tools/chat/make_k2_tokenizer.py --check
+  build/tokvenv/bin/python tools/chat/check_k2_goldens.py
 fi
 
 echo "== server tests: the OpenAI Python client (pinned) in build/servevenv"

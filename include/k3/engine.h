@@ -35,6 +35,7 @@ struct EngineOptions {
                                   // The load-time memory check counts one sequence of this length.
   int64_t step_tokens = 512;      // rows of one forward piece (longer steps run in pieces); 1..1048576
   std::string tokenizer_dir;      // "" = model_dir
+  std::string chat_format;        // "" = the checkpoint's (its chat template, else model_type), xtml or k2
   bool need_tokenizer = true;     // false: load without a tokenizer (token ids only; text calls throw)
   bool prefault = true;           // CPU: read the weights in at load time (else on first use)
   bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
@@ -110,11 +111,12 @@ class Engine {
   std::vector<int32_t> tokenize(std::string_view text) const;  // special-token text stays text
   std::string detokenize(const std::vector<int32_t>& ids, bool skip_special = false) const;
   int32_t bos_id() const;                 // -1 when the model has none
-  int32_t end_of_turn_id() const;         // <|end_of_msg|>, -1 when the tokenizer has none
+  int32_t end_of_turn_id() const;         // the chat format's end of turn (<|end_of_msg|>, K2 <|im_end|>), -1 if none
   std::vector<int32_t> stop_ids() const;  // end of sequence (config + generation_config) and end of turn
   int32_t special_id(std::string_view text) const;  // the id of a special token's text ("<|open|>"), -1 if none
 
-  // ---- chat (const; any thread): the K3 chat format rendered to ids, ready to feed.
+  // ---- chat (const; any thread): the checkpoint's chat format rendered to ids, ready to feed.
+  std::string chat_format() const;  // "xtml" (K3) or "k2" (Kimi K2 template, Kimi Linear)
   std::vector<int32_t> render_chat(const std::vector<ChatMessage>& messages, const ChatRenderOptions& o = {}) const;
 
   // The checkpoint's sampling defaults (generation_config.json, else built-in), seed 0.
@@ -122,6 +124,7 @@ class Engine {
 
  private:
   friend class Detokenizer;
+  friend class ChatParser;
   struct Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
@@ -172,7 +175,8 @@ struct ChatEvent {
 
 class ChatParser {
  public:
-  explicit ChatParser(bool thinking_prompt = true);  // as ChatRenderOptions::thinking
+  explicit ChatParser(bool thinking_prompt = true);  // XTML; thinking_prompt as ChatRenderOptions::thinking
+  ChatParser(const Engine& e, bool thinking_prompt);  // in the engine's chat format
   ~ChatParser();
   ChatParser(ChatParser&&) noexcept;
   ChatParser& operator=(ChatParser&&) noexcept;

@@ -24,6 +24,7 @@ struct Engine::Impl {
   ForwardOptions fwd;
   int64_t max_ctx = 0;
   int32_t bos = -1, eot = -1;
+  chat::Format format = chat::Format::Xtml;
   std::vector<int32_t> stops;
   SamplingParams sampling;
   std::vector<SeqStep> batch;  // step scratch
@@ -41,6 +42,8 @@ void check_options(const EngineOptions& o) {
   if (o.device != "cpu" && o.device != "cuda") fail("device must be cpu or cuda, not '" + o.device + "'");
   if (o.numerics != "fast" && o.numerics != "fp32" && o.numerics != "exact")
     fail("numerics must be fast, fp32 or exact, not '" + o.numerics + "'");
+  if (!o.chat_format.empty() && o.chat_format != "xtml" && o.chat_format != "k2")
+    fail("chat_format must be xtml or k2 (or empty: the checkpoint's), not '" + o.chat_format + "'");
   if (o.threads < 0)
     fail("threads must be >= 0 (0 = leave the OpenMP setting as is), not " + std::to_string(o.threads));
   if (o.context < 0) fail("context must be >= 0 (0 = the model's, at most 32768), not " + std::to_string(o.context));
@@ -130,8 +133,12 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   const int64_t bos = m.config().bos_token_id;
   im->bos = bos >= 0 && bos < V ? int32_t(bos) : -1;
   im->stops = eos_ids_from_dir(m, im->lc.dir);
+  im->format = options.chat_format.empty()
+                   ? chat::detect_format(im->lc.tokenizer_dir.empty() ? im->lc.dir : im->lc.tokenizer_dir,
+                                         m.config().model_type)
+                   : chat::parse_format_name(options.chat_format);
   if (im->lc.tok)
-    if (const auto eot = im->lc.tok->special_id("<|end_of_msg|>"); eot && int64_t(*eot) < V) {
+    if (const auto eot = im->lc.tok->special_id(chat::chat_format(im->format).end_marker()); eot && int64_t(*eot) < V) {
       im->eot = int32_t(*eot);
       if (std::find(im->stops.begin(), im->stops.end(), im->eot) == im->stops.end()) im->stops.push_back(im->eot);
     }
@@ -201,6 +208,7 @@ int64_t Engine::cache_page_tokens() const { return impl_->pool->page_tokens(); }
 
 int32_t Engine::bos_id() const { return impl_->bos; }
 int32_t Engine::end_of_turn_id() const { return impl_->eot; }
+std::string Engine::chat_format() const { return chat::format_name(impl_->format); }
 std::vector<int32_t> Engine::stop_ids() const { return impl_->stops; }
 int32_t Engine::special_id(std::string_view text) const {
   const auto id = impl_->tok().special_id(text);
@@ -218,7 +226,7 @@ std::vector<int32_t> Engine::render_chat(const std::vector<ChatMessage>& message
   ro.thinking = o.thinking;
   ro.thinking_effort = o.thinking_effort;
   ro.add_generation_prompt = o.add_generation_prompt;
-  const std::vector<tok::TokenId> ids = chat::segments_ids(t, chat::render(msgs, ro));
+  const std::vector<tok::TokenId> ids = chat::segments_ids(t, chat::chat_format(impl_->format).render(msgs, ro));
   return std::vector<int32_t>(ids.begin(), ids.end());
 }
 
@@ -260,7 +268,7 @@ std::string Detokenizer::flush() { return impl_->dec.flush(); }
 // ---- ChatParser
 
 struct ChatParser::Impl {
-  chat::OutputParser p;
+  std::unique_ptr<chat::StreamParser> p;
 };
 
 namespace {
@@ -294,14 +302,17 @@ std::vector<ChatEvent> to_events(const std::vector<chat::Event>& ev) {
 }
 }  // namespace
 
-ChatParser::ChatParser(bool thinking_prompt) : impl_(new Impl{chat::OutputParser(thinking_prompt)}) {}
+ChatParser::ChatParser(bool thinking_prompt)
+    : impl_(new Impl{std::make_unique<chat::OutputParser>(thinking_prompt)}) {}
+ChatParser::ChatParser(const Engine& e, bool thinking_prompt)
+    : impl_(new Impl{chat::chat_format(e.impl_->format).parser(thinking_prompt)}) {}
 ChatParser::~ChatParser() = default;
 ChatParser::ChatParser(ChatParser&&) noexcept = default;
 ChatParser& ChatParser::operator=(ChatParser&&) noexcept = default;
-std::vector<ChatEvent> ChatParser::feed(std::string_view text) { return to_events(impl_->p.feed(text)); }
-std::vector<ChatEvent> ChatParser::finish() { return to_events(impl_->p.finish()); }
-const std::string& ChatParser::reasoning() const { return impl_->p.result().reasoning; }
-const std::string& ChatParser::content() const { return impl_->p.result().content; }
-bool ChatParser::finished_message() const { return impl_->p.result().finished_message; }
+std::vector<ChatEvent> ChatParser::feed(std::string_view text) { return to_events(impl_->p->feed(text)); }
+std::vector<ChatEvent> ChatParser::finish() { return to_events(impl_->p->finish()); }
+const std::string& ChatParser::reasoning() const { return impl_->p->result().reasoning; }
+const std::string& ChatParser::content() const { return impl_->p->result().content; }
+bool ChatParser::finished_message() const { return impl_->p->result().finished_message; }
 
 }  // namespace k3

@@ -1,10 +1,13 @@
-// K3 XTML chat format: renders messages (system, user, assistant with reasoning and tool calls, tool
+// Chat formats: renders messages (system, user, assistant with reasoning and tool calls, tool
 // results, tool declarations, thinking effort) into segments/ids, and parses model output back
-// incrementally (one state machine for streaming and one-shot). Owns no tokenization rules beyond
-// "markers are special ids, everything else is ordinary text"; no tensor code.
+// incrementally (one state machine per format for streaming and one-shot). Two formats behind one
+// interface (ChatFormat): K3's XTML (chat-format.md; render.cpp, parser.cpp) and the Kimi K2 chat
+// template that Kimi Linear's checkpoint uses (docs/chat-k2.md; k2.cpp). Owns no tokenization rules
+// beyond "markers are special ids, everything else is ordinary text"; no tensor code.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +22,9 @@ struct ToolCall {
   std::string id;  // OpenAI call id (kept internal; the prompt uses index)
   std::string name;
   nlohmann::ordered_json arguments;  // usually an object; other JSON values use a json body
+  // The arguments exactly as given when they came as a JSON string (OpenAI requests) or as the model
+  // wrote them; the K2 template renders a string verbatim. Empty = render `arguments`.
+  std::optional<std::string> arguments_text;
 };
 
 struct Message {
@@ -81,13 +87,24 @@ struct ParseResult {
   bool finished_message = false;  // saw <|close|>message<|sep|> or <|end_of_msg|>
 };
 
-class OutputParser {
+// A streaming parser of one assistant reply: feed() text as it is detokenized (special markers kept
+// as their text), finish() at the end; result() is everything parsed so far.
+class StreamParser {
+ public:
+  virtual ~StreamParser() = default;
+  virtual std::vector<Event> feed(std::string_view text) = 0;
+  virtual std::vector<Event> finish() = 0;
+  virtual const ParseResult& result() const = 0;
+};
+
+// The XTML parser.
+class OutputParser : public StreamParser {
  public:
   // thinking_prompt: the generation prompt opened `think` (reasoning first); else `response`.
   explicit OutputParser(bool thinking_prompt = true);
-  std::vector<Event> feed(std::string_view text);
-  std::vector<Event> finish();
-  const ParseResult& result() const { return result_; }
+  std::vector<Event> feed(std::string_view text) override;
+  std::vector<Event> finish() override;
+  const ParseResult& result() const override { return result_; }
 
  private:
   enum class State { Between, Reasoning, Content, Tools, Call, Arg, JsonBody, Done };
@@ -114,5 +131,72 @@ class OutputParser {
 // Merges consecutive deltas of the same kind and call (streaming and one-shot compare equal this way).
 std::vector<Event> coalesce(const std::vector<Event>& ev);
 ParseResult parse_output(std::string_view text, bool thinking_prompt = true);
+
+// ---- Kimi K2 chat template (docs/chat-k2.md) ----
+std::vector<Segment> render_k2(const std::vector<Message>& msgs, const RenderOptions& opt);
+// Python json.dumps(v, ensure_ascii=False) with its default separators (", ", ": "): what the HF
+// chat-template `tojson` filter writes. Keys in the order the value holds them.
+std::string python_json(const nlohmann::ordered_json& v);
+std::string python_json(const nlohmann::json& v);  // keys sorted (std::map order = code point order)
+// The function name of a K2 call id "functions.NAME:IDX" (the text before the last ':', after its
+// last '.'); an id without ':' is taken whole.
+std::string k2_call_name(const std::string& id);
+
+// K2 output: optional <think>...</think> first, then content, then a tool-call section
+// <|tool_calls_section_begin|> (<|tool_call_begin|>ID<|tool_call_argument_begin|>JSON<|tool_call_end|>)*
+// <|tool_calls_section_end|>, then <|im_end|>. Arguments stream as raw JSON text.
+class K2OutputParser : public StreamParser {
+ public:
+  // reasoning_first: the prompt already opened <think> (the reply starts inside reasoning).
+  explicit K2OutputParser(bool reasoning_first = false);
+  std::vector<Event> feed(std::string_view text) override;
+  std::vector<Event> finish() override;
+  const ParseResult& result() const override { return result_; }
+  // The ids the model gave its calls (functions.NAME:IDX), one per call.
+  const std::vector<std::string>& call_ids() const { return ids_; }
+
+ private:
+  enum class State { Start, Reasoning, Content, Section, CallId, Args, Done };
+  void text(std::string_view t, std::vector<Event>& ev);
+  void marker(std::string_view m, std::vector<Event>& ev);
+  void begin_call(std::vector<Event>& ev);
+  void end_call(std::vector<Event>& ev);
+  void push(std::vector<Event>& ev, EventKind k, std::string text);
+
+  State state_;
+  std::string buf_;       // undecided input (a possible partial marker)
+  std::string start_ws_;  // leading whitespace before a possible <think>
+  std::string id_;        // call id being read
+  bool args_started_ = false;
+  int call_ = -1;
+  bool call_open_ = false;
+  std::vector<std::string> ids_;
+  ParseResult result_;
+};
+
+// ---- the two formats behind one interface ----
+enum class Format { Xtml, K2 };
+std::string format_name(Format f);                 // "xtml" | "k2"
+Format parse_format_name(const std::string& name);  // throws k3::Error naming the choices
+// The format of a checkpoint: the chat template in DIR/tokenizer_config.json (`chat_template`) or
+// DIR/chat_template.jinja decides when it has one format's markers (<|im_user|>, <|im_assistant|>,
+// <|im_end|> -> K2; <|open|>, <|end_of_msg|> -> XTML); otherwise model_type "kimi_linear" -> K2,
+// anything else (K3) -> XTML. why (optional) receives a short reason for messages.
+Format detect_format(const std::string& dir, const std::string& model_type, std::string* why = nullptr);
+
+class ChatFormat {
+ public:
+  virtual ~ChatFormat() = default;
+  virtual Format id() const = 0;
+  virtual std::vector<Segment> render(const std::vector<Message>& msgs, const RenderOptions& opt) const = 0;
+  // Does the generation prompt of these options open the reasoning section?
+  virtual bool prompt_opens_reasoning(const RenderOptions& opt) const = 0;
+  virtual std::unique_ptr<StreamParser> parser(bool prompt_opens_reasoning) const = 0;
+  // The marker that ends an assistant turn (a stop token): <|end_of_msg|> or <|im_end|>.
+  virtual std::string end_marker() const = 0;
+  // The id a reply's call k (0-based) gets, as the format's prompts write it back.
+  virtual std::string call_id(const std::string& name, size_t k, int64_t turn) const = 0;
+};
+const ChatFormat& chat_format(Format f);
 
 }  // namespace k3::chat

@@ -276,6 +276,7 @@ std::vector<Message> messages_from_json(const nlohmann::json& messages) {
           const std::string s = a.get<std::string>();
           c.arguments = s.empty() ? nlohmann::ordered_json::object() : nlohmann::ordered_json::parse(s, nullptr, false);
           if (c.arguments.is_discarded()) throw Error("chat: " + w + ".function.arguments is not valid JSON");
+          c.arguments_text = s;
         } else {
           c.arguments = nlohmann::ordered_json::parse(a.dump());
         }

@@ -1,4 +1,5 @@
-// `k3 chat`: interactive multi-turn chat in the K3 XTML format. Reasoning is shown apart from the
+// `k3 chat`: interactive multi-turn chat in the checkpoint's chat format (K3 XTML, or Kimi K2 for Kimi
+// Linear; --chat-format overrides). Reasoning is shown apart from the
 // answer, tool calls as structured lines; /reset, /save, /load, /tool, /stats, /help, /exit.
 // Owns the terminal loop and display; turns, state and files live in runtime/chat_session.
 #include <unistd.h>
@@ -65,7 +66,7 @@ bool read_message(bool interactive, LineEditor* editor, std::string& msg) {
 struct ChatFlags {
   RunEngineFlags ef;
   SamplingFlags sf;
-  std::string system, system_file, effort, tools_file, load_file;
+  std::string system, system_file, effort, tools_file, load_file, chat_format;
   int64_t max_tokens = 1024;
   bool no_color = false, show_stats = false;
 };
@@ -81,6 +82,10 @@ void add_chat_flags(CLI::App& app, ChatFlags& f) {
   app.add_option("-n,--max-tokens", f.max_tokens, "tokens per reply at most (default 1024)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 40));
   app.add_option("--load", f.load_file, "start from a conversation saved with /save");
+  app.add_option("--chat-format", f.chat_format,
+                 "chat format: xtml (K3) or k2 (Kimi K2 / Kimi Linear); default: the checkpoint's (its chat "
+                 "template, else its model_type)")
+      ->check(CLI::IsMember({"xtml", "k2"}));
   app.add_flag("--no-color", f.no_color, "no terminal colours");
   app.add_flag("--stats", f.show_stats, "print a statistics line after each reply");
   f.ef.add(&app);
@@ -253,6 +258,8 @@ int run_chat(ChatFlags& f, bool interactive) {
   co.max_tokens = f.max_tokens;
   co.max_context = ctx;
   co.ubatch = f.ef.ubatch;
+  co.format = f.chat_format.empty() ? chat::detect_format(f.ef.tokenizer.empty() ? dir : f.ef.tokenizer, cfg.model_type)
+                                    : chat::parse_format_name(f.chat_format);
   RunEngineFlags f2 = f.ef;
   f2.model = dir;
   LoadedModel lm = load_for_generation(f2, "k3 chat", ctx);
@@ -266,8 +273,9 @@ int run_chat(ChatFlags& f, bool interactive) {
   }
   const bool color = !f.no_color && stdout_is_tty();
   if (interactive)
-    std::fprintf(stderr, "k3 chat: %s, context %lld tokens, seed %llu. /help for commands, Ctrl-D to leave.\n",
-                 dir.c_str(), (long long)ctx, (unsigned long long)co.sampling.seed);
+    std::fprintf(stderr,
+                 "k3 chat: %s, %s chat format, context %lld tokens, seed %llu. /help for commands, Ctrl-D to leave.\n",
+                 dir.c_str(), chat::format_name(co.format).c_str(), (long long)ctx, (unsigned long long)co.sampling.seed);
   ChatTotals t;
   chat_loop(chat, interactive, color, f.show_stats, t);
   std::fprintf(stderr, "k3 chat: %s%s\n", summary_line(t.total, t.last).c_str(),
@@ -278,7 +286,7 @@ int run_chat(ChatFlags& f, bool interactive) {
 }  // namespace
 
 int cmd_chat(int argc, char** argv) {
-  CLI::App app{"k3 chat: interactive multi-turn chat in the K3 chat format (type /help inside)"};
+  CLI::App app{"k3 chat: interactive multi-turn chat in the checkpoint's chat format (type /help inside)"};
   app.name("k3 chat");
   ChatFlags f;
   add_chat_flags(app, f);

@@ -37,7 +37,7 @@ int cmd_serve(int argc, char** argv) {
   RunEngineFlags ef;
   server::HttpOptions ho;
   server::SchedulerOptions so;
-  std::string cache_mem = "1G", alias, max_body = "16M";
+  std::string cache_mem = "1G", alias, max_body = "16M", chat_format;
   double timeout = 600;
   bool no_turn_snapshots = false;
   ho.port = 8080;
@@ -65,6 +65,10 @@ int cmd_serve(int argc, char** argv) {
   app.add_option("--api-key", ho.api_key, "require Authorization: Bearer KEY (except / and /health)");
   app.add_option("--cors", ho.cors_origin, "allow browser requests from ORIGIN (e.g. http://localhost:3000, or *)")
       ->option_text("ORIGIN");
+  app.add_option("--chat-format", chat_format,
+                 "chat format of /v1/chat/completions: xtml (K3) or k2 (Kimi K2 / Kimi Linear); default: the "
+                 "checkpoint's (its chat template, else its model_type)")
+      ->check(CLI::IsMember({"xtml", "k2"}));
   app.add_option("--alias", alias, "the model id in /v1/models and responses (default: the model directory's name)");
   app.add_option("--timeout", timeout, "seconds a request may take, queueing included (default 600)")
       ->check(CLI::Range(0.001, 1e7));
@@ -103,6 +107,7 @@ int cmd_serve(int argc, char** argv) {
     EngineOptions eo;
     eo.model_dir = dir;
     eo.tokenizer_dir = ef.tokenizer;
+    eo.chat_format = chat_format;
     eo.device = ef.device;
     eo.numerics = ef.numerics;
     eo.ram_budget = ef.ram_budget;
@@ -119,9 +124,10 @@ int cmd_serve(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       engine = Engine::load(eo);
       if (!ef.quiet)
-        std::fprintf(stderr, "k3 serve: loaded in %.2f s (context %lld tokens, %s, %d parallel, prefix cache %s)\n",
+        std::fprintf(stderr,
+                     "k3 serve: loaded in %.2f s (context %lld tokens, %s, %s chat format, %d parallel, prefix cache %s)\n",
                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                     (long long)engine->max_context(), ef.device.c_str(), so.parallel,
+                     (long long)engine->max_context(), ef.device.c_str(), engine->chat_format().c_str(), so.parallel,
                      so.cache_bytes ? human_bytes(so.cache_bytes).c_str() : "off");
     } catch (...) {
       http.stop();

@@ -37,7 +37,9 @@ nlohmann::ordered_json message_json(const chat::Message& m) {
     j["tool_calls"] = nlohmann::ordered_json::array();
     for (const auto& c : m.tool_calls)
       j["tool_calls"].push_back(
-          {{"id", c.id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});
+          {{"id", c.id},
+           {"type", "function"},
+           {"function", {{"name", c.name}, {"arguments", c.arguments_text ? *c.arguments_text : c.arguments.dump()}}}});
   }
   if (!m.tool_call_id.empty()) j["tool_call_id"] = m.tool_call_id;
   if (!m.name.empty()) j["name"] = m.name;
@@ -53,7 +55,7 @@ ChatSession::ChatSession(const Model& m, const tok::Tokenizer& tok, ChatOptions 
   if (int64_t(tok.vocab_size()) > m.dims().vocab)
     fail("the tokenizer has " + std::to_string(tok.vocab_size()) + " ids but the model's vocabulary is " +
          std::to_string(m.dims().vocab));
-  (void)chat::render({}, opt_.render);  // validates the effort and tools now, not at the first turn
+  (void)chat::chat_format(opt_.format).render({}, opt_.render);  // validates the effort and tools now, not at the first turn
   start();
 }
 
@@ -81,7 +83,7 @@ std::vector<tok::TokenId> ChatSession::render_ids(const std::vector<chat::Messag
                                                   bool generation_prompt) const {
   chat::RenderOptions ro = opt_.render;
   ro.add_generation_prompt = generation_prompt;
-  return chat::segments_ids(*tok_, chat::render(msgs, ro));
+  return chat::segments_ids(*tok_, chat::chat_format(opt_.format).render(msgs, ro));
 }
 
 TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const std::atomic<bool>* interrupt) {
@@ -137,8 +139,8 @@ TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const s
   sp.seed = turn_seed(opt_.sampling.seed, turns_);
   Sampler sampler(sp, V);
   for (tok::TokenId id : transcript_) sampler.accept(int32_t(id));
-  const bool thinking_prompt = opt_.render.thinking && opt_.render.thinking_effort != "none";
-  chat::OutputParser parser(thinking_prompt);
+  const chat::ChatFormat& fmt = chat::chat_format(opt_.format);
+  const std::unique_ptr<chat::StreamParser> parser = fmt.parser(fmt.prompt_opens_reasoning(opt_.render));
   tok::StreamDecoder dec(*tok_);
   const auto emit = [&](const std::vector<chat::Event>& ev) {
     if (cb.on_event)
@@ -148,33 +150,35 @@ TurnResult ChatSession::send(chat::Message msg, const TurnCallbacks& cb, const s
   lim.max_tokens = opt_.max_tokens;
   lim.max_position = ctx;
   lim.interrupt = interrupt;
-  lim.end_tokens.push_back(int32_t(tok_->require_special("<|end_of_msg|>")));
+  lim.end_tokens.push_back(int32_t(tok_->require_special(fmt.end_marker())));
   const int64_t eos = model_->config().eos_token_id;
   if (eos >= 0 && eos < V && eos != lim.end_tokens[0]) lim.end_tokens.push_back(int32_t(eos));
   const DecodeResult r = decode(
       *model_, session_, sampler, logits.data(), lim, opt_.forward,
       [&](int32_t id) {
-        if (tok_->is_valid_id(tok::TokenId(id))) emit(parser.feed(dec.push(tok::TokenId(id))));
+        if (tok_->is_valid_id(tok::TokenId(id))) emit(parser->feed(dec.push(tok::TokenId(id))));
         return true;
       },
       &res.stats);
-  emit(parser.feed(dec.flush()));
-  emit(parser.finish());
+  emit(parser->feed(dec.flush()));
+  emit(parser->finish());
   res.reason = r.reason;
 
   // The reply as a message, then the session brought to its canonical ids.
-  const chat::ParseResult& pr = parser.result();
+  const chat::ParseResult& pr = parser->result();
   chat::Message reply;
   reply.role = "assistant";
   reply.reasoning = pr.reasoning;
   reply.content = pr.content;
   for (size_t k = 0; k < pr.calls.size(); ++k) {
     chat::ToolCall c;
-    c.id = "call_" + std::to_string(turns_ + 1) + "_" + std::to_string(k + 1);
     c.name = pr.calls[k].name.empty() ? "unnamed" : pr.calls[k].name;
+    c.id = fmt.call_id(c.name, k, turns_);
     c.arguments =
         nlohmann::ordered_json::parse(pr.calls[k].arguments.empty() ? "{}" : pr.calls[k].arguments, nullptr, false);
     if (c.arguments.is_discarded()) c.arguments = pr.calls[k].arguments;  // kept verbatim as a JSON string
+    // K2 renders a call's arguments as the text the model wrote (the template prints strings verbatim).
+    if (opt_.format == chat::Format::K2) c.arguments_text = pr.calls[k].arguments.empty() ? "{}" : pr.calls[k].arguments;
     reply.tool_calls.push_back(std::move(c));
   }
   messages_.push_back(reply);
@@ -212,6 +216,7 @@ void ChatSession::save(const std::string& path) const {
   j["format"] = "k3-chat";
   j["version"] = 1;
   j["model_fingerprint"] = std::to_string(model_->fingerprint());
+  j["chat_format"] = chat::format_name(opt_.format);
   j["system"] = opt_.system;
   j["thinking_effort"] = opt_.render.thinking_effort;
   j["thinking"] = opt_.render.thinking;
@@ -270,6 +275,10 @@ void ChatSession::load(const std::string& path) {
   std::vector<tok::TokenId> ids;
   int64_t turns = 0;
   try {
+    if (j.contains("chat_format") &&
+        chat::parse_format_name(j["chat_format"].get<std::string>()) != opt_.format)
+      fail(path + ": chat file was saved in the " + j["chat_format"].get<std::string>() + " chat format, this chat uses " +
+           chat::format_name(opt_.format));
     o.system = j.at("system").get<std::string>();
     o.render.thinking_effort = j.at("thinking_effort").get<std::string>();
     o.render.thinking = j.at("thinking").get<bool>();

@@ -1,4 +1,5 @@
-// A multi-turn K3 chat held in one Session. The session always holds exactly the ids of
+// A multi-turn chat held in one Session, in the checkpoint's chat format (chat::ChatFormat: K3 XTML
+// or Kimi K2). The session always holds exactly the ids of
 // chat::render(messages) (the canonical rendering), so a turn only prefills the new text and a
 // conversation continued here equals the same conversation rendered and prefilled at once.
 // When the sampled tokens of a reply differ from its canonical rendering (a non-canonical BPE
@@ -19,6 +20,7 @@
 namespace k3 {
 
 struct ChatOptions {
+  chat::Format format = chat::Format::Xtml;  // the checkpoint's (chat::detect_format) or --chat-format
   std::string system;          // system prompt ("" = none)
   chat::RenderOptions render;  // tools, thinking effort, thinking on/off
   SamplingParams sampling;     // seed: turn n samples with a seed derived from (seed, n)

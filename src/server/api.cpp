@@ -289,13 +289,14 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
       throw ApiError(400, "response_format type '" + t + "' is not supported (text, json_object)", "response_format",
                      "unsupported_parameter");
   }
+  const chat::ChatFormat& fmt = chat::chat_format(chat::parse_format_name(e.chat_format()));
   std::vector<chat::Segment> segs;
   size_t prefix_segs = 0;
   try {
-    segs = chat::render(msgs, ro);
+    segs = fmt.render(msgs, ro);
     chat::RenderOptions nogen = ro;
     nogen.add_generation_prompt = false;
-    prefix_segs = chat::render(msgs, nogen).size();
+    prefix_segs = fmt.render(msgs, nogen).size();
   } catch (const k3::Error& ex) {
     std::string m = ex.what();
     if (m.rfind("chat: ", 0) == 0) m = m.substr(6);
@@ -313,7 +314,7 @@ std::vector<int32_t> render_chat_ids(const json& body, const Engine& e, int64_t*
       ids.insert(ids.end(), t.begin(), t.end());
     }
   }
-  if (thinking_prompt) *thinking_prompt = ro.add_generation_prompt && ro.thinking && ro.thinking_effort != "none";
+  if (thinking_prompt) *thinking_prompt = ro.add_generation_prompt && fmt.prompt_opens_reasoning(ro);
   if (cuts) {
     const int32_t end_of_msg = e.end_of_turn_id();
     cuts->clear();
@@ -498,7 +499,9 @@ std::optional<json> ChatResponder::chunk(const Delta& d) {
         break;
       case chat::EventKind::ToolCallStart: {
         Call c;
-        c.id = random_id("call_");
+        // K2: the model's own id form (functions.NAME:IDX), which the template writes back in the
+        // assistant turn and in "## Return of ID"; XTML prompts use the index, so any id will do.
+        c.id = e_.chat_format() == "k2" ? "functions." + ev.text + ":" + std::to_string(ev.call) : random_id("call_");
         c.name = ev.text;
         calls_.push_back(c);
         tool_calls.push_back(json{{"index", ev.call},

@@ -54,7 +54,7 @@ struct Scheduler::Active {
   std::optional<TokenSampler> sampler;
   std::optional<Detokenizer> detok;
   std::unique_ptr<StopMatcher> stop;
-  std::optional<chat::OutputParser> parser;
+  std::unique_ptr<chat::StreamParser> parser;  // chat requests: the engine's chat format
   JsonObjectPrefix json;
   bool saw_tool_call_end = false;
   Clock::time_point deadline, last_token;
@@ -159,7 +159,7 @@ void Scheduler::admit(std::shared_ptr<Job> j) {
     for (int32_t t : r.prompt) a->sampler->accept(t);
     a->detok.emplace(e_, /*skip_special=*/!r.chat);
     a->stop = std::make_unique<StopMatcher>(r.stop);
-    if (r.chat) a->parser.emplace(r.thinking_prompt);
+    if (r.chat) a->parser = chat::chat_format(chat::parse_format_name(e_.chat_format())).parser(r.thinking_prompt);
   } catch (const std::exception& ex) {
     if (a->seq >= 0) e_.free_sequence(a->seq);
     fail_job(j, "error", 500, std::string("could not start the request: ") + ex.what());

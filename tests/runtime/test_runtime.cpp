@@ -386,3 +386,42 @@ TEST(Memory, PlanAndSizes) {
   for (const char* bad : {"", "G", "-1", "1X", "1.2.3M", "0"})
     EXPECT_THROW(k3::parse_size(bad, "--mem-limit"), k3::Error) << bad;
 }
+
+// Kimi Linear (kl-tiny) with the K2 test tokenizer: the chat format comes from the checkpoint, the
+// first prompt is the ids the K2 template itself gives (tests/fixtures/chat-k2/user_only.ids, from
+// tools/chat/check_k2_goldens.py), replies stop at <|im_end|>, and the session holds the canonical
+// K2 rendering of the conversation after every turn.
+TEST(ChatSession, KimiLinearChatsInTheK2Format) {
+  const std::string kl = (fs::path(K3_SOURCE_DIR) / "tests/fixtures/kl-tiny").string();
+  const std::string tokdir = (fs::path(K3_SOURCE_DIR) / "tests/fixtures/tokenizer-k2-tiny").string();
+  const auto model = k3::Model::load(kl);
+  const auto tok = k3::tok::Tokenizer::load_dir(tokdir);
+  const k3::chat::Format fmt = k3::chat::detect_format(tokdir, model->config().model_type);
+  ASSERT_EQ(fmt, k3::chat::Format::K2);
+  std::vector<int32_t> want;
+  {
+    std::ifstream f(fs::path(K3_SOURCE_DIR) / "tests/fixtures/chat-k2/user_only.ids");
+    for (int32_t x; f >> x;) want.push_back(x);
+  }
+  ASSERT_FALSE(want.empty());
+  for (uint64_t seed : {1u, 2u, 3u}) {
+    auto opts = chat_opts(seed);
+    opts.system.clear();  // the template's default system turn then comes first
+    opts.format = fmt;
+    opts.max_tokens = 6;
+    k3::ChatSession chat(*model, tok, opts);
+    const auto r = chat.send(user("Hi!"));
+    EXPECT_EQ(r.prefilled, int64_t(want.size()));
+    ASSERT_GE(chat.transcript().size(), want.size());
+    EXPECT_EQ(as_i32(std::vector<k3::tok::TokenId>(chat.transcript().begin(), chat.transcript().begin() + want.size())),
+              want);
+    auto ro = chat.options().render;
+    ro.add_generation_prompt = false;
+    const auto canonical = k3::chat::segments_ids(tok, k3::chat::render_k2(chat.messages(), ro));
+    EXPECT_EQ(chat.transcript(), canonical) << "seed " << seed;
+    EXPECT_EQ(chat.transcript().back(), tok.require_special("<|im_end|>"));
+    const auto r2 = chat.send(user("More."));
+    EXPECT_GT(r2.prefilled, 0);
+    EXPECT_EQ(chat.transcript(), k3::chat::segments_ids(tok, k3::chat::render_k2(chat.messages(), ro)));
+  }
+}
