@@ -14,7 +14,7 @@
 #      and docs/data/kimi-linear-peer-cpu-check-f32.json (the same-model check in fp32).
 #
 # Usage: bash scripts/peer_llamacpp_kimi_linear.sh [extra llamacpp_bench.py options]
-# Environment (defaults): PRESET=kl-bench SEED=1 PP=128 TG=32 REPS=2 ROUNDS=2 THREADS=2
+# Environment (defaults): PRESET=kl-bench SEED=1 PP=128 TG=32 REPS=2 ROUNDS=4 THREADS=2
 #   OUT=docs/data/kimi-linear-peer-cpu.json K3_BIN=build-cpu/bin/k3 PEER_NICE=0 CHECK_F32=1
 #   (pp512/tg128 with 4 rounds took over 10 minutes for llama.cpp's first round alone on the busy
 #   2-core VM, hence the short defaults; PP=512 TG=128 ROUNDS=4 on a quiet machine)
@@ -27,7 +27,7 @@ seed="${SEED:-1}"
 pp="${PP:-128}"
 tg="${TG:-32}"
 reps="${REPS:-2}"
-rounds="${ROUNDS:-2}"
+rounds="${ROUNDS:-4}"
 threads="${THREADS:-2}"
 out="${OUT:-docs/data/kimi-linear-peer-cpu.json}"
 export K3_BIN="${K3_BIN:-$repo/build-cpu/bin/k3}"
@@ -55,7 +55,7 @@ if [ ! -f "$ckpt/.k3cpp-gen-stamp" ] || [ "$(cat "$ckpt/.k3cpp-gen-stamp")" != "
 fi
 
 cmd="bash scripts/peer_llamacpp_kimi_linear.sh $*"
-[ "$preset$seed$pp$tg$reps$rounds$threads" = "kl-bench11283222" ] ||
+[ "$preset$seed$pp$tg$reps$rounds$threads" = "kl-bench11283242" ] ||
   cmd="PRESET=$preset SEED=$seed PP=$pp TG=$tg REPS=$reps ROUNDS=$rounds THREADS=$threads $cmd"
 [ "$out" = docs/data/kimi-linear-peer-cpu.json ] || cmd="OUT=$out $cmd"
 [ "${CHECK_F32:-1}" != 0 ] || cmd="CHECK_F32=0 $cmd"
