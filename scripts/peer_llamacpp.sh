@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Peer comparison with llama.cpp's own Kimi K3 implementation (llama-cpp-python 0.3.36, which
+# Peer comparison with llama.cpp's own Kimi K3 (or Kimi Linear) implementation (llama-cpp-python 0.3.36, which
 # builds llama.cpp from source). Sets up build/peer-venv, fetches the sdist (for the vendored
 # converter + gguf-py), converts the checkpoint to GGUF (cached in build/peer-gguf/), then runs
 # tools/peer/llamacpp_bench.py (pp/tg throughput + logits cross-check against `k3 logits`).
@@ -10,6 +10,7 @@
 # Environment:
 #   PEER_VENV      venv directory (default build/peer-venv)
 #   PEER_NICE      niceness of the conversion/benchmark run (default 19: the machine is shared)
+#   K3_BIN         our k3 binary (default build/bin/k3, else build-peer/bin/k3, built here if missing)
 #   TORCH_FROM     python of a venv that already has torch (default: build/venv, /tmp/k3venv);
 #                  its site-packages are appended to the peer venv (a .pth file) instead of
 #                  installing a second torch. TORCH_FROM=none forces a pip install of torch.
@@ -70,8 +71,11 @@ fi
 
 [ "${1:-}" = "--setup-only" ] && { echo "peer setup done: $venv, $llama_src" >&2; exit 0; }
 
-# 4. our engine (for the cross-check / --with-k3)
-if [ ! -x build/bin/k3 ] && [ ! -x build-peer/bin/k3 ]; then
+# 4. our engine (for the cross-check / --with-k3); K3_BIN names one that is already built
+k3_arg=()
+if [ -n "${K3_BIN:-}" ]; then
+  k3_arg=(--k3 "$K3_BIN")
+elif [ ! -x build/bin/k3 ] && [ ! -x build-peer/bin/k3 ]; then
   cmake -S . -B build-peer -DCMAKE_BUILD_TYPE=Release
   nice -n 19 cmake --build build-peer -j2 --target k3cli
 fi
@@ -79,4 +83,4 @@ fi
 # 5. convert (cached) + bench + cross-check
 ckpt="models/k3-nano"
 if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then ckpt="$1"; shift; fi
-exec nice -n "$nice_n" "$venv/bin/python" tools/peer/llamacpp_bench.py "$ckpt" --llama-src "$llama_src" "$@"
+exec nice -n "$nice_n" "$venv/bin/python" tools/peer/llamacpp_bench.py "$ckpt" --llama-src "$llama_src" "${k3_arg[@]}" "$@"

@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""Convert a k3cpp checkpoint (released Kimi K3 layout) to GGUF with llama.cpp's own converter.
+"""Convert a k3cpp checkpoint (Kimi K3 or Kimi Linear) to GGUF with llama.cpp's own converter.
 
 Runs the vendored, unmodified `convert_hf_to_gguf.py` of llama.cpp (as shipped in the
-llama-cpp-python sdist) in this process. Its `KimiK3ForConditionalGeneration` converter
-(`conversion/kimi_k3.py`) handles the nested config, the `language_model.` prefix and repacks the
-compressed-tensors MXFP4 routed experts losslessly to ggml MXFP4. The only thing replaced is the
-vocabulary step: upstream builds it with `AutoTokenizer(trust_remote_code=True)`, which needs
-Moonshot's `tokenization_kimi.py`; our checkpoints ship only `tiktoken.model` +
-`tokenizer_config.json` (and the random `mid1g` checkpoint has no tokenizer at all). So
-`KimiK3Model.set_vocab` is replaced (monkey-patched at runtime, the vendored file is untouched) by
-`k3cpp_set_vocab` below:
+llama-cpp-python sdist) in this process; it picks the converter class from config.json's
+`architectures`:
+
+* Kimi K3 (`KimiK3ForConditionalGeneration`, `conversion/kimi_k3.py`): handles the nested config,
+  the `language_model.` prefix and repacks the compressed-tensors MXFP4 routed experts losslessly to
+  ggml MXFP4;
+* Kimi Linear (`KimiLinearForCausalLM`, `conversion/kimi_linear.py`, arch `kimi-linear`): the flat
+  released Moonshot layout (what tools/gen/gen_kimi_linear.py writes); bf16 experts stacked into
+  3-D tensors, `A_log` -> `-exp(A_log)`, `kv_b_proj` split into `k_b`/`v_b` (MLA absorption).
+
+The only thing replaced is the vocabulary step: upstream builds it with
+`AutoTokenizer(trust_remote_code=True)` (or a `tokenizer.json`), which needs Moonshot's
+`tokenization_kimi.py`; our checkpoints ship only `tiktoken.model` + `tokenizer_config.json` (and
+the random `mid1g`, `cpu-bench` and `kl-bench` checkpoints have no tokenizer at all). So
+`KimiK3Model.set_vocab` and `KimiLinearModel.set_vocab` are replaced (monkey-patched at runtime,
+the vendored files are untouched) by `k3cpp_set_vocab` below:
 
 * `tiktoken.model` present: a byte-level BPE vocabulary (`gpt2` model, `kimi-k2` pre-tokenizer,
   which is K3's regex), tokens from the ranks, merges recovered from the ranks with the converter's
@@ -44,7 +52,7 @@ def _read_tiktoken(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def k3cpp_set_vocab(self) -> None:  # replaces KimiK3Model.set_vocab
+def k3cpp_set_vocab(self) -> None:  # replaces KimiK3Model.set_vocab and KimiLinearModel.set_vocab
     import gguf  # the vendored gguf-py (convert_hf_to_gguf puts it on sys.path)
     from conversion.qwen import QwenModel
 
@@ -120,8 +128,10 @@ def main() -> int:
     sys.path.insert(0, str(src / "gguf-py"))
     sys.path.insert(0, str(src))
     import conversion.kimi_k3 as kimi_k3  # noqa: E402  (vendored)
+    import conversion.kimi_linear as kimi_linear  # noqa: E402  (vendored)
 
     kimi_k3.KimiK3Model.set_vocab = k3cpp_set_vocab
+    kimi_linear.KimiLinearModel.set_vocab = k3cpp_set_vocab
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_suffix(a.out.suffix + ".part")
     sys.argv = [str(conv), str(a.ckpt), "--outfile", str(tmp), "--outtype", a.outtype]

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Peer benchmark: llama.cpp's own Kimi K3 implementation (llama-cpp-python 0.3.36) on a k3cpp checkpoint.
+"""Peer benchmark: llama.cpp's own Kimi K3 / Kimi Linear implementation (llama-cpp-python 0.3.36) on a k3cpp checkpoint.
 
-For one checkpoint directory (released K3 layout):
+For one checkpoint directory (released K3 layout, or a flat `kimi_linear` checkpoint):
   1. convert it to GGUF with llama.cpp's vendored converter (tools/peer/k3_to_gguf.py; BF16 trunk,
-     MXFP4 routed experts repacked losslessly to ggml MXFP4), cached under build/peer-gguf/;
+     K3's MXFP4 routed experts repacked losslessly to ggml MXFP4, Kimi Linear's bf16 experts stay
+     BF16), cached under build/peer-gguf/;
   2. benchmark llama.cpp llama-bench style: ppN = one prefill of N seeded random ids from an empty
      context (logits of the last token only), tgN = N single-token decode steps from an empty
      context, each fed the argmax of the previous step (the same definitions as `k3 bench`); one
@@ -66,7 +67,7 @@ def cache_key(ckpt: Path, outtype: str, llama_src: Path) -> str:
         elif p.name in ("config.json", "model.safetensors.index.json", "tiktoken.model",
                         "tokenizer_config.json"):
             h.update(p.name.encode() + b"\n" + p.read_bytes())
-    for rel in ("conversion/kimi_k3.py", "conversion/base.py"):
+    for rel in ("conversion/kimi_k3.py", "conversion/kimi_linear.py", "conversion/base.py"):
         f = llama_src / rel
         if f.is_file():
             h.update(f.read_bytes())
@@ -113,6 +114,54 @@ def llama_src_commit(llama_src: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         pass
     return None
+
+
+def host_info() -> dict:
+    """CPU model and SIMD flags (Linux /proc/cpuinfo), memory, k3cpp commit."""
+    out: dict = {"cpu_count": os.cpu_count(), "machine": platform.machine(), "kernel": platform.release()}
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        for line in info.splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k == "model name" and "cpu_model" not in out:
+                out["cpu_model"] = v.strip()
+            elif k == "flags" and "cpu_flags_simd" not in out:
+                fl = v.split()
+                out["cpu_flags_simd"] = [f for f in fl if f.startswith(("avx", "fma", "f16c", "amx", "sse4", "bmi"))]
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                out["mem_total_kib"] = int(line.split()[1])
+    except OSError:
+        pass
+    try:
+        r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True, timeout=20)
+        d = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, timeout=20)
+        if r.returncode == 0:
+            out["k3cpp_commit"] = r.stdout.strip() + ("-dirty" if d.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Per test: each engine's per-round t/s (mean of that round's repetitions) -> median, min, max;
+    the per-round k3 / llama.cpp ratios -> median, min, max."""
+    out: dict = {}
+    tests = [x["test"] for x in rounds[0]["llama_cpp"]]
+    for t in tests:
+        e: dict = {}
+        for eng, get in (("llama_cpp", lambda r: r["llama_cpp"]), ("k3", lambda r: r["k3"]["results"])):
+            v = [x["avg_ts"] for r in rounds if eng in r for x in get(r) if x["test"] == t]
+            if v:
+                e[eng] = {"median_ts": statistics.median(v), "min_ts": min(v), "max_ts": max(v), "per_round_ts": v}
+        q = [r["k3_over_llama_cpp"][t] for r in rounds if t in r.get("k3_over_llama_cpp", {})]
+        if q:
+            e["k3_over_llama_cpp"] = {"median": statistics.median(q), "min": min(q), "max": max(q), "per_round": q}
+        out[t] = e
+    return out
 
 
 def gguf_summary(path: Path, llama_src: Path) -> dict:
@@ -253,6 +302,19 @@ class Peer:
             out[i] = self.logits_last()
         return out
 
+    def greedy(self, prompt, n: int) -> list[int]:
+        """Prefill `prompt`, then n argmax steps (the first generated token is the prefill's argmax)."""
+        self.clear()
+        self.decode(prompt, 0, all_logits=False)
+        out = []
+        tok = int(self.logits_last().argmax())
+        for i in range(n):
+            out.append(tok)
+            if i + 1 < n:
+                self.decode([tok], len(prompt) + i, all_logits=False)
+                tok = int(self.logits_last().argmax())
+        return out
+
     def close(self):
         L = self.L
         L.llama_batch_free(self.batch)
@@ -289,6 +351,15 @@ def k3_logits(k3: Path, ckpt: Path, ids, threads: int, extra: list[str]) -> np.n
             raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
         a = np.fromfile(out, dtype="<f4")
     return a.reshape(len(ids), -1)
+
+
+def k3_generate(k3: Path, ckpt: Path, ids, n: int, threads: int, extra: list[str]) -> list[int]:
+    cmd = [str(k3), "generate", "-m", str(ckpt), "--ids", ",".join(map(str, ids)), "-n", str(n),
+           "--print-ids", "-t", str(threads)] + extra
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-500:]}")
+    return [int(x) for x in r.stdout.replace(",", " ").split()][-n:]
 
 
 def k3_bench(k3: Path, ckpt: Path, pp: int, tg: int, reps: int, threads: int, seed: int,
@@ -334,7 +405,7 @@ def parse_ids(s: str) -> list[int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("ckpt", help="checkpoint directory (released K3 layout)")
+    ap.add_argument("ckpt", help="checkpoint directory (released K3 layout, or kimi_linear)")
     ap.add_argument("-p", "--pp", type=int, default=128, help="prefill length N of ppN (0 = skip; default 128)")
     ap.add_argument("-n", "--tg", type=int, default=32, help="decode length N of tgN (0 = skip; default 32)")
     ap.add_argument("-r", "--reps", type=int, default=3, help="timed repetitions per test (default 3)")
@@ -351,6 +422,9 @@ def main() -> int:
     ap.add_argument("--check-ids", help="ids for the cross-check: 1,2,3 or @file (default: the "
                     "checkpoint's reference.json ids, else --check-n seeded random ids)")
     ap.add_argument("--check-n", type=int, default=32, help="number of random cross-check ids (default 32)")
+    ap.add_argument("--greedy-n", type=int, default=0,
+                    help="also decode this many greedy tokens after the cross-check ids with both engines "
+                         "(llama.cpp; `k3 generate` with --k3-logits-args) and compare them (default 0 = skip)")
     ap.add_argument("--k3", help="our k3 binary (default build/bin/k3, then build-peer/bin/k3)")
     ap.add_argument("--k3-bench-args", default="", help="extra arguments for `k3 bench` (e.g. '--numerics exact')")
     ap.add_argument("--k3-logits-args", default="", help="extra arguments for `k3 logits`")
@@ -389,7 +463,9 @@ def main() -> int:
                  "llama_cpp_commit": llama_src_commit(Path(a.llama_src)),
                  "python": platform.python_version()},
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host": {"cpu_count": os.cpu_count(), "loadavg_start": list(os.getloadavg())},
+        "host": {**host_info(), "loadavg_start": list(os.getloadavg())},
+        "command": os.environ.get("PEER_COMMAND") or " ".join(shlex.quote(x) for x in sys.argv),
+        "model_type": cfg.get("model_type"),
         "checkpoint": str(ckpt),
         "gguf": {"path": str(gguf_path), "bytes": gguf_path.stat().st_size, "converted_now": converted,
                  "convert_s": conv_s, **gguf_summary(gguf_path, Path(a.llama_src))},
@@ -436,7 +512,8 @@ def main() -> int:
             doc["k3"] = {"error": "k3 binary not found (build/bin/k3, build-peer/bin/k3)"}
         rounds = []
         for i in range(max(1, a.rounds) if with_k3 else 1):
-            r: dict = {"round": i + 1, "order": "llama.cpp, k3" if i % 2 == 0 else "k3, llama.cpp"}
+            r: dict = {"round": i + 1, "order": "llama.cpp, k3" if i % 2 == 0 else "k3, llama.cpp",
+                       "loadavg_start": list(os.getloadavg())}
             if i % 2 == 0:
                 r["llama_cpp"] = peer_round()
             if with_k3:
@@ -475,6 +552,8 @@ def main() -> int:
                 t: statistics.median(r["k3_over_llama_cpp"][t] for r in rounds) for t in rounds[0]["k3_over_llama_cpp"]}
         if len(rounds) > 1:
             doc["rounds"] = rounds
+        if rounds and with_k3 and all("k3" in r for r in rounds):
+            doc["summary"] = summarize(rounds)
     doc["results"] = results
 
     if not a.no_check:
@@ -491,6 +570,12 @@ def main() -> int:
                 chk["k3_logits_args"] = a.k3_logits_args
                 chk["peer_prefill_vs_k3"] = compare(lp, ours)
                 chk["peer_decode_vs_k3"] = compare(ld, ours)
+                if a.greedy_n > 0:
+                    g_peer = peer.greedy(check_ids, a.greedy_n)
+                    g_k3 = k3_generate(k3, ckpt, check_ids, a.greedy_n, a.threads, shlex.split(a.k3_logits_args))
+                    div = next((i for i, (x, y) in enumerate(zip(g_peer, g_k3)) if x != y), None)
+                    chk["greedy"] = {"n": a.greedy_n, "llama_cpp": g_peer, "k3": g_k3,
+                                     "identical": g_peer == g_k3, "first_divergence": div}
             except Exception as e:
                 chk["error"] = str(e)
                 ours = None
@@ -531,6 +616,10 @@ def main() -> int:
             eprint(f"{k}: rel-L2 {v['rel_l2']:.3e} (per position: median {v['rel_l2_median_pos']:.2e}, "
                    f"max {v['rel_l2_max_pos']:.2e}), max|d| {v['max_abs']:.3e}, "
                    f"argmax {v['argmax_agree']}/{v['n']}")
+    if "greedy" in doc.get("check", {}):
+        g = doc["check"]["greedy"]
+        eprint(f"greedy {g['n']} tokens: " + ("identical" if g["identical"] else
+                                              f"first divergence at {g['first_divergence']}"))
     if "error" in doc.get("check", {}):
         eprint(f"check: {doc['check']['error']}")
 
