@@ -94,7 +94,13 @@ class StreamParser {
   virtual ~StreamParser() = default;
   virtual std::vector<Event> feed(std::string_view text) = 0;
   virtual std::vector<Event> finish() = 0;
-  virtual const ParseResult& result() const = 0;
+  const ParseResult& result() const { return result_; }
+
+ protected:
+  // Appends an event and mirrors it into result_ (a tool-call event belongs to call call_).
+  void push(std::vector<Event>& ev, EventKind k, std::string text);
+  ParseResult result_;
+  int call_ = -1;  // the call being parsed (index into result_.calls)
 };
 
 // The XTML parser.
@@ -104,7 +110,6 @@ class OutputParser : public StreamParser {
   explicit OutputParser(bool thinking_prompt = true);
   std::vector<Event> feed(std::string_view text) override;
   std::vector<Event> finish() override;
-  const ParseResult& result() const override { return result_; }
 
  private:
   enum class State { Between, Reasoning, Content, Tools, Call, Arg, JsonBody, Done };
@@ -113,19 +118,16 @@ class OutputParser : public StreamParser {
   void begin_call(const std::string& name, std::vector<Event>& ev);
   void finish_arg(std::vector<Event>& ev);
   void end_call(std::vector<Event>& ev);
-  void push(std::vector<Event>& ev, EventKind k, std::string text);
 
   State state_;
   std::string buf_;         // undecided input (a possible partial marker)
   std::string between_ws_;  // whitespace seen between sections, dropped if a marker follows
   bool saw_reasoning_text_ = false;
-  int call_ = -1;
   int args_in_call_ = 0;
   bool call_open_ = false;
   bool json_body_ = false;
   std::string arg_key_, arg_type_, arg_value_;
   bool arg_streaming_ = false;
-  ParseResult result_;
 };
 
 // Merges consecutive deltas of the same kind and call (streaming and one-shot compare equal this way).
@@ -151,7 +153,6 @@ class K2OutputParser : public StreamParser {
   explicit K2OutputParser(bool reasoning_first = false);
   std::vector<Event> feed(std::string_view text) override;
   std::vector<Event> finish() override;
-  const ParseResult& result() const override { return result_; }
   // The ids the model gave its calls (functions.NAME:IDX), one per call.
   const std::vector<std::string>& call_ids() const { return ids_; }
 
@@ -161,17 +162,14 @@ class K2OutputParser : public StreamParser {
   void marker(std::string_view m, std::vector<Event>& ev);
   void begin_call(std::vector<Event>& ev);
   void end_call(std::vector<Event>& ev);
-  void push(std::vector<Event>& ev, EventKind k, std::string text);
 
   State state_;
   std::string buf_;       // undecided input (a possible partial marker)
   std::string start_ws_;  // leading whitespace before a possible <think>
   std::string id_;        // call id being read
   bool args_started_ = false;
-  int call_ = -1;
   bool call_open_ = false;
   std::vector<std::string> ids_;
-  ParseResult result_;
 };
 
 // ---- the two formats behind one interface ----

@@ -199,27 +199,6 @@ std::string trim(const std::string& s) {
 
 K2OutputParser::K2OutputParser(bool reasoning_first) : state_(reasoning_first ? State::Reasoning : State::Start) {}
 
-void K2OutputParser::push(std::vector<Event>& ev, EventKind k, std::string text) {
-  switch (k) {
-    case EventKind::Reasoning:
-      result_.reasoning += text;
-      break;
-    case EventKind::Content:
-      result_.content += text;
-      break;
-    case EventKind::ToolCallStart:
-      result_.calls.push_back({text, "", false});
-      break;
-    case EventKind::ToolArgs:
-      result_.calls[static_cast<size_t>(call_)].arguments += text;
-      break;
-    case EventKind::ToolCallEnd:
-      result_.calls[static_cast<size_t>(call_)].complete = true;
-      break;
-  }
-  ev.push_back({k, std::move(text), k == EventKind::Reasoning || k == EventKind::Content ? -1 : call_});
-}
-
 void K2OutputParser::text(std::string_view t, std::vector<Event>& ev) {
   if (t.empty()) return;
   switch (state_) {

@@ -106,7 +106,7 @@ bool proper_prefix_of_marker(std::string_view rest) {
 
 OutputParser::OutputParser(bool thinking_prompt) : state_(thinking_prompt ? State::Reasoning : State::Content) {}
 
-void OutputParser::push(std::vector<Event>& ev, EventKind k, std::string text) {
+void StreamParser::push(std::vector<Event>& ev, EventKind k, std::string text) {
   switch (k) {
     case EventKind::Reasoning:
       result_.reasoning += text;
