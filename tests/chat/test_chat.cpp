@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "chat/chat.h"
+#include "common/chat_util.h"
 #include "core/error.h"
 
 namespace fs = std::filesystem;
@@ -63,25 +64,12 @@ std::vector<Segment> render_file(const fs::path& p) {
   return render(messages_from_json(req["messages"]), options_from_json(req));
 }
 
-std::vector<Event> one_shot(const std::string& text, bool thinking = true) {
-  OutputParser p(thinking);
-  auto ev = p.feed(text);
-  auto tail = p.finish();
-  ev.insert(ev.end(), tail.begin(), tail.end());
-  return coalesce(ev);
-}
-
 std::vector<Event> chunked(const std::vector<std::string>& parts, bool thinking = true) {
   OutputParser p(thinking);
-  std::vector<Event> ev;
-  for (const auto& s : parts) {
-    auto e = p.feed(s);
-    ev.insert(ev.end(), e.begin(), e.end());
-  }
-  auto tail = p.finish();
-  ev.insert(ev.end(), tail.begin(), tail.end());
-  return coalesce(ev);
+  return k3test::feed_all(p, parts);
 }
+
+std::vector<Event> one_shot(const std::string& text, bool thinking = true) { return chunked({text}, thinking); }
 
 bool same(const std::vector<Event>& a, const std::vector<Event>& b) {
   if (a.size() != b.size()) return false;

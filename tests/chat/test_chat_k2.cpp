@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "chat/chat.h"
+#include "common/chat_util.h"
 #include "core/error.h"
 
 namespace fs = std::filesystem;
@@ -35,14 +36,7 @@ const Tokenizer& k2tok() {
 
 std::vector<Event> run(const std::vector<std::string>& parts, bool reasoning_first = false) {
   K2OutputParser p(reasoning_first);
-  std::vector<Event> ev;
-  for (const auto& s : parts) {
-    auto e = p.feed(s);
-    ev.insert(ev.end(), e.begin(), e.end());
-  }
-  auto tail = p.finish();
-  ev.insert(ev.end(), tail.begin(), tail.end());
-  return coalesce(ev);
+  return k3test::feed_all(p, parts);
 }
 
 std::string dump(const std::vector<Event>& ev) {
