@@ -138,6 +138,9 @@ ParseResult parse_output(std::string_view text, bool thinking_prompt = true);
 std::vector<Segment> render_k2(const std::vector<Message>& msgs, const RenderOptions& opt);
 // Python json.dumps(v, ensure_ascii=False) with its default separators (", ", ": "): what the HF
 // chat-template `tojson` filter writes. Keys in the order the value holds them.
+// The body of a JSON string for `s` (no quotes): ", \\, \\n, \\r, \\t escaped, other controls as \\u00XX
+// (\\b and \\f as such when short_bf, as Python's json.dumps writes them); UTF-8 passes through.
+std::string json_escape(std::string_view s, bool short_bf = false);
 std::string python_json(const nlohmann::ordered_json& v);
 std::string python_json(const nlohmann::json& v);  // keys sorted (std::map order = code point order)
 // The function name of a K2 call id "functions.NAME:IDX" (the text before the last ':', after its

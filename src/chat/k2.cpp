@@ -28,45 +28,7 @@ constexpr const char* kToolsPreamble = "\n  # Tools\n  ";
 // The text between "## Return of ID" and the tool result (the template's line break + indent).
 constexpr const char* kReturnSep = "\n    ";
 
-void py_string(const std::string& s, std::string& out) {
-  out += '"';
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      case '\b':
-        out += "\\b";
-        break;
-      case '\f':
-        out += "\\f";
-        break;
-      default:
-        if (c < 0x20) {
-          static const char* hex = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 15];
-        } else {
-          out += ch;  // ensure_ascii=False: UTF-8 passes through
-        }
-    }
-  }
-  out += '"';
-}
+void py_string(const std::string& s, std::string& out) { out += '"' + json_escape(s, true) + '"'; }
 
 template <class J>
 void py_json(const J& v, std::string& out) {

@@ -14,39 +14,6 @@ constexpr size_t kMaxHeader = 4096;  // a longer "header" is not a marker
 
 bool is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
 
-std::string json_escape(std::string_view s) {
-  std::string out;
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      case '\r':
-        out += "\\r";
-        break;
-      case '\t':
-        out += "\\t";
-        break;
-      default:
-        if (c < 0x20) {
-          static const char* hex = "0123456789abcdef";
-          out += "\\u00";
-          out += hex[c >> 4];
-          out += hex[c & 15];
-        } else {
-          out += ch;
-        }
-    }
-  }
-  return out;
-}
 
 std::string trim(const std::string& s) {
   size_t a = 0, b = s.size();
@@ -103,6 +70,47 @@ bool proper_prefix_of_marker(std::string_view rest) {
 }
 
 }  // namespace
+
+std::string json_escape(std::string_view s, bool short_bf) {
+  std::string out;
+  for (char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+      case '\f':
+        if (short_bf) {
+          out += c == '\b' ? "\\b" : "\\f";
+          break;
+        }
+        [[fallthrough]];
+      default:
+        if (c < 0x20) {
+          static const char* hex = "0123456789abcdef";
+          out += "\\u00";
+          out += hex[c >> 4];
+          out += hex[c & 15];
+        } else {
+          out += ch;
+        }
+    }
+  }
+  return out;
+}
 
 OutputParser::OutputParser(bool thinking_prompt) : state_(thinking_prompt ? State::Reasoning : State::Content) {}
 
