@@ -15,11 +15,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-build-cuda-stage/out}
 mkdir -p "$out"
-bin=/tmp/k3-cuda-cli
-rm -rf "$bin" && mkdir -p "$bin" && xz -dc build-cuda-stage/cli.tar.xz | tar -C "$bin" -xf - ||
-  { echo "cannot unpack build-cuda-stage/cli.tar.xz (run bash scripts/cuda_test.sh here first)"; exit 2; }
-export LD_LIBRARY_PATH=$bin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-k3=$bin/k3
+source scripts/lib/device_cli.sh
+unpack_cli || exit 2
 nano=models/k3-nano
 results=()
 check() {  # check NAME CMD... : one table row from the exit status of CMD
@@ -74,12 +71,7 @@ python3 tools/gtest_table.py - "${results[@]}" | tee "$out/cli-table.md"
 
 [[ "${K3_SKIP_BENCH:-0}" == 1 ]] && exit 0
 ckpt=${K3_GPU_BENCH_DIR:-/tmp/gpu-bench}
-if [[ ! -f $ckpt/config.json ]]; then
-  t0=$(date +%s)
-  python3 tools/gen/gen_tiny_checkpoint.py --preset gpu-bench --seed 1 --out "$ckpt" --no-reference >/tmp/gen.log 2>&1 ||
-    { tail -5 /tmp/gen.log; exit 1; }
-  echo "generated gpu-bench in $(($(date +%s) - t0)) s: $(du -sh "$ckpt" | cut -f1)"
-fi
+ensure_gpu_bench "$ckpt" || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 for num in fast fp32; do
   "$k3" bench -m "$ckpt" --device cuda --numerics "$num" -p 512 -n 128 -d 0,3072 -r 5 --no-progress \

@@ -186,7 +186,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->disable_flag_override();
   app.add_flag("--profile", f.profile,
                "after each test, one more (untimed) run with the time of every backend op: a table per test "
-               "(op, calls, ms, share); on CUDA each op is waited for and graphs are off in that run")
+               "(op, calls, ms, share); on CUDA timed with device events, graphs off in that run")
       ->disable_flag_override();
   app.add_option("--roofline-mib", raw.roofline_mib,
                  "buffer the bandwidth probe reads, >> last-level cache (default 1024)")
@@ -838,7 +838,7 @@ class Report {
     char head[160];
     std::snprintf(head, sizeof head, "\nprofile of %s (t=%lld): %lld steps, %.3f ms in backend ops%s\n\n",
                   r.test.name().c_str(), (long long)r.test.threads, (long long)r.profile.steps,
-                  j["op_ms_total"].get<double>(), p_.cuda ? " (each op waited for, no graphs)" : "");
+                  j["op_ms_total"].get<double>(), p_.cuda ? " (device events, no graphs)" : "");
     std::string s = std::string(head) + "| op | calls | ms | share |\n|----|------:|---:|------:|\n";
     for (const Json& o : j["ops"]) {
       char line[200];

@@ -81,6 +81,17 @@ class Backend {
   // CUDA-graph replay of decode steps (benchmarks); false where the backend has no such thing.
   virtual bool set_graphs(bool on) { return false; }
 
+  // Device timing of ops (k3 bench --profile): mark() records a point in the backend's queue of
+  // work and returns its handle, or -1 where ops complete before they return (the CPU: time them
+  // with the host clock); seconds_between waits for mark b and gives the device time from a to b.
+  // reset_marks() lets the handles be reused.
+  virtual int64_t mark() { return -1; }
+  virtual double seconds_between(int64_t a, int64_t b) {
+    (void)a, (void)b;
+    return 0;
+  }
+  virtual void reset_marks() {}
+
   // ---- a step
   // Before and after the ops of one step. `ids` [rows] are its token ids (host). When begin_step
   // returns false the backend has already run the whole step's ops again as they were recorded for

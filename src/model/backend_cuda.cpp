@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "model/backends.h"
@@ -168,6 +170,9 @@ class CudaBackend final : public Backend {
   void copy(void* dst, const void* src, size_t n) override { cu::d2d(dst, src, n, stream_); }
   void zero(void* dst, size_t n) override { cu::dev_memset(dst, 0, n, stream_); }
   void sync() override { cu::sync(stream_); }
+  int64_t mark() override { return marks_.record(stream_); }
+  double seconds_between(int64_t a, int64_t b) override { return marks_.ms_between(a, b) * 1e-3; }
+  void reset_marks() override { marks_.reset(); }
   bool set_graphs(bool on) override {
     opt_.graphs = on;
     return true;
@@ -255,16 +260,11 @@ class CudaBackend final : public Backend {
   }
   void matmul_shared_input(const WeightMat* const* W, int64_t n, const float* x, int64_t R, float* const* y,
                            const bool* fp32) override {
-    for (int64_t i = 0; i < n; ++i)
-      by_runs(R, nullptr, 0, cu::gemv_wide_ok(*W[i]), [&](int64_t r0, int64_t k, cu::Precision p, bool rows) {
-        product(*W[i], x + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, fp32 && fp32[i] ? cu::Precision::F32 : p, rows);
-      });
+    std::vector<const float*> xs(size_t(n), x);
+    products(W, xs.data(), n, R, y, fp32);
   }
   void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) override {
-    for (int64_t i = 0; i < n; ++i)
-      by_runs(R, nullptr, 0, cu::gemv_wide_ok(*W[i]), [&](int64_t r0, int64_t k, cu::Precision p, bool rows) {
-        product(*W[i], x[i] + r0 * W[i]->cols, k, y[i] + r0 * W[i]->rows, p, rows);
-      });
+    products(W, x, n, R, y, nullptr);
   }
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
     cu::rmsnorm(x, R, n, w, eps, out, stream_);
@@ -486,18 +486,49 @@ class CudaBackend final : public Backend {
         fn(r.r0, r.n, p_, false);
         continue;
       }
-      // Short sequences together (decode rows): GEMVs of at most kGemvMaxT rows in equal pieces,
-      // fp32 activations as each row has alone. The weights are read once per piece; the fp32
-      // SIMT GEMM that more rows would take is latency-bound at these shapes (a 32-sequence
-      // decode step took 78 ms on the H200 against 1.6 ms for one sequence).
-      // Where the weights allow (not MXFP4), pieces of kGemvWideT rows first: half the reads.
-      int64_t at = r.r0, left = r.n;
-      if (wide)
-        for (; left >= cu::kGemvWideT; at += cu::kGemvWideT, left -= cu::kGemvWideT) fn(at, cu::kGemvWideT, p_, true);
-      const int64_t pieces = (left + cu::kGemvMaxT - 1) / cu::kGemvMaxT;
-      for (int64_t i = 0; i < pieces; ++i) {
-        const int64_t a = at + left * i / pieces, b = at + left * (i + 1) / pieces;
-        fn(a, b - a, p_, true);
+      for (const auto& [a, k] : decode_pieces(r, wide)) fn(a, k, p_, true);
+    }
+  }
+  // Short sequences together (decode rows): GEMVs of at most kGemvMaxT rows in equal pieces, fp32
+  // activations as each row has alone. The weights are read once per piece; the fp32 SIMT GEMM
+  // that more rows would take is latency-bound at these shapes (a 32-sequence decode step took
+  // 78 ms on the H200 against 1.6 ms for one sequence). Where the weights allow (not MXFP4),
+  // pieces of kGemvWideT rows first: half the reads.
+  static std::vector<std::pair<int64_t, int64_t>> decode_pieces(const Run& r, bool wide) {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    int64_t at = r.r0, left = r.n;
+    if (wide)
+      for (; left >= cu::kGemvWideT; at += cu::kGemvWideT, left -= cu::kGemvWideT) out.emplace_back(at, cu::kGemvWideT);
+    const int64_t pieces = (left + cu::kGemvMaxT - 1) / cu::kGemvMaxT;
+    for (int64_t i = 0; i < pieces; ++i) {
+      const int64_t a = at + left * i / pieces, b = at + left * (i + 1) / pieces;
+      out.emplace_back(a, b - a);
+    }
+    return out;
+  }
+  // y[i] = W[i] · x[i] for n weights: long chunks one product each; decode rows by piece, the
+  // pieces of all weights with the same piece shape in one batched GEMV launch per format (a
+  // sublayer's projections of one input become one launch; same bits as one GEMV each).
+  void products(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y,
+                const bool* fp32) {
+    for (const Run& r : runs(R, nullptr, 0)) {
+      if (r.big) {
+        for (int64_t i = 0; i < n; ++i)
+          product(*W[i], x[i] + r.r0 * W[i]->cols, r.n, y[i] + r.r0 * W[i]->rows,
+                  fp32 && fp32[i] ? cu::Precision::F32 : p_, false);
+        continue;
+      }
+      for (const bool wide : {true, false}) {
+        jobs_.clear();
+        for (int64_t i = 0; i < n; ++i)
+          if (cu::gemv_wide_ok(*W[i]) == wide) jobs_.push_back({W[i], nullptr, nullptr});
+        if (jobs_.empty()) continue;
+        for (const auto& [a, k] : decode_pieces(r, wide)) {
+          size_t j = 0;
+          for (int64_t i = 0; i < n; ++i)
+            if (cu::gemv_wide_ok(*W[i]) == wide) jobs_[j++] = {W[i], x[i] + a * W[i]->cols, y[i] + a * W[i]->rows};
+          cu::gemv_batch(jobs_.data(), int64_t(jobs_.size()), k, stream_);
+        }
       }
     }
   }
@@ -507,9 +538,14 @@ class CudaBackend final : public Backend {
                    const float* wt, int64_t n, int64_t K, float* agg) {
     const int64_t I = w.experts.front().gate.rows;
     float *hg = moe_buf_.as<float>(), *hu = hg + n * K * I, *ye = hu + n * K * I;
-    cu::expert_matmul(w.stacked.gate, I, idx, n * K, z, K, hg, cu::Precision::F32, stream_);
-    cu::expert_matmul(w.stacked.up, I, idx, n * K, z, K, hu, cu::Precision::F32, stream_);
-    cu::situ_glu(hg, hu, n * K * I, situ.beta, situ.linear_beta, hg, stream_);
+    const WeightMat &G = w.stacked.gate, &U = w.stacked.up;
+    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {  // gate, up and SiTU in one kernel
+      cu::expert_glu(G, U, I, idx, n * K, z, K, situ.beta, situ.linear_beta, hg, stream_);
+    } else {
+      cu::expert_matmul(G, I, idx, n * K, z, K, hg, cu::Precision::F32, stream_);
+      cu::expert_matmul(U, I, idx, n * K, z, K, hu, cu::Precision::F32, stream_);
+      cu::situ_glu(hg, hu, n * K * I, situ.beta, situ.linear_beta, hg, stream_);
+    }
     cu::expert_matmul(w.stacked.down, latent, idx, n * K, hg, 1, ye, cu::Precision::F32, stream_);
     cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
   }
@@ -580,11 +616,13 @@ class CudaBackend final : public Backend {
   cu::VarlenDev vb_;
   cu::PagedCacheDev pc_;
   std::vector<Run> runs_;
+  std::vector<cu::GemvJob> jobs_;
   cu::DevBuf stage_buf_, remap_;  // streamed experts: staging stacks and remapped ids
   GluWeights stage_, stage_shape_;
   MoeWeights staged_;
   cu::GraphExec graph_ = nullptr;
   GraphKey key_;
+  cu::EventMarks marks_;
   bool capturing_ = false;
 };
 

@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <string_view>
+#include <vector>
 
 namespace k3 {
 
@@ -12,7 +13,10 @@ class ProfilingBackend final : public Backend {
  public:
   ProfilingBackend(std::unique_ptr<Backend> inner, OpProfile* sink)
       : in_(std::move(inner)), sink_(sink), async_(std::string_view(in_->name()) != "cpu") {}
-  void set_sink(OpProfile* s) { sink_ = s; }
+  void set_sink(OpProfile* s) {
+    settle();
+    sink_ = s;
+  }
 
   const char* name() const override { return in_->name(); }
   BackendCaps caps() const override { return in_->caps(); }
@@ -30,8 +34,15 @@ class ProfilingBackend final : public Backend {
     if (sink_) ++sink_->steps;
     return in_->begin_step(s, ids, n, replayable && !sink_);  // no graph replay while timing ops
   }
-  void end_step() override { timed("end_step", [&] { in_->end_step(); }); }
-  void abort_step() noexcept override { in_->abort_step(); }
+  void end_step() override {
+    timed("end_step", [&] { in_->end_step(); });
+    settle();
+  }
+  void abort_step() noexcept override {
+    in_->abort_step();
+    pending_.clear();
+    in_->reset_marks();
+  }
 
   void embed(const WeightMat& E, const int32_t* ids, int64_t R, float* out) override {
     timed("embed", [&] { in_->embed(E, ids, R, out); });
@@ -101,21 +112,47 @@ class ProfilingBackend final : public Backend {
   }
 
  private:
+  // An op's time: on a backend with device marks, the device time between a mark before and one
+  // after it (read back at the end of the step, so ops are not waited for one by one: the time
+  // includes the gaps between the op's own kernels, not the host's launch work); otherwise the
+  // host clock around it (waiting for an asynchronous backend before and after).
   template <class F>
   void timed(const char* op, F&& f) {
     if (!sink_) return f();
+    const int64_t a = in_->mark();
+    if (a >= 0) {
+      f();
+      pending_.push_back({op, a, in_->mark()});
+      return;
+    }
     if (async_) in_->sync();  // the previous op's time is not this one's
     const auto t0 = std::chrono::steady_clock::now();
     f();
     if (async_) in_->sync();
+    add(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  void add(const char* op, double seconds) {
     OpProfile::Entry& e = sink_->ops[op];
     ++e.calls;
-    e.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    e.seconds += seconds;
+  }
+  // Reads the device marks of the step's ops (after end_step).
+  void settle() {
+    if (pending_.empty()) return;
+    for (const Pending& p : pending_)
+      if (sink_) add(p.op, in_->seconds_between(p.a, p.b));
+    pending_.clear();
+    in_->reset_marks();
   }
 
+  struct Pending {
+    const char* op;
+    int64_t a, b;
+  };
   std::unique_ptr<Backend> in_;
   OpProfile* sink_;
   bool async_;
+  std::vector<Pending> pending_;
 };
 
 }  // namespace

@@ -1,7 +1,8 @@
 // Per-op time of the forward (k3 bench --profile): a Backend that forwards every op to the real one
-// and, while a sink is set, adds the op's wall time to it by op name. On an asynchronous backend
-// (CUDA) it waits for each op to finish (Backend::sync) and asks for no graph replay, so ops do not
-// overlap: the shares are exact, and the total is larger than an unprofiled step.
+// and, while a sink is set, adds the op's time to it by op name. On a backend with device marks
+// (CUDA: events) that is the device time between a mark before and one after the op, read at the
+// end of the step; elsewhere the host clock around the op. It asks for no graph replay while
+// timing, so ops run as separate launches: the total is near an unprofiled no-graph step.
 // Owns: the op names of the table. Must not: change what an op computes.
 #pragma once
 #include <cstdint>

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cuda_util.h"
@@ -265,6 +266,134 @@ TEST(CudaGemm, ExpertMatmulMatchesTwin) {
           }
         }
     }
+}
+
+// Several GEMVs in one launch (the decode step's projections): every job gives the bits of gemv_rows
+// on it alone, and the fp64 twin's values. Mixed formats (grouped per format), more jobs of one
+// format than one launch takes, an unaligned view (the single-kernel fallback), T from 1 to 16
+// (16 on non-MXFP4 weights only), on a created stream (programmatic dependent launches, as the
+// model runs them) after a kernel that writes the inputs.
+TEST(CudaGemm, GemvBatchEqualsSeparateGemvsBitwise) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(110);
+  struct Job {
+    k3test::OwnedW w;
+    k3test::DevWeight dev;
+  };
+  std::vector<Job> jobs;
+  const int64_t C = 1024;
+  for (int i = 0; i < 13; ++i) {  // 13 > kGemvBatchMax BF16 jobs among them
+    const WFormat f = i < 10 ? WFormat::BF16 : i == 10 ? WFormat::MXFP4 : i == 11 ? WFormat::F32 : WFormat::F16;
+    const int64_t rows = 37 + 29 * i;
+    k3test::OwnedW w = k3test::make_weight(rng, f, rows, C);
+    k3test::DevWeight d = k3test::upload_weight(w.w);
+    jobs.push_back({std::move(w), std::move(d)});
+  }
+  // An unaligned view: rows from 1 of a BF16 weight of 1000 columns (2000-byte rows, not 16-byte whole).
+  {
+    k3test::OwnedW w = k3test::make_weight(rng, WFormat::BF16, 50, 1000);
+    k3test::DevWeight d = k3test::upload_weight(w.w);
+    jobs.push_back({std::move(w), std::move(d)});
+  }
+  const k3::cuda::Stream st = k3::cuda::stream_create();
+  for (int64_t T : {1, 3, 8, 16}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    std::vector<k3::cuda::GemvJob> batch;
+    std::vector<k3::cuda::DevBuf> xs, ys;
+    std::vector<std::vector<float>> hx;
+    std::vector<size_t> used;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      const k3::WeightMat& W = jobs[i].dev.view;
+      if (T > k3::cuda::kGemvMaxT && !k3::cuda::gemv_wide_ok(W)) continue;
+      hx.push_back(k3test::rand_vec(rng, size_t(T * W.cols)));
+      xs.push_back(k3test::to_dev(hx.back()));
+      ys.push_back(k3test::dev_nan(size_t(T * W.rows)));
+      batch.push_back({&jobs[i].dev.view, xs.back().as<float>(), ys.back().as<float>()});
+      used.push_back(i);
+    }
+    k3::cuda::gemv_batch(batch.data(), int64_t(batch.size()), T, st);
+    k3::cuda::sync(st);
+    for (size_t j = 0; j < batch.size(); ++j) {
+      const k3::WeightMat& W = jobs[used[j]].dev.view;
+      SCOPED_TRACE(label(W.fmt, W.rows, W.cols, T, Precision::F32));
+      const auto got = k3test::from_dev<float>(ys[j], size_t(T * W.rows));
+      auto alone = k3test::dev_nan(size_t(T * W.rows));
+      k3::cuda::gemv_rows(W, xs[j].as<float>(), T, alone.as<float>(), st);
+      k3::cuda::sync(st);
+      ASSERT_EQ(count_nan(got), 0u);
+      EXPECT_EQ(got, k3test::from_dev<float>(alone, size_t(T * W.rows)));
+      EXPECT_LT(rel_l2(got, ref_matmul(jobs[used[j]].w.w, hx[j], T)), kTolF32);
+    }
+  }
+  EXPECT_THROW(k3::cuda::gemv_batch(nullptr, -1, 1, st), k3::Error);
+  k3::cuda::stream_destroy(st);
+}
+
+// The experts' gate, up and SiTU in one kernel == expert_matmul x 2 + situ_glu, bit for bit, and the
+// fp64 twin's values; every format, 16-byte and element paths, decode and many slots, x_div 1 and
+// top_k, caps on (K3) and off (SiLU GLU, Kimi Linear); a bad id gives NaN rows; a gate and up of
+// different shapes are a one-line error.
+TEST(CudaGemm, ExpertGluEqualsMatmulsAndSituBitwise) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(111);
+  const int64_t E = 5, R = 40, top_k = 4;
+  const k3::cuda::Stream st = k3::cuda::stream_create();
+  for (WFormat f : kFormats)
+    for (int64_t C : {int64_t(96), int64_t(37)}) {
+      if (f == WFormat::MXFP4 && C % 32 != 0) continue;
+      const k3test::OwnedW G = k3test::make_weight(rng, f, E * R, C), U = k3test::make_weight(rng, f, E * R, C);
+      const k3test::DevWeight dg = k3test::upload_weight(G.w), du = k3test::upload_weight(U.w);
+      for (int64_t N : {int64_t(8), int64_t(300)})
+        for (int64_t x_div : {int64_t(1), top_k})
+          for (const auto& [b1, b2] : {std::pair<float, float>{4.0f, 25.0f}, std::pair<float, float>{0.0f, 0.0f}}) {
+            SCOPED_TRACE(label(f, E * R, C, 1, Precision::F32) + " N=" + std::to_string(N) +
+                         " x_div=" + std::to_string(x_div) + " caps " + std::to_string(b1));
+            std::uniform_int_distribution<int32_t> pick(0, int32_t(E - 1));
+            std::vector<int32_t> ids(static_cast<size_t>(N));
+            for (auto& i : ids) i = pick(rng);
+            ids[2] = int32_t(E);  // bad ids: NaN rows, nothing read
+            ids[5] = -3;
+            const auto X = k3test::rand_vec(rng, size_t((N / x_div) * C), 0.05f, 3.0f);
+            const auto dx = k3test::to_dev(X);
+            const auto di = k3test::to_dev(ids);
+            const size_t n = size_t(N * R);
+            auto h = k3test::dev_nan(n), g = k3test::dev_nan(n), u = k3test::dev_nan(n);
+            k3::cuda::expert_glu(dg.view, du.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, b1, b2,
+                                 h.as<float>(), st);
+            k3::cuda::expert_matmul(dg.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, g.as<float>(),
+                                    Precision::F32, st);
+            k3::cuda::expert_matmul(du.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, u.as<float>(),
+                                    Precision::F32, st);
+            k3::cuda::situ_glu(g.as<float>(), u.as<float>(), int64_t(n), b1, b2, g.as<float>(), st);
+            k3::cuda::sync(st);
+            const auto got = k3test::from_dev<float>(h, n), sep = k3test::from_dev<float>(g, n);
+            std::vector<float> got_ok, sep_ok, want_ok;
+            std::vector<int32_t> good = ids;
+            good[2] = good[5] = 0;
+            const auto rg = ref_experts(G.w, R, good, X, x_div), ru = ref_experts(U.w, R, good, X, x_div);
+            std::vector<float> want(n);
+            k3::ref::situ_glu(rg.data(), ru.data(), int64_t(n), b1, b2, want.data());
+            for (int64_t s = 0; s < N; ++s)
+              for (int64_t r = 0; r < R; ++r) {
+                const size_t i = size_t(s * R + r);
+                if (s == 2 || s == 5) {
+                  EXPECT_TRUE(std::isnan(got[i])) << "slot " << s;
+                  continue;
+                }
+                got_ok.push_back(got[i]);
+                sep_ok.push_back(sep[i]);
+                want_ok.push_back(want[i]);
+              }
+            ASSERT_EQ(count_nan(got_ok), 0u);
+            EXPECT_EQ(got_ok, sep_ok);
+            EXPECT_LT(rel_l2(got_ok, want_ok), kTolF32);
+          }
+    }
+  const k3test::OwnedW A = k3test::make_weight(rng, WFormat::BF16, 2 * 16, 64),
+                       B = k3test::make_weight(rng, WFormat::BF16, 2 * 8, 64);
+  const k3test::DevWeight da = k3test::upload_weight(A.w), db = k3test::upload_weight(B.w);
+  EXPECT_THROW(k3::cuda::expert_glu(da.view, db.view, 8, nullptr, 1, nullptr, 1, 0, 0, nullptr, st), k3::Error);
+  k3::cuda::stream_destroy(st);
 }
 
 // A routing id outside [0, E) must not read outside W: that slot's rows become NaN, others are right.

@@ -31,11 +31,27 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
 constexpr int64_t kGemvWideT = 16;
 bool gemv_wide_ok(const WeightMat& W);
 void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s);
+// Several GEMVs of T rows each (the gemv_rows contract per job), in as few launches as possible: one
+// per weight format for up to kGemvBatchMax jobs (decode: a sublayer's projections of one input in
+// one launch). Same bits as gemv_rows on each job. Outputs must not overlap any job's input.
+struct GemvJob {
+  const WeightMat* W;
+  const float* X;
+  float* Y;
+};
+constexpr int kGemvBatchMax = 8;
+void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s);
 // Routed experts stacked along rows: W = [E * R, C] (expert e owns rows [e*R, (e+1)*R)).
 // Y[n, R] = W_{ids[n]} · X[n / x_div] for n in [0, N). ids (device, int32) are read by the kernel,
 // so a graph replays with whatever the router wrote.
 void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
                    float* Y, Precision p, Stream s);
+
+// The experts' GLU in one kernel: H[n, r] = situ_glu(gate_{ids[n]}[r] . x, up_{ids[n]}[r] . x) with
+// x = X[n / x_div]; gate and up stacked as expert_matmul's W, of one format and shape. The same bits
+// as expert_matmul(gate), expert_matmul(up) and situ_glu (caps b1, b2; 0 = none).
+void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
+                int64_t x_div, float b1, float b2, float* H, Stream s);
 
 // ------------------------------------------------------------------ elementwise + norms (elementwise.cu)
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s);  // w may be null

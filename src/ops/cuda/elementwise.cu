@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "ops/cuda/act.cuh"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/cuda/launch.cuh"
 #include "ops/cuda/varlen.cuh"
@@ -52,7 +53,6 @@ __device__ double block_sum(double v, double* red) {
   return warp_sum(t);
 }
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // ---------------------------------------------------------------- rmsnorm / l2norm
 // Sums of squares in fp64 (as the CPU kernels) so the scale factor is correctly rounded; the
@@ -228,10 +228,7 @@ __global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float
   pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const float gi = g[i], ui = u[i];  // read both before the write: out may alias g
-    // a cap of 0 means none: b1 = b2 = 0 is the SiLU-GLU g·σ(g)·u (Kimi Linear)
-    const float a = (b1 > 0.0f ? b1 * tanhf(gi / b1) : gi) * sigmoidf_(gi);
-    const float c = b2 > 0.0f ? b2 * tanhf(ui / b2) : ui;
-    out[i] = a * c;
+    out[i] = situ_glu_value(gi, ui, b1, b2);
   }
 }
 

@@ -17,7 +17,9 @@
 #include <utility>
 
 #include "core/error.h"
+#include "ops/cuda/act.cuh"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
 
@@ -298,8 +300,10 @@ __device__ __forceinline__ void load_chunks(const uint8_t* const (&wr)[R], const
 // One warp, activations read directly (L1): acc[r][t] = W[row[r], :] . x_t for R rows (indices
 // into W, all valid) and T activation rows; every lane ends with the totals. VEC: rows start
 // 16-byte aligned and are whole 16-byte chunks, activations 16-byte aligned; otherwise one
-// element per lane step.
-template <WFormat F, int T, int R, int U, bool VEC>
+// element per lane step. WAIT: the kernel was launched as a programmatic dependent of the previous
+// one (launch.cuh): the first weight loads are issued, then it waits for that grid (pdl_enter)
+// before any activation is read, so the weight stream starts while the previous kernel drains.
+template <WFormat F, int T, int R, int U, bool VEC, bool WAIT = false>
 __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, const int64_t (&row)[R], int64_t cols,
                                           const float* const (&xt)[T], float (&acc)[R][T]) {
 #pragma unroll
@@ -318,10 +322,12 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
       wr[r] = W + row[r] * rb;
       sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
     }
+    uint4 wv[U][R];
+    uint32_t sc[U][R];
+    load_chunks<F, R, U>(wr, sr, lane, nch, true, wv, sc);  // the first step's loads (guarded by j < nch)
+    if constexpr (WAIT) pdl_enter();
     for (int64_t j0 = lane; j0 < nch; j0 += 32 * U) {
-      uint4 wv[U][R];
-      uint32_t sc[U][R];
-      load_chunks<F, R, U>(wr, sr, j0, nch, true, wv, sc);
+      if (j0 != lane) load_chunks<F, R, U>(wr, sr, j0, nch, true, wv, sc);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t j = j0 + 32 * u;
@@ -340,6 +346,7 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
       }
     }
   } else {
+    if constexpr (WAIT) pdl_enter();
     for (int64_t c = lane; c < cols; c += 32) {
       float xv[T];
 #pragma unroll
@@ -359,33 +366,31 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
 // in shared memory tile by tile: a tile is the 32 U chunks one warp step covers. Weight loads run a
 // tile ahead: tile k+1's are issued before tile k's activations are staged and its math done, so
 // the weight stream never waits for the decode. Same contract as warp_gemv<VEC = true>; all warps
-// share the activations (token t at x0 + t x_stride).
-template <WFormat F, int T>
-__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
-                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
-                                                const float* x0, int64_t x_stride,
-                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
+// share the activations (token t at x0 + t x_stride). WAIT: as warp_gemv's, after the first tile's
+// weight loads.
+// The same over R rows given by their data (wr) and MXFP4 scale (sr) pointers, which may lie in
+// different matrices (the fused expert GLU runs gate and up rows together: twice the loads in
+// flight). Tiles as the (F, T) configuration's; each row's sums in the same order whatever R is.
+template <WFormat F, int T, int R, bool WAIT = false>
+__device__ __forceinline__ void block_gemv_smem_rows(const uint8_t* const (&wr)[R], const uint8_t* const (&sr)[R],
+                                                     bool active, int64_t cols, const float* x0, int64_t x_stride,
+                                                     float (&acc)[R][T]) {
   using C = GemvCfg<F, T>;
-  constexpr int R = C::rows(), U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
+  constexpr int U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
+  static_assert(F != WFormat::MXFP4 || C::lift_x() == (T <= R), "chunk_fma lifts x exactly when T <= R");
   __shared__ float4 xs[T * kTileF4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
   const int lane = threadIdx.x & 31;
-  const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
-  const uint8_t* wr[R];
-  const uint8_t* sr[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    wr[r] = W + row[r] * rb;
-    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
-  }
+  const int64_t nch = row_bytes<F>(cols) / 16;
   constexpr int kStage = (T * kTileF4 + kGemvThreads - 1) / kGemvThreads;  // float4s each thread stages
   constexpr int kBatch = kStage < 4 ? kStage : 4;                          // loaded before any is stored
   uint4 wv[U][R], wn[U][R];
   uint32_t sc[U][R], sn[U][R];
   load_chunks<F, R, U>(wr, sr, lane, nch, active, wv, sc);
+  if constexpr (WAIT) pdl_enter();
   for (int64_t jt = 0; jt < nch; jt += 32 * U) {
     load_chunks<F, R, U>(wr, sr, jt + 32 * U + lane, nch, active, wn, sn);  // next tile, in flight meanwhile
     const int nf = int(min(int64_t(32 * U), nch - jt)) * E4;                // float4s per token in this tile
@@ -433,14 +438,33 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
   warp_sum<R, T>(acc);
 }
 
-// Y[t, r] = W[r, :] . X[t, :] for T <= kGemvMaxT; each warp owns R rows.
+template <WFormat F, int T, bool WAIT = false>
+__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
+                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
+                                                const float* x0, int64_t x_stride,
+                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
+  constexpr int R = GemvCfg<F, T>::rows();
+  const int64_t rb = row_bytes<F>(cols);
+  const uint8_t* wr[R];
+  const uint8_t* sr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    wr[r] = W + row[r] * rb;
+    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+  }
+  block_gemv_smem_rows<F, T, R, WAIT>(wr, sr, active, cols, x0, x_stride, acc);
+}
+
+// Block `blk` of a GEMV: Y[t, r] = W[r, :] . X[t, :] for T <= kGemvMaxT (or kGemvWideT); each warp
+// owns R rows. The kernel is a programmatic dependent of the previous one: weights are read before
+// the wait, activations after it (WAIT in the helpers; the non-vector path waits first).
 template <WFormat F, int T, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads)
-    gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, float* Y) {
+__device__ __forceinline__ void gemv_block(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols,
+                                           const float* X, float* Y, int64_t blk) {
   using C = GemvCfg<F, T>;
   constexpr int R = C::rows();
   constexpr bool kSmem = VEC && C::smem();
-  const int64_t r0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * R;
+  const int64_t r0 = (blk * kGemvWarps + threadIdx.x / 32) * R;
   const bool active = r0 < rows;
   if (!kSmem && !active) return;  // whole warps leave together, so the shuffles stay full-warp
   int64_t row[R];
@@ -448,12 +472,12 @@ __global__ void __launch_bounds__(kGemvThreads)
   for (int r = 0; r < R; ++r) row[r] = max(int64_t(0), min(r0 + r, rows - 1));  // clamped rows: computed, not stored
   float acc[R][T];
   if constexpr (kSmem) {
-    block_gemv_smem<F, T>(W, S, row, active, cols, X, cols, acc);
+    block_gemv_smem<F, T, true>(W, S, row, active, cols, X, cols, acc);
   } else {
     const float* xt[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xt[t] = X + t * cols;
-    warp_gemv<F, T, R, C::U(), VEC>(W, S, row, cols, xt, acc);
+    warp_gemv<F, T, R, C::U(), VEC, true>(W, S, row, cols, xt, acc);
   }
   const int lane = threadIdx.x & 31;
 #pragma unroll
@@ -461,6 +485,32 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
     for (int t = 0; t < T; ++t)
       if (lane == (r * T + t) % 32 && r0 + r < rows) Y[t * rows + r0 + r] = acc[r][t];
+}
+
+template <WFormat F, int T, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, float* Y) {
+  gemv_block<F, T, VEC>(W, S, rows, cols, X, Y, blockIdx.x);
+}
+
+// Several GEMVs of one format and T in one launch (gemv_batch): block b belongs to the job i with
+// first_block[i] <= b < first_block[i + 1] and runs that job's gemv_block (16-byte path only).
+struct GemvBatchArgs {
+  const uint8_t* W[kGemvBatchMax];
+  const uint8_t* S[kGemvBatchMax];
+  int64_t rows[kGemvBatchMax], cols[kGemvBatchMax];
+  const float* X[kGemvBatchMax];
+  float* Y[kGemvBatchMax];
+  int64_t first_block[kGemvBatchMax + 1];
+  int n;
+};
+
+template <WFormat F, int T>
+__global__ void __launch_bounds__(kGemvThreads) gemv_batch_kernel(const __grid_constant__ GemvBatchArgs a) {
+  const int64_t b = blockIdx.x;
+  int i = 0;
+  while (i + 1 < a.n && b >= a.first_block[i + 1]) ++i;
+  gemv_block<F, T, true>(a.W[i], a.S[i], a.rows[i], a.cols[i], a.X[i], a.Y[i], b - a.first_block[i]);
 }
 
 // Routed experts, one block column per n (decode: N = top_k distinct experts): Y[n, :] = W_{ids[n]} . X[n / x_div].
@@ -477,7 +527,8 @@ __global__ void __launch_bounds__(kGemvThreads)
   const bool active = r0 < R_exp;
   if (!kSmem && !active) return;
   const int lane = threadIdx.x & 31;
-  const int64_t e = __ldg(ids + n);
+  pdl_enter();  // the ids (and so which weights) come from the previous kernel
+  const int64_t e = ids[n];
   float* y = Y + n * R_exp;
   if (e < 0 || e >= E) {  // a bad router output must not read outside W: the rows become NaN (whole block)
     if (active && lane < R && r0 + lane < R_exp) y[r0 + lane] = __uint_as_float(0x7fc00000u);
@@ -495,6 +546,62 @@ __global__ void __launch_bounds__(kGemvThreads)
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (lane == r && r0 + r < R_exp) y[r0 + r] = acc[r][0];
+}
+
+// The routed experts' gate and up products and the SiTU GLU in one kernel (expert_glu): H[n, r] =
+// situ(W_gate{ids[n]}[r] . x, W_up{ids[n]}[r] . x) with x = X[n / x_div]. Each warp computes its
+// rows of the gate, then the same rows of the up projection, exactly as expert_gemv_kernel does
+// (same loads, same order), and applies situ_glu_value: the bits of expert_matmul x 2 + situ_glu.
+template <WFormat F, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    expert_glu_kernel(const uint8_t* Wg, const uint8_t* Sg, const uint8_t* Wu, const uint8_t* Su, int64_t R_exp,
+                      int64_t cols, int64_t E, const int32_t* ids, const float* X, int64_t x_div, float b1, float b2,
+                      float* H) {
+  using C = GemvCfg<F, 1>;
+  constexpr int R = C::rows();
+  constexpr bool kSmem = VEC && C::smem();
+  const int64_t n = blockIdx.y;
+  const int64_t r0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * R;
+  const bool active = r0 < R_exp;
+  if (!kSmem && !active) return;
+  const int lane = threadIdx.x & 31;
+  pdl_enter();
+  const int64_t e = ids[n];
+  float* h = H + n * R_exp;
+  if (e < 0 || e >= E) {  // as expert_gemv_kernel: a bad id reads nothing and gives NaN rows
+    if (active && lane < R && r0 + lane < R_exp) h[r0 + lane] = __uint_as_float(0x7fc00000u);
+    return;
+  }
+  int64_t row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = e * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  const float* xt[1] = {X + (n / x_div) * cols};
+  float g[R][1], u[R][1];
+  if constexpr (kSmem) {  // the gate's and the up's rows in one pass: 2R rows of loads in flight
+    const int64_t rb = row_bytes<F>(cols);
+    const uint8_t* wr[2 * R];
+    const uint8_t* sr[2 * R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      wr[r] = Wg + row[r] * rb;
+      wr[R + r] = Wu + row[r] * rb;
+      sr[r] = F == WFormat::MXFP4 ? Sg + row[r] * (cols / 32) : nullptr;
+      sr[R + r] = F == WFormat::MXFP4 ? Su + row[r] * (cols / 32) : nullptr;
+    }
+    float gu[2 * R][1];
+    block_gemv_smem_rows<F, 1, 2 * R>(wr, sr, active, cols, xt[0], 0, gu);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      g[r][0] = gu[r][0];
+      u[r][0] = gu[R + r][0];
+    }
+  } else {
+    warp_gemv<F, 1, R, C::U(), VEC>(Wg, Sg, row, cols, xt, g);
+    warp_gemv<F, 1, R, C::U(), VEC>(Wu, Su, row, cols, xt, u);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (lane == r && r0 + r < R_exp) h[r0 + r] = situ_glu_value(g[r][0], u[r][0], b1, b2);
 }
 
 // Slots per launch of the per-slot kernel (the grid's y limit). It reads an expert once per slot,
@@ -731,9 +838,9 @@ void launch_gemv_t(const WeightMat& W, const float* X, float* Y, Stream s) {
   const int64_t blocks = (W.rows + int64_t(kGemvWarps) * R - 1) / (int64_t(kGemvWarps) * R);
   const auto* w = static_cast<const uint8_t*>(W.data);
   if (gemv_vec_ok(W, X))
-    gemv_kernel<F, T, true><<<unsigned(blocks), kGemvThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, Y);
+    launch(gemv_kernel<F, T, true>, unsigned(blocks), kGemvThreads, 0, s, w, W.scales, W.rows, W.cols, X, Y);
   else
-    gemv_kernel<F, T, false><<<unsigned(blocks), kGemvThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, Y);
+    launch(gemv_kernel<F, T, false>, unsigned(blocks), kGemvThreads, 0, s, w, W.scales, W.rows, W.cols, X, Y);
   check_launch("gemv kernel");
 }
 
@@ -846,12 +953,80 @@ void launch_expert_f(const WeightMat& W, int64_t R, const int32_t* ids, int64_t 
     const float* x = X + (n0 / x_div) * W.cols;
     const dim3 grid(unsigned((R + int64_t(kGemvWarps) * Rw - 1) / (int64_t(kGemvWarps) * Rw)), unsigned(n));
     if (gemv_vec_ok(W, x))
-      expert_gemv_kernel<F, true>
-          <<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids + n0, x, x_div, Y + n0 * R);
+      launch(expert_gemv_kernel<F, true>, grid, kGemvThreads, 0, s, w, W.scales, R, W.cols, E, ids + n0, x, x_div,
+             Y + n0 * R);
     else
-      expert_gemv_kernel<F, false>
-          <<<grid, kGemvThreads, 0, s>>>(w, W.scales, R, W.cols, E, ids + n0, x, x_div, Y + n0 * R);
+      launch(expert_gemv_kernel<F, false>, grid, kGemvThreads, 0, s, w, W.scales, R, W.cols, E, ids + n0, x, x_div,
+             Y + n0 * R);
     check_launch("expert gemv kernel");
+  }
+}
+
+template <WFormat F>
+void launch_expert_glu_f(const WeightMat& G, const WeightMat& U, int64_t R, const int32_t* ids, int64_t N,
+                         const float* X, int64_t x_div, float b1, float b2, float* H, Stream s) {
+  const int64_t E = G.rows / R;
+  const auto *wg = static_cast<const uint8_t*>(G.data), *wu = static_cast<const uint8_t*>(U.data);
+  constexpr int Rw = GemvCfg<F, 1>::rows();
+  const int64_t per = std::max<int64_t>(x_div, kExpertSlotsPerLaunch / x_div * x_div);
+  for (int64_t n0 = 0; n0 < N; n0 += per) {
+    const int64_t n = std::min(per, N - n0);
+    const float* x = X + (n0 / x_div) * G.cols;
+    const dim3 grid(unsigned((R + int64_t(kGemvWarps) * Rw - 1) / (int64_t(kGemvWarps) * Rw)), unsigned(n));
+    if (gemv_vec_ok(G, x) && gemv_vec_ok(U, x))
+      launch(expert_glu_kernel<F, true>, grid, kGemvThreads, 0, s, wg, G.scales, wu, U.scales, R, G.cols, E, ids + n0,
+             x, x_div, b1, b2, H + n0 * R);
+    else
+      launch(expert_glu_kernel<F, false>, grid, kGemvThreads, 0, s, wg, G.scales, wu, U.scales, R, G.cols, E,
+             ids + n0, x, x_div, b1, b2, H + n0 * R);
+    check_launch("expert glu kernel");
+  }
+}
+
+template <WFormat F, int T>
+void launch_gemv_batch_t(const GemvJob* jobs, int64_t n, Stream s) {
+  constexpr int R = GemvCfg<F, T>::rows();
+  GemvBatchArgs a = {};
+  a.n = int(n);
+  int64_t blocks = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const WeightMat& W = *jobs[i].W;
+    a.W[i] = static_cast<const uint8_t*>(W.data);
+    a.S[i] = W.scales;
+    a.rows[i] = W.rows;
+    a.cols[i] = W.cols;
+    a.X[i] = jobs[i].X;
+    a.Y[i] = jobs[i].Y;
+    a.first_block[i] = blocks;
+    blocks += (W.rows + int64_t(kGemvWarps) * R - 1) / (int64_t(kGemvWarps) * R);
+  }
+  a.first_block[n] = blocks;
+  if (blocks > (int64_t(1) << 31) - 1) failf("gemv_batch: too many rows for one launch");
+  launch(gemv_batch_kernel<F, T>, unsigned(blocks), kGemvThreads, 0, s, a);
+  check_launch("gemv batch kernel");
+}
+
+template <WFormat F>
+void launch_gemv_batch_f(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
+  switch (T) {
+    case 1:
+      return launch_gemv_batch_t<F, 1>(jobs, n, s);
+    case 2:
+      return launch_gemv_batch_t<F, 2>(jobs, n, s);
+    case 3:
+      return launch_gemv_batch_t<F, 3>(jobs, n, s);
+    case 4:
+      return launch_gemv_batch_t<F, 4>(jobs, n, s);
+    case 5:
+      return launch_gemv_batch_t<F, 5>(jobs, n, s);
+    case 6:
+      return launch_gemv_batch_t<F, 6>(jobs, n, s);
+    case 7:
+      return launch_gemv_batch_t<F, 7>(jobs, n, s);
+    case 8:
+      return launch_gemv_batch_t<F, 8>(jobs, n, s);
+    default:
+      if constexpr (F != WFormat::MXFP4) return launch_gemv_batch_t<F, int(kGemvWideT)>(jobs, n, s);
   }
 }
 
@@ -907,6 +1082,76 @@ void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s
       return launch_gemv_rows<WFormat::BF16>(W, X, T, Y, s);
     case WFormat::MXFP4:
       return launch_gemv_rows<WFormat::MXFP4>(W, X, T, Y, s);
+  }
+}
+
+void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
+  if (n < 0) failf("gemv_batch: %lld jobs", (long long)n);
+  if (T <= 0) return;
+  // Jobs the batched kernel takes (16-byte path, non-empty), grouped by format in launches of up
+  // to kGemvBatchMax; any other job runs alone through gemv_rows (same bits either way).
+  GemvJob group[4][kGemvBatchMax];
+  int64_t count[4] = {0, 0, 0, 0};
+  const auto flush = [&](int f) {
+    if (count[f] == 0) return;
+    switch (WFormat(f)) {
+      case WFormat::F32:
+        launch_gemv_batch_f<WFormat::F32>(group[f], count[f], T, s);
+        break;
+      case WFormat::F16:
+        launch_gemv_batch_f<WFormat::F16>(group[f], count[f], T, s);
+        break;
+      case WFormat::BF16:
+        launch_gemv_batch_f<WFormat::BF16>(group[f], count[f], T, s);
+        break;
+      case WFormat::MXFP4:
+        launch_gemv_batch_f<WFormat::MXFP4>(group[f], count[f], T, s);
+        break;
+    }
+    count[f] = 0;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const WeightMat& W = *jobs[i].W;
+    check_weight(W, "gemv_batch");
+    if (T > kGemvMaxT && !(T == kGemvWideT && gemv_wide_ok(W)))
+      failf("gemv_batch: %lld rows (at most %lld, or %lld on non-MXFP4 weights)", (long long)T, (long long)kGemvMaxT,
+            (long long)kGemvWideT);
+    const int f = int(W.fmt);
+    if (f < 0 || f > 3 || W.rows == 0 || W.cols == 0 || !gemv_vec_ok(W, jobs[i].X)) {
+      gemv_rows(W, jobs[i].X, T, jobs[i].Y, s);
+      continue;
+    }
+    group[f][count[f]++] = jobs[i];
+    if (count[f] == kGemvBatchMax) flush(f);
+  }
+  for (int f = 0; f < 4; ++f) flush(f);
+}
+
+void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
+                int64_t x_div, float b1, float b2, float* H, Stream s) {
+  check_weight(gate, "expert_glu");
+  check_weight(up, "expert_glu");
+  if (gate.fmt != up.fmt || gate.rows != up.rows || gate.cols != up.cols)
+    failf("expert_glu: gate %s [%lld, %lld] and up %s [%lld, %lld] differ", wformat_name(gate.fmt),
+          (long long)gate.rows, (long long)gate.cols, wformat_name(up.fmt), (long long)up.rows, (long long)up.cols);
+  if (R <= 0 || gate.rows % R != 0)
+    failf("expert_glu: %lld stacked rows are not a multiple of %lld rows per expert", (long long)gate.rows,
+          (long long)R);
+  if (x_div < 1 || x_div > kExpertSlotsPerLaunch) failf("expert_glu: x_div must be in 1..65535");
+  if (N <= 0) return;
+  if (N > (int64_t(1) << 31) - 1 || gate.rows / R > 65534) failf("expert_glu: too many slots or experts for the GPU kernels");
+  if (gate.cols == 0) {  // both products are 0: situ(0, 0) = 0
+    return dev_memset(H, 0, size_t(N * R) * sizeof(float), s);
+  }
+  switch (gate.fmt) {
+    case WFormat::F32:
+      return launch_expert_glu_f<WFormat::F32>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
+    case WFormat::F16:
+      return launch_expert_glu_f<WFormat::F16>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
+    case WFormat::BF16:
+      return launch_expert_glu_f<WFormat::BF16>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
+    case WFormat::MXFP4:
+      return launch_expert_glu_f<WFormat::MXFP4>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
   }
 }
 

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
 
@@ -33,6 +34,7 @@ __device__ __forceinline__ bool before(double va, int ia, double vb, int ib) {
 __global__ void __launch_bounds__(kRouterThreads)
     router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, bool renorm,
                   float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
+  pdl_enter();
   extern __shared__ double rsm[];
   double* s = rsm;      // [E] unbiased scores
   double* key = s + E;  // [E] selection scores; -inf once selected
@@ -145,6 +147,7 @@ __global__ void __launch_bounds__(32 * kFastWarps)
   __shared__ double cv[kFastWarps][kFastMaxK];
   __shared__ int ci[kFastWarps][kFastMaxK];
   __shared__ double s_sel[kFastMaxK];
+  pdl_enter();
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
   const float* lg = logits + t * E;
@@ -226,6 +229,7 @@ __global__ void __launch_bounds__(32 * kFastWarps)
 // agg[t, c] = Σ_j w[t, j] · y[t·k + j, c], j ascending, fp32.
 __global__ void combine_kernel(const float* __restrict__ y, const float* __restrict__ w, int64_t T, int64_t k,
                                int64_t n, float* __restrict__ agg) {
+  pdl_enter();
   const int64_t total = T * n;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / n, c = i % n;
@@ -245,12 +249,12 @@ void router_topk(const float* logits, const float* bias, int64_t T, int64_t E, i
   if (T <= 0) return;
   if (E <= kFastMaxE && k <= kFastMaxK) {
     const int warps = int((E + 32 * kFastPerLane - 1) / (32 * kFastPerLane));
-    router_fast_kernel<<<unsigned(T), 32 * warps, 0, s>>>(logits, bias, int(E), int(k), renorm, scale, idx, w);
+    launch(router_fast_kernel, unsigned(T), 32 * warps, 0, s, logits, bias, int(E), int(k), renorm, scale, idx, w);
     check_launch("router_topk");
     return;
   }
   const size_t smem = size_t(2 * E) * sizeof(double);
-  router_kernel<<<unsigned(T), kRouterThreads, smem, s>>>(logits, bias, int(E), int(k), renorm, scale, idx, w);
+  launch(router_kernel, unsigned(T), kRouterThreads, smem, s, logits, bias, int(E), int(k), renorm, scale, idx, w);
   check_launch("router_topk");
 }
 
@@ -258,7 +262,7 @@ void moe_combine(const float* y, const float* w, int64_t T, int64_t k, int64_t n
   const int64_t total = T * n;
   if (total <= 0) return;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 132 * 16);
-  combine_kernel<<<unsigned(blocks), 256, 0, s>>>(y, w, T, k, n, agg);
+  launch(combine_kernel, unsigned(blocks), 256, 0, s, y, w, T, k, n, agg);
   check_launch("moe_combine");
 }
 

@@ -153,4 +153,25 @@ double EventTimer::ms() {
   return m;
 }
 
+EventMarks::~EventMarks() {
+  for (void* e : ev_) cudaEventDestroy(static_cast<cudaEvent_t>(e));
+}
+int64_t EventMarks::record(Stream s) {
+  if (next_ == int64_t(ev_.size())) {
+    cudaEvent_t e;
+    check(cudaEventCreate(&e), "cudaEventCreate");
+    ev_.push_back(e);
+  }
+  check(cudaEventRecord(static_cast<cudaEvent_t>(ev_[size_t(next_)]), s), "event record");
+  return next_++;
+}
+double EventMarks::ms_between(int64_t a, int64_t b) {
+  if (a < 0 || b < 0 || a >= next_ || b >= next_) fail("internal error: an event mark that was not recorded");
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(ev_[size_t(b)])), "event synchronize");
+  float m = 0;
+  check(cudaEventElapsedTime(&m, static_cast<cudaEvent_t>(ev_[size_t(a)]), static_cast<cudaEvent_t>(ev_[size_t(b)])),
+        "event elapsed");
+  return m;
+}
+
 }  // namespace k3::cuda

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 struct CUstream_st;
 struct CUgraphExec_st;
@@ -109,6 +110,23 @@ class EventTimer {
  private:
   void* a_ = nullptr;
   void* b_ = nullptr;
+};
+
+// Points marked on a stream and the device time between two of them (per-op profiles of a step:
+// k3 bench --profile). Events are created as needed and reused after reset().
+class EventMarks {
+ public:
+  EventMarks() = default;
+  ~EventMarks();
+  EventMarks(const EventMarks&) = delete;
+  EventMarks& operator=(const EventMarks&) = delete;
+  int64_t record(Stream s);                 // the mark's handle
+  double ms_between(int64_t a, int64_t b);  // waits for mark b
+  void reset() { next_ = 0; }
+
+ private:
+  std::vector<void*> ev_;
+  int64_t next_ = 0;
 };
 
 }  // namespace k3::cuda
