@@ -59,6 +59,21 @@ struct MlaPages {
   float* pages = nullptr;  // [pages, page_tokens, kv_lora + rope]
 };
 
+// The inputs of the KDA recurrence from the sublayer's raw projections (layers.cpp kda_sublayer):
+// q, k, v = SiLU(causal conv(qh, kh, vh)) with each sequence's carried history (conv_state pools),
+// q ← q·q_scale/‖q‖ and k ← k/‖k‖ per head (eps), the decay gate g from f, and β ← σ(β) in place.
+struct KdaPrepare {
+  const float *qh, *kh, *vh;
+  float *q, *k, *v;
+  const float* conv_w[3];
+  float* conv_state[3];
+  int64_t C, H, D, K;
+  float q_scale, eps;
+  const float *f, *A_log, *dt_bias;
+  float lower_bound;
+  float *g, *beta;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -133,6 +148,17 @@ class Backend {
   // ---- per-sequence ops (each sequence of the step from its own slot)
   virtual void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K,
                                float* state_pool, float* out) = 0;
+  // KdaPrepare for the step's R rows. Default: the separate ops in that order (the reference for any
+  // fused version, which must give the same result).
+  virtual void kda_prepare(const KdaPrepare& p, const StepView& s, int64_t R) {
+    short_conv_silu(p.qh, s, p.C, p.conv_w[0], p.K, p.conv_state[0], p.q);
+    short_conv_silu(p.kh, s, p.C, p.conv_w[1], p.K, p.conv_state[1], p.k);
+    short_conv_silu(p.vh, s, p.C, p.conv_w[2], p.K, p.conv_state[2], p.v);
+    l2norm_scale(p.q, R * p.H, p.D, p.eps, p.q_scale);
+    l2norm_scale(p.k, R * p.H, p.D, p.eps, 1.0f);
+    kda_gate(p.f, R, p.H, p.D, p.A_log, p.dt_bias, p.lower_bound, p.g);
+    sigmoid(p.beta, R * p.H);
+  }
   // Gated delta rule: q, k, g [R,H,Dk], v, o [R,H,Dv], beta [R,H]; S_pool [slots,H,Dk,Dv]. A sequence
   // with more than one row uses `algo` (chunk size `chunk`); one row always the recurrence.
   virtual void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,

@@ -304,6 +304,24 @@ class CudaBackend final : public Backend {
                        float* out) override {
     cu::short_conv_silu_varlen(x, vb_, C, w, K, state, out, stream_);
   }
+  // Decode rows (one per sequence): the seven ops in one kernel with the same bits; else separately.
+  void kda_prepare(const KdaPrepare& p, const StepView& s, int64_t R) override {
+    cu::KdaPrepDev a;
+    const float* in[3] = {p.qh, p.kh, p.vh};
+    float* out[3] = {p.q, p.k, p.v};
+    for (int m = 0; m < 3; ++m) {
+      a.in[m] = in[m];
+      a.out[m] = out[m];
+      a.w[m] = p.conv_w[m];
+      a.state[m] = p.conv_state[m];
+    }
+    a.C = p.C, a.H = p.H, a.D = p.D, a.K = int(p.K);
+    a.q_scale = p.q_scale, a.eps = p.eps;
+    a.f = p.f, a.A_log = p.A_log, a.dt_bias = p.dt_bias, a.lb = p.lower_bound, a.g = p.g, a.beta = p.beta;
+    if (R == view_.rows && R == view_.n_seqs && view_.max_rows_per_seq == 1 && cu::kda_prepare_decode_ok(a))
+      return cu::kda_prepare_decode(a, vb_, stream_);
+    Backend::kda_prepare(p, s, R);
+  }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
            int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
     if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)

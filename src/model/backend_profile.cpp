@@ -87,6 +87,9 @@ class ProfilingBackend final : public Backend {
                        float* out) override {
     timed("short_conv_silu", [&] { in_->short_conv_silu(x, s, C, w, K, state_pool, out); });
   }
+  void kda_prepare(const KdaPrepare& p, const StepView& s, int64_t R) override {
+    timed("kda_prepare", [&] { in_->kda_prepare(p, s, R); });
+  }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
            int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
     timed("kda", [&] { in_->kda(q, k, v, g, beta, s, H, Dk, Dv, algo, chunk, S_pool, o); });

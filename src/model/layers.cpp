@@ -69,17 +69,14 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   } else {
     be.matmul(w.f_b_proj, fa, R, f);
   }
-  // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2).
-  float *q = c.work.take(R * C), *k = c.work.take(R * C), *v = c.work.take(R * C);
-  be.short_conv_silu(qh, c.seqs, C, w.q_conv.data(), d.conv_k, st.conv[0], q);
-  be.short_conv_silu(kh, c.seqs, C, w.k_conv.data(), d.conv_k, st.conv[1], k);
-  be.short_conv_silu(vh, c.seqs, C, w.v_conv.data(), d.conv_k, st.conv[2], v);
-  be.l2norm_scale(q, R * H, D, 1e-6f, float(1.0 / std::sqrt(double(D))));
-  be.l2norm_scale(k, R * H, D, 1e-6f, 1.0f);
-  // Decay gate (bounded below for K3, unbounded for Kimi Linear: d.lower_bound 0) and β.
-  float* g = c.work.take(R * C);
-  be.kda_gate(f, R, H, D, w.A_log.data(), w.dt_bias.data(), d.lower_bound, g);
-  be.sigmoid(b, R * H);
+  // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2); the
+  // decay gate (bounded below for K3, unbounded for Kimi Linear: d.lower_bound 0) and β.
+  float *q = c.work.take(R * C), *k = c.work.take(R * C), *v = c.work.take(R * C), *g = c.work.take(R * C);
+  be.kda_prepare(KdaPrepare{qh, kh, vh, q, k, v, {w.q_conv.data(), w.k_conv.data(), w.v_conv.data()},
+                            {st.conv[0], st.conv[1], st.conv[2]}, C, H, D, d.conv_k,
+                            float(1.0 / std::sqrt(double(D))), 1e-6f, f, w.A_log.data(), w.dt_bias.data(),
+                            d.lower_bound, g, b},
+                 c.seqs, R);
   // Delta-rule recurrence per sequence (chunked for multi-row chunks; both give the same numbers).
   float* o = c.work.take(R * C);
   be.kda(q, k, v, g, b, c.seqs, H, D, D, algo, chunk, st.S, o);

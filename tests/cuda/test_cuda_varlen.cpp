@@ -246,6 +246,87 @@ TEST(CudaVarlen, ShortConvSiluPerSequence) {
   }
 }
 
+// The fused KDA decode inputs (kda_prepare_decode) against the seven separate kernels they replace
+// (short_conv_silu_varlen x 3, l2norm_scale x 2, kda_gate, sigmoid_inplace), bit for bit: head widths
+// of 1, 2 and 4 float4 per lane, conv widths 4 and 3 (and 1: no state), both gate forms (K3's lower
+// bound, Kimi Linear's unbounded), a bad slot (NaN rows, no state touched), on a created stream.
+TEST(CudaVarlen, KdaPrepareDecodeEqualsSeparateKernelsBitwise) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(405);
+  const cu::Stream st = cu::stream_create();
+  struct Shape {
+    int64_t H, D, K;
+    float lb;
+  };
+  for (const Shape sh : {Shape{3, 128, 4, -5.0f}, Shape{2, 256, 3, 0.0f}, Shape{5, 64, 1, -5.0f}, Shape{1, 512, 4, 0.0f}})
+    for (int64_t N : {1, 7}) {
+      const int64_t H = sh.H, D = sh.D, C = H * D, K = sh.K, nS = C * (K - 1);
+      Batch b = make_batch(rng, std::vector<int64_t>(size_t(N), 1), 2);
+      if (N > 1) b.slots[3] = int32_t(b.n_slots + 5);  // out of range: that row is NaN, nothing else moves
+      SCOPED_TRACE(batch_name(b) + " H=" + std::to_string(H) + " D=" + std::to_string(D) + " K=" + std::to_string(K));
+      const DevBatch db = upload(b);
+      std::vector<cu::DevBuf> in, w, pool_a, pool_b;
+      std::vector<std::vector<float>> pool0;
+      for (int m = 0; m < 3; ++m) {
+        in.push_back(up(rand_vec(rng, size_t(N * C), 0.05f, 2.0f)));
+        w.push_back(up(rand_vec(rng, size_t(C * K), 0.05f, 1.0f)));
+        pool0.push_back(rand_vec(rng, size_t(std::max<int64_t>(1, b.n_slots * nS)), 0.05f, 1.0f));
+        pool_a.push_back(up(pool0.back()));
+        pool_b.push_back(up(pool0.back()));
+      }
+      const auto f = up(rand_vec(rng, size_t(N * C), 0.01f, 6.0f)), A_log = up(rand_vec(rng, size_t(H), 0.05f, 0.7f)),
+                 dt_bias = up(rand_vec(rng, size_t(C), 0.05f, 1.0f));
+      const auto beta0 = rand_vec(rng, size_t(N * H), 0.05f, 3.0f);
+      const float q_scale = float(1.0 / std::sqrt(double(D)));
+      // Fused.
+      std::vector<cu::DevBuf> out_a;
+      for (int m = 0; m < 3; ++m) out_a.push_back(k3test::dev_nan(size_t(N * C)));
+      auto g_a = k3test::dev_nan(size_t(N * C)), beta_a = up(beta0);
+      cu::KdaPrepDev a;
+      for (int m = 0; m < 3; ++m) {
+        a.in[m] = in[size_t(m)].as<float>();
+        a.out[m] = out_a[size_t(m)].as<float>();
+        a.w[m] = w[size_t(m)].as<float>();
+        a.state[m] = pool_a[size_t(m)].as<float>();
+      }
+      a.C = C, a.H = H, a.D = D, a.K = int(K), a.q_scale = q_scale, a.eps = 1e-6f;
+      a.f = f.as<float>(), a.A_log = A_log.as<float>(), a.dt_bias = dt_bias.as<float>(), a.lb = sh.lb;
+      a.g = g_a.as<float>(), a.beta = beta_a.as<float>();
+      ASSERT_TRUE(cu::kda_prepare_decode_ok(a));
+      cu::kda_prepare_decode(a, db.v, st);
+      // Separate.
+      std::vector<cu::DevBuf> out_b;
+      for (int m = 0; m < 3; ++m) out_b.push_back(k3test::dev_nan(size_t(N * C)));
+      auto g_b = k3test::dev_nan(size_t(N * C)), beta_b = up(beta0);
+      for (int m = 0; m < 3; ++m)
+        cu::short_conv_silu_varlen(in[size_t(m)].as<float>(), db.v, C, w[size_t(m)].as<float>(), K,
+                                   pool_b[size_t(m)].as<float>(), out_b[size_t(m)].as<float>(), st);
+      cu::l2norm_scale(out_b[0].as<float>(), N * H, D, 1e-6f, q_scale, st);
+      cu::l2norm_scale(out_b[1].as<float>(), N * H, D, 1e-6f, 1.0f, st);
+      cu::kda_gate(f.as<float>(), N, H, D, A_log.as<float>(), dt_bias.as<float>(), sh.lb, g_b.as<float>(), st);
+      cu::sigmoid_inplace(beta_b.as<float>(), N * H, st);
+      cu::sync(st);
+      for (int m = 0; m < 3; ++m) {
+        const auto got = down(out_a[size_t(m)], size_t(N * C)), want = down(out_b[size_t(m)], size_t(N * C));
+        EXPECT_EQ(bits(got), bits(want)) << "output " << m;
+        EXPECT_EQ(count_nan(got), N > 1 ? size_t(C) : 0u) << "output " << m << ": only the bad slot's row is NaN";
+        EXPECT_EQ(bits(pool_a[size_t(m)], pool0[size_t(m)].size()), bits(pool_b[size_t(m)], pool0[size_t(m)].size()));
+      }
+      EXPECT_EQ(bits(g_a, size_t(N * C)), bits(g_b, size_t(N * C)));
+      EXPECT_EQ(bits(beta_a, size_t(N * H)), bits(beta_b, size_t(N * H)));
+    }
+  // Prefill rows (a sequence of 2) are refused: the caller runs the separate kernels then.
+  {
+    const Batch b = make_batch(rng, {2, 1}, 0);
+    const DevBatch db = upload(b);
+    cu::KdaPrepDev a;
+    a.C = 128, a.H = 1, a.D = 128, a.K = 4;
+    EXPECT_NE(k3test::error_of_call([&] { cu::kda_prepare_decode(a, db.v, st); }).find("decode rows only"),
+              std::string::npos);
+  }
+  cu::stream_destroy(st);
+}
+
 // ================================================================ paged MLA
 struct MlaShape {
   int64_t heads, nope, rope, v, kv_lora;

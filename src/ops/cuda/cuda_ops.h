@@ -131,6 +131,29 @@ void kda_chunked_varlen(const float* q, const float* k, const float* v, const fl
 void short_conv_silu_varlen(const float* x, const VarlenDev& b, int64_t C, const float* w, int64_t K, float* state_pool,
                             float* out, Stream s);
 
+// The KDA inputs of decode rows in one kernel (row i = sequence i, one token each): q, k, v =
+// SiLU(causal conv(qh, kh, vh)) with each sequence's carried state (short_conv_silu_varlen on
+// state[m] pools), q ← q·q_scale/‖q‖, k ← k/‖k‖ per head (l2norm_scale, eps), g = kda_gate(f) and
+// beta ← σ(beta) in place. The same bits as those kernels. kda_prepare_decode_ok: the shapes it takes
+// (D % 4 == 0, D <= 512, C = H·D, q and k 16-byte aligned); otherwise run the separate kernels.
+struct KdaPrepDev {
+  const float* in[3];  // qh, kh, vh [rows, C]
+  float* out[3];       // q, k, v [rows, C]
+  const float* w[3];   // conv weights [C, K]
+  float* state[3];     // conv state pools [n_slots, C, K-1]
+  int64_t C = 0, H = 0, D = 0;
+  int K = 0;
+  float q_scale = 1.0f, eps = 1e-6f;
+  const float* f = nullptr;  // [rows, C]
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  float lb = 0.0f;
+  float* g = nullptr;     // [rows, C]
+  float* beta = nullptr;  // [rows, H], in place
+};
+bool kda_prepare_decode_ok(const KdaPrepDev& a);
+void kda_prepare_decode(const KdaPrepDev& a, const VarlenDev& b, Stream s);
+
 // A paged MLA latent cache of one layer: pages [n_pages, page_tokens, kv_lora + rope] fp32; per token the
 // RMS-normed latent c (kv_lora floats) then the raw shared rope key k_r (rope floats). Token position p of
 // sequence i lives in page block_table[i*max_pages + p/page_tokens], row p % page_tokens.

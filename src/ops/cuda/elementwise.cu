@@ -232,15 +232,20 @@ __global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float
   }
 }
 
+// The decay gate of one channel: lb·σ(exp(A_log)·(f + dt_bias)) (K3), or for lb == 0 the unbounded
+// −exp(A_log)·softplus(f + dt_bias) (Kimi Linear).
+__device__ __forceinline__ float kda_gate_value(float f, float A_log, float dt_bias, float lb) {
+  const float a = expf(A_log), x = f + dt_bias;
+  return lb != 0.0f ? lb * sigmoidf_(a * x) : -a * (x > 20.0f ? x : log1pf(expf(x)));
+}
+
 __global__ void kda_gate_kernel(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log,
                                 const float* dt_bias, float lb, float* g) {
   pdl_enter();
   const int64_t n = T * H * D, HD = H * D;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t hd = i % HD, h = hd / D;
-    const float a = expf(A_log[h]), x = f[i] + dt_bias[hd];
-    // lb == 0: the unbounded gate −exp(A_log)·softplus(f + dt_bias) (Kimi Linear)
-    g[i] = lb != 0.0f ? lb * sigmoidf_(a * x) : -a * (x > 20.0f ? x : log1pf(expf(x)));
+    g[i] = kda_gate_value(f[i], A_log[h], dt_bias[hd], lb);
   }
 }
 
@@ -334,6 +339,69 @@ __global__ void short_conv_varlen_kernel(const float* x, const int32_t* cu_rows,
   }
   const int K = KT > 0 ? KT : Krt;
   short_conv_tile<KT>(x + r0 * C, T, C, w, Krt, state_pool + int64_t(slot) * C * (K - 1), out + r0 * C, c, t0);
+}
+
+// ---------------------------------------------------------------- KDA decode inputs, fused
+// One warp per (row, head) of decode rows (row i = sequence i, one token each); lane owns channels
+// h·D + 4·(lane + 32·c) .. + 3 (c < RC): short conv + SiLU of q, k, v from the carried state
+// (short_conv_tile, as short_conv_varlen_kernel), then the L2 norms of q (× q_scale) and k in
+// norm_rows_warp_vec<true, RC>'s order, the decay gate (kda_gate_value) and, lane 0, β = σ(b):
+// the bits of the seven separate kernels, in one launch.
+template <int KT, int RC>
+__global__ void __launch_bounds__(128) kda_prepare_decode_kernel(KdaPrepDev a, const int32_t* slots, int64_t n_slots,
+                                                                 int64_t rows) {
+  pdl_enter();
+  const int64_t gw = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (gw >= rows * a.H) return;
+  const int64_t row = gw / a.H, h = gw % a.H, C = a.C, D = a.D;
+  const int lane = threadIdx.x & 31, nv = int(D / 4);
+  const int K = KT > 0 ? KT : a.K;
+  const int slot = slots[row];
+  const bool bad = slot < 0 || slot >= n_slots;
+  for (int m = 0; m < 3; ++m)
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      if (i >= nv) continue;
+      for (int e = 0; e < 4; ++e) {
+        const int64_t ch = h * D + 4 * i + e;
+        if (bad)
+          a.out[m][row * C + ch] = __int_as_float(0x7fc00000);
+        else
+          short_conv_tile<KT>(a.in[m] + row * C, 1, C, a.w[m], K, a.state[m] + int64_t(slot) * C * (K - 1),
+                              a.out[m] + row * C, ch, 0);
+      }
+    }
+  for (int m = 0; m < 2; ++m) {  // q, k: L2 norm over the head (this lane's values just written by it)
+    float4* hv = reinterpret_cast<float4*>(a.out[m] + row * C + h * D);
+    float4 v[RC];
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      v[c] = i < nv ? hv[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    double ss = 0;
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      ss = fma(double(v[c].x), double(v[c].x), ss);
+      ss = fma(double(v[c].y), double(v[c].y), ss);
+      ss = fma(double(v[c].z), double(v[c].z), ss);
+      ss = fma(double(v[c].w), double(v[c].w), ss);
+    }
+    ss = warp_sum(ss);
+    const float f = float(double(m == 0 ? a.q_scale : 1.0f) / sqrt(ss + double(a.eps)));
+#pragma unroll
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      if (i < nv) hv[i] = make_float4(v[c].x * f, v[c].y * f, v[c].z * f, v[c].w * f);
+    }
+  }
+  const float Ah = a.A_log[h];
+  for (int i = lane; i < D; i += 32) {
+    const int64_t ch = h * D + i;
+    a.g[row * C + ch] = kda_gate_value(a.f[row * C + ch], Ah, a.dt_bias[ch], a.lb);
+  }
+  if (lane == 0) a.beta[row * a.H + h] = sigmoidf_(a.beta[row * a.H + h]);
 }
 
 // ---------------------------------------------------------------- embedding / argmax
@@ -676,6 +744,33 @@ void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_lo
   if (n <= 0) return;
   launch(kda_gate_kernel, ew_blocks(n), kEwThreads, 0, s, f, T, H, D, A_log, dt_bias, lower_bound, g);
   check_launch("kda_gate");
+}
+
+bool kda_prepare_decode_ok(const KdaPrepDev& a) {
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return a.D % 4 == 0 && a.D > 0 && a.D <= 512 && a.C == a.H * a.D && a.K >= 1 && a.K <= kConvMaxK &&
+         al16(a.out[0]) && al16(a.out[1]) && (a.C * 4) % 16 == 0;
+}
+
+void kda_prepare_decode(const KdaPrepDev& a, const VarlenDev& b, Stream s) {
+  check_varlen("kda_prepare_decode", b, true);
+  if (b.rows != b.n_seqs) fail("kda_prepare_decode: decode rows only (one row per sequence)");
+  if (!kda_prepare_decode_ok(a)) fail("kda_prepare_decode: shapes or alignment the fused kernel does not take");
+  if (b.rows <= 0) return;
+  const unsigned blocks = unsigned((b.rows * a.H + 3) / 4);
+  const auto go = [&](auto rc) {
+    constexpr int RC = decltype(rc)::value;
+    with_conv_width(a.K, [&](auto kt) {
+      launch(kda_prepare_decode_kernel<decltype(kt)::value, RC>, blocks, 128, 0, s, a, b.slots, b.n_slots, b.rows);
+    });
+  };
+  if (a.D <= 128)
+    go(std::integral_constant<int, 1>{});
+  else if (a.D <= 256)
+    go(std::integral_constant<int, 2>{});
+  else
+    go(std::integral_constant<int, 4>{});
+  check_launch("kda_prepare_decode");
 }
 
 void sigmoid_inplace(float* x, int64_t n, Stream s) {

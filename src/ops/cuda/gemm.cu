@@ -322,12 +322,14 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
       wr[r] = W + row[r] * rb;
       sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
     }
-    uint4 wv[U][R];
-    uint32_t sc[U][R];
-    load_chunks<F, R, U>(wr, sr, lane, nch, true, wv, sc);  // the first step's loads (guarded by j < nch)
-    if constexpr (WAIT) pdl_enter();
-    for (int64_t j0 = lane; j0 < nch; j0 += 32 * U) {
-      if (j0 != lane) load_chunks<F, R, U>(wr, sr, j0, nch, true, wv, sc);
+    // One step: U chunks of R rows loaded, then (after the wait, on the first step) their math.
+    const auto step = [&](int64_t j0, bool first) {
+      uint4 wv[U][R];
+      uint32_t sc[U][R];
+      load_chunks<F, R, U>(wr, sr, j0, nch, true, wv, sc);
+      if constexpr (WAIT) {
+        if (first) pdl_enter();
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t j = j0 + 32 * u;
@@ -344,7 +346,10 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
               },
               acc);
       }
-    }
+    };
+    // The first step peeled off (its loads go out before the wait), the rest as a plain loop.
+    step(lane, true);
+    for (int64_t j0 = lane + 32 * U; j0 < nch; j0 += 32 * U) step(j0, false);
   } else {
     if constexpr (WAIT) pdl_enter();
     for (int64_t c = lane; c < cols; c += 32) {
