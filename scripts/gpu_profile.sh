@@ -12,10 +12,8 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-out=${OUT:-build-cuda-stage/out}
-mkdir -p "$out"
 source scripts/lib/device_cli.sh
-unpack_cli || exit 2
+device_start || exit 2
 ckpt=${K3_GPU_BENCH_DIR:-/tmp/gpu-bench}
 ensure_gpu_bench "$ckpt" || exit 1
 num=${K3_PROFILE_NUMERICS:-fast}

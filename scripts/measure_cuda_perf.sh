@@ -13,10 +13,8 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-out=${OUT:-build-cuda-stage/out}
-mkdir -p "$out"
 source scripts/lib/device_cli.sh
-unpack_cli || exit 2
+device_start || exit 2
 nano=models/k3-nano
 results=()
 check() {  # check NAME CMD... : one table row from the exit status of CMD

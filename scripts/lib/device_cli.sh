@@ -1,4 +1,5 @@
 # Shared by the GPU-machine scripts (measure_cuda_perf.sh, gpu_profile.sh): source, then
+#   device_start          sets $out ($OUT, or build-cuda-stage/out here) and runs unpack_cli
 #   unpack_cli            k3 from build-cuda-stage/cli.tar.xz into /tmp/k3-cuda-cli; sets $k3
 #   ensure_gpu_bench DIR  generates the K3-shaped gpu-bench checkpoint into DIR unless it is there
 unpack_cli() {
@@ -7,6 +8,11 @@ unpack_cli() {
     { echo "cannot unpack build-cuda-stage/cli.tar.xz (run bash scripts/cuda_test.sh here first)"; return 2; }
   export LD_LIBRARY_PATH=$bin:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
   k3=$bin/k3
+}
+device_start() {
+  out=${OUT:-build-cuda-stage/out}
+  mkdir -p "$out"
+  unpack_cli
 }
 ensure_gpu_bench() {
   local ckpt=$1 t0

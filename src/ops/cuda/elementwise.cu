@@ -41,6 +41,30 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// A lane's fp64 sum of squares of its RC float4s, in order (the 16-byte norm paths).
+template <int RC>
+__device__ __forceinline__ double sumsq_f4(const float4 (&v)[RC]) {
+  double ss = 0;
+#pragma unroll
+  for (int c = 0; c < RC; ++c) {
+    ss = fma(double(v[c].x), double(v[c].x), ss);
+    ss = fma(double(v[c].y), double(v[c].y), ss);
+    ss = fma(double(v[c].z), double(v[c].z), ss);
+    ss = fma(double(v[c].w), double(v[c].w), ss);
+  }
+  return ss;
+}
+
+// row[lane + 32c] = v[c] · f for the lane's float4s inside the row's nv.
+template <int RC>
+__device__ __forceinline__ void store_scaled_f4(float4* row, const float4 (&v)[RC], int lane, int nv, float f) {
+#pragma unroll
+  for (int c = 0; c < RC; ++c) {
+    const int i = lane + 32 * c;
+    if (i < nv) row[i] = make_float4(v[c].x * f, v[c].y * f, v[c].z * f, v[c].w * f);
+  }
+}
+
 // Sum of one double per thread over the block (blockDim.x a multiple of 32, <= 1024); every thread
 // gets the total. `red` holds 32 doubles of shared scratch; the leading sync protects its reuse.
 __device__ double block_sum(double v, double* red) {
@@ -121,23 +145,10 @@ __global__ void __launch_bounds__(128)
     if (i < nv) v[c] = xr[i];
     if (!L2 && w && i < nv) wv[c] = reinterpret_cast<const float4*>(w)[i];
   }
-  double ss = 0;
-#pragma unroll
-  for (int c = 0; c < RC; ++c) {
-    ss = fma(double(v[c].x), double(v[c].x), ss);
-    ss = fma(double(v[c].y), double(v[c].y), ss);
-    ss = fma(double(v[c].z), double(v[c].z), ss);
-    ss = fma(double(v[c].w), double(v[c].w), ss);
-  }
-  ss = warp_sum(ss);
+  const double ss = warp_sum(sumsq_f4<RC>(v));
   float4* orow = reinterpret_cast<float4*>(out + r * n);
   if (L2) {
-    const float f = float(double(scale) / sqrt(ss + double(eps)));
-#pragma unroll
-    for (int c = 0; c < RC; ++c) {
-      const int i = lane + 32 * c;
-      if (i < nv) orow[i] = make_float4(v[c].x * f, v[c].y * f, v[c].z * f, v[c].w * f);
-    }
+    store_scaled_f4<RC>(orow, v, lane, nv, float(double(scale) / sqrt(ss + double(eps))));
   } else {
     const float inv = float(1.0 / sqrt(ss / double(n) + double(eps)));
 #pragma unroll
@@ -380,21 +391,8 @@ __global__ void __launch_bounds__(128) kda_prepare_decode_kernel(KdaPrepDev a, c
       const int i = lane + 32 * c;
       v[c] = i < nv ? hv[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    double ss = 0;
-#pragma unroll
-    for (int c = 0; c < RC; ++c) {
-      ss = fma(double(v[c].x), double(v[c].x), ss);
-      ss = fma(double(v[c].y), double(v[c].y), ss);
-      ss = fma(double(v[c].z), double(v[c].z), ss);
-      ss = fma(double(v[c].w), double(v[c].w), ss);
-    }
-    ss = warp_sum(ss);
-    const float f = float(double(m == 0 ? a.q_scale : 1.0f) / sqrt(ss + double(a.eps)));
-#pragma unroll
-    for (int c = 0; c < RC; ++c) {
-      const int i = lane + 32 * c;
-      if (i < nv) hv[i] = make_float4(v[c].x * f, v[c].y * f, v[c].z * f, v[c].w * f);
-    }
+    const double ss = warp_sum(sumsq_f4<RC>(v));
+    store_scaled_f4<RC>(hv, v, lane, nv, float(double(m == 0 ? a.q_scale : 1.0f) / sqrt(ss + double(a.eps))));
   }
   const float Ah = a.A_log[h];
   for (int i = lane; i < D; i += 32) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "core/error.h"
@@ -518,6 +519,24 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_batch_kernel(const __grid_c
   gemv_block<F, T, true>(a.W[i], a.S[i], a.rows[i], a.cols[i], a.X[i], a.Y[i], b - a.first_block[i]);
 }
 
+// The slot prologue of the expert kernels: waits for the previous kernel (the router wrote the ids),
+// reads the slot's expert; a bad id (outside [0, E)) must not read outside W: the block writes its
+// rows of y as NaN and false is returned. Otherwise row[] are the expert's rows r0 .. r0+R-1 (clamped).
+template <int R>
+__device__ __forceinline__ bool expert_slot_rows(const int32_t* ids, int64_t n, int64_t E, int64_t R_exp, int64_t r0,
+                                                 bool active, float* y, int64_t (&row)[R]) {
+  const int lane = threadIdx.x & 31;
+  pdl_enter();
+  const int64_t e = ids[n];
+  if (e < 0 || e >= E) {
+    if (active && lane < R && r0 + lane < R_exp) y[r0 + lane] = __uint_as_float(0x7fc00000u);
+    return false;
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = e * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  return true;
+}
+
 // Routed experts, one block column per n (decode: N = top_k distinct experts): Y[n, :] = W_{ids[n]} . X[n / x_div].
 // ids are read here, on the device, so a captured graph follows whatever the router wrote.
 template <WFormat F, bool VEC>
@@ -532,16 +551,9 @@ __global__ void __launch_bounds__(kGemvThreads)
   const bool active = r0 < R_exp;
   if (!kSmem && !active) return;
   const int lane = threadIdx.x & 31;
-  pdl_enter();  // the ids (and so which weights) come from the previous kernel
-  const int64_t e = ids[n];
   float* y = Y + n * R_exp;
-  if (e < 0 || e >= E) {  // a bad router output must not read outside W: the rows become NaN (whole block)
-    if (active && lane < R && r0 + lane < R_exp) y[r0 + lane] = __uint_as_float(0x7fc00000u);
-    return;
-  }
   int64_t row[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) row[r] = e * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  if (!expert_slot_rows<R>(ids, n, E, R_exp, r0, active, y, row)) return;
   const float* xt[1] = {X + (n / x_div) * cols};
   float acc[R][1];
   if constexpr (kSmem)
@@ -555,8 +567,9 @@ __global__ void __launch_bounds__(kGemvThreads)
 
 // The routed experts' gate and up products and the SiTU GLU in one kernel (expert_glu): H[n, r] =
 // situ(W_gate{ids[n]}[r] . x, W_up{ids[n]}[r] . x) with x = X[n / x_div]. Each warp computes its
-// rows of the gate, then the same rows of the up projection, exactly as expert_gemv_kernel does
-// (same loads, same order), and applies situ_glu_value: the bits of expert_matmul x 2 + situ_glu.
+// rows of the gate and the same rows of the up projection (on the 16-byte path together: 2R rows of
+// loads in flight), each row summed in expert_gemv_kernel's order, and applies situ_glu_value: the
+// bits of expert_matmul x 2 + situ_glu.
 template <WFormat F, bool VEC>
 __global__ void __launch_bounds__(kGemvThreads)
     expert_glu_kernel(const uint8_t* Wg, const uint8_t* Sg, const uint8_t* Wu, const uint8_t* Su, int64_t R_exp,
@@ -570,16 +583,9 @@ __global__ void __launch_bounds__(kGemvThreads)
   const bool active = r0 < R_exp;
   if (!kSmem && !active) return;
   const int lane = threadIdx.x & 31;
-  pdl_enter();
-  const int64_t e = ids[n];
   float* h = H + n * R_exp;
-  if (e < 0 || e >= E) {  // as expert_gemv_kernel: a bad id reads nothing and gives NaN rows
-    if (active && lane < R && r0 + lane < R_exp) h[r0 + lane] = __uint_as_float(0x7fc00000u);
-    return;
-  }
   int64_t row[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) row[r] = e * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  if (!expert_slot_rows<R>(ids, n, E, R_exp, r0, active, h, row)) return;
   const float* xt[1] = {X + (n / x_div) * cols};
   float g[R][1], u[R][1];
   if constexpr (kSmem) {  // the gate's and the up's rows in one pass: 2R rows of loads in flight
@@ -849,54 +855,60 @@ void launch_gemv_t(const WeightMat& W, const float* X, float* Y, Stream s) {
   check_launch("gemv kernel");
 }
 
-template <WFormat F>
-void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+// Calls f(std::integral_constant<int, T>) with the GEMV row count as a compile-time constant:
+// 1..kGemvMaxT (larger T: kGemvMaxT), or kGemvWideT on non-MXFP4 formats.
+template <WFormat F, class Fn>
+void with_gemv_rows(int64_t T, Fn&& f) {
+  if constexpr (F != WFormat::MXFP4) {
+    if (T == kGemvWideT) return f(std::integral_constant<int, int(kGemvWideT)>{});
+  }
   switch (T) {
     case 1:
-      return launch_gemv_t<F, 1>(W, X, Y, s);
+      return f(std::integral_constant<int, 1>{});
     case 2:
-      return launch_gemv_t<F, 2>(W, X, Y, s);
+      return f(std::integral_constant<int, 2>{});
     case 3:
-      return launch_gemv_t<F, 3>(W, X, Y, s);
+      return f(std::integral_constant<int, 3>{});
     case 4:
-      return launch_gemv_t<F, 4>(W, X, Y, s);
+      return f(std::integral_constant<int, 4>{});
     case 5:
-      return launch_gemv_t<F, 5>(W, X, Y, s);
+      return f(std::integral_constant<int, 5>{});
     case 6:
-      return launch_gemv_t<F, 6>(W, X, Y, s);
+      return f(std::integral_constant<int, 6>{});
     case 7:
-      return launch_gemv_t<F, 7>(W, X, Y, s);
+      return f(std::integral_constant<int, 7>{});
     default:
-      return launch_gemv_t<F, 8>(W, X, Y, s);
+      return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// Calls f(std::integral_constant<WFormat, F>) with the weight format as a compile-time constant.
+template <class Fn>
+void with_format(WFormat fmt, Fn&& f) {
+  switch (fmt) {
+    case WFormat::F32:
+      return f(std::integral_constant<WFormat, WFormat::F32>{});
+    case WFormat::F16:
+      return f(std::integral_constant<WFormat, WFormat::F16>{});
+    case WFormat::BF16:
+      return f(std::integral_constant<WFormat, WFormat::BF16>{});
+    case WFormat::MXFP4:
+      return f(std::integral_constant<WFormat, WFormat::MXFP4>{});
   }
 }
 
 template <WFormat F>
-void launch_gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
-  if constexpr (F != WFormat::MXFP4) {
-    if (T == kGemvWideT) return launch_gemv_t<F, int(kGemvWideT)>(W, X, Y, s);
-  }
-  launch_gemv_f<F>(W, X, T, Y, s);
+void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  with_gemv_rows<F>(T, [&](auto t) { launch_gemv_t<F, decltype(t)::value>(W, X, Y, s); });
 }
 
 template <bool ROUND_X>
 void launch_simt(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
   const dim3 grid(unsigned((W.rows + kSimtTile - 1) / kSimtTile), unsigned((T + kSimtTile - 1) / kSimtTile));
   const auto* w = static_cast<const uint8_t*>(W.data);
-  switch (W.fmt) {
-    case WFormat::F32:
-      gemm_simt_kernel<WFormat::F32, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
-      break;
-    case WFormat::F16:
-      gemm_simt_kernel<WFormat::F16, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
-      break;
-    case WFormat::BF16:
-      gemm_simt_kernel<WFormat::BF16, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
-      break;
-    case WFormat::MXFP4:
-      gemm_simt_kernel<WFormat::MXFP4, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
-      break;
-  }
+  with_format(W.fmt, [&](auto f) {
+    gemm_simt_kernel<decltype(f)::value, ROUND_X><<<grid, kSimtThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+  });
   check_launch("gemm simt kernel");
 }
 
@@ -1013,26 +1025,7 @@ void launch_gemv_batch_t(const GemvJob* jobs, int64_t n, Stream s) {
 
 template <WFormat F>
 void launch_gemv_batch_f(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
-  switch (T) {
-    case 1:
-      return launch_gemv_batch_t<F, 1>(jobs, n, s);
-    case 2:
-      return launch_gemv_batch_t<F, 2>(jobs, n, s);
-    case 3:
-      return launch_gemv_batch_t<F, 3>(jobs, n, s);
-    case 4:
-      return launch_gemv_batch_t<F, 4>(jobs, n, s);
-    case 5:
-      return launch_gemv_batch_t<F, 5>(jobs, n, s);
-    case 6:
-      return launch_gemv_batch_t<F, 6>(jobs, n, s);
-    case 7:
-      return launch_gemv_batch_t<F, 7>(jobs, n, s);
-    case 8:
-      return launch_gemv_batch_t<F, 8>(jobs, n, s);
-    default:
-      if constexpr (F != WFormat::MXFP4) return launch_gemv_batch_t<F, int(kGemvWideT)>(jobs, n, s);
-  }
+  with_gemv_rows<F>(T, [&](auto t) { launch_gemv_batch_t<F, decltype(t)::value>(jobs, n, s); });
 }
 
 }  // namespace
@@ -1042,19 +1035,7 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   if (T <= 0 || W.rows == 0) return;
   if (T > 65535LL * kSimtTile || W.rows > (int64_t(1) << 31) - 1) failf("matmul: shape too large for the GPU kernels");
   if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
-  if (T <= kGemvMaxT) {
-    switch (W.fmt) {
-      case WFormat::F32:
-        return launch_gemv_f<WFormat::F32>(W, X, T, Y, s);
-      case WFormat::F16:
-        return launch_gemv_f<WFormat::F16>(W, X, T, Y, s);
-      case WFormat::BF16:
-        return launch_gemv_f<WFormat::BF16>(W, X, T, Y, s);
-      case WFormat::MXFP4:
-        return launch_gemv_f<WFormat::MXFP4>(W, X, T, Y, s);
-    }
-    return;
-  }
+  if (T <= kGemvMaxT) return with_format(W.fmt, [&](auto f) { launch_gemv_f<decltype(f)::value>(W, X, T, Y, s); });
   if (p == Precision::F32) return launch_simt<false>(W, X, T, Y, s);
   // Precision::BF16: activations rounded to bf16, weights exact, fp32 accumulation, on every path.
   if (W.fmt == WFormat::BF16 && aligned16(W.data) && aligned16(X)) return matmul_cublas_bf16(W, X, T, Y, s);
@@ -1078,16 +1059,7 @@ void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s
     failf("gemv_rows: %lld rows (at most %lld, or %lld on non-MXFP4 weights)", (long long)T, (long long)kGemvMaxT,
           (long long)kGemvWideT);
   if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
-  switch (W.fmt) {
-    case WFormat::F32:
-      return launch_gemv_rows<WFormat::F32>(W, X, T, Y, s);
-    case WFormat::F16:
-      return launch_gemv_rows<WFormat::F16>(W, X, T, Y, s);
-    case WFormat::BF16:
-      return launch_gemv_rows<WFormat::BF16>(W, X, T, Y, s);
-    case WFormat::MXFP4:
-      return launch_gemv_rows<WFormat::MXFP4>(W, X, T, Y, s);
-  }
+  with_format(W.fmt, [&](auto f) { launch_gemv_f<decltype(f)::value>(W, X, T, Y, s); });
 }
 
 void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
@@ -1099,20 +1071,7 @@ void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
   int64_t count[4] = {0, 0, 0, 0};
   const auto flush = [&](int f) {
     if (count[f] == 0) return;
-    switch (WFormat(f)) {
-      case WFormat::F32:
-        launch_gemv_batch_f<WFormat::F32>(group[f], count[f], T, s);
-        break;
-      case WFormat::F16:
-        launch_gemv_batch_f<WFormat::F16>(group[f], count[f], T, s);
-        break;
-      case WFormat::BF16:
-        launch_gemv_batch_f<WFormat::BF16>(group[f], count[f], T, s);
-        break;
-      case WFormat::MXFP4:
-        launch_gemv_batch_f<WFormat::MXFP4>(group[f], count[f], T, s);
-        break;
-    }
+    with_format(WFormat(f), [&](auto fc) { launch_gemv_batch_f<decltype(fc)::value>(group[f], count[f], T, s); });
     count[f] = 0;
   };
   for (int64_t i = 0; i < n; ++i) {
@@ -1148,16 +1107,8 @@ void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int
   if (gate.cols == 0) {  // both products are 0: situ(0, 0) = 0
     return dev_memset(H, 0, size_t(N * R) * sizeof(float), s);
   }
-  switch (gate.fmt) {
-    case WFormat::F32:
-      return launch_expert_glu_f<WFormat::F32>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
-    case WFormat::F16:
-      return launch_expert_glu_f<WFormat::F16>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
-    case WFormat::BF16:
-      return launch_expert_glu_f<WFormat::BF16>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
-    case WFormat::MXFP4:
-      return launch_expert_glu_f<WFormat::MXFP4>(gate, up, R, ids, N, X, x_div, b1, b2, H, s);
-  }
+  with_format(gate.fmt,
+              [&](auto f) { launch_expert_glu_f<decltype(f)::value>(gate, up, R, ids, N, X, x_div, b1, b2, H, s); });
 }
 
 void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
@@ -1173,16 +1124,7 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
   if (W.cols == 0) return dev_memset(Y, 0, size_t(N * R) * sizeof(float), s);
   // Both precisions: fp32 activations (GEMV-style kernels, like the T <= kGemvMaxT matmul).
   (void)p;
-  switch (W.fmt) {
-    case WFormat::F32:
-      return launch_expert_f<WFormat::F32>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::F16:
-      return launch_expert_f<WFormat::F16>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::BF16:
-      return launch_expert_f<WFormat::BF16>(W, R, ids, N, X, x_div, Y, s);
-    case WFormat::MXFP4:
-      return launch_expert_f<WFormat::MXFP4>(W, R, ids, N, X, x_div, Y, s);
-  }
+  with_format(W.fmt, [&](auto f) { launch_expert_f<decltype(f)::value>(W, R, ids, N, X, x_div, Y, s); });
 }
 
 }  // namespace k3::cuda
