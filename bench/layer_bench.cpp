@@ -3,6 +3,9 @@
 // trunk, MXFP4 experts), timed for decode (1 token at a context depth) and prefill (a chunk of
 // tokens), then extrapolated to the 93-layer model (69 KDA + 24 MLA layers + lm_head) and set
 // beside kimi-k3-in-c's published s/token (performance-anchors.md §6.3).
+// --device cuda: the same layers on the GPU (issue 19, goal 6): weights uploaded in their formats,
+// decode steps of 1 and --batch sequences replayed from a CUDA graph, prefill of --prefill tokens,
+// each timed with device events; roofline = the device copy bandwidth measured in the same run.
 // Memory: the 896 routed experts of a layer are views onto a pool of --expert-pool distinct experts
 // (default 64 = 1.1 GB, far beyond any cache) so one machine can hold the layer; a decode step
 // touches top-16 of them exactly as with 896 distinct ones. Prints one JSON object.
@@ -28,6 +31,9 @@
 #include "model/traffic.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
+#ifdef K3_HAVE_CUDA
+#include "ops/cuda/runtime.h"
+#endif
 
 namespace {
 
@@ -105,7 +111,8 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string config_dir = "tests/fixtures/k3-config-only";
   int64_t pool_n = 64, depth = 4096, prefill = 64, reps = 5;
-  std::string numerics = "fast";
+  std::string numerics = "fast", device = "cpu";
+  std::vector<int64_t> batches{1};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -127,13 +134,33 @@ int main(int argc, char** argv) {
       reps = std::stoll(next());
     else if (a == "--numerics")
       numerics = next();
-    else {
+    else if (a == "--device")
+      device = next();
+    else if (a == "--batch") {
+      batches.clear();
+      const std::string v = next();
+      for (size_t at = 0; at <= v.size();) {
+        const size_t comma = std::min(v.find(',', at), v.size());
+        batches.push_back(std::stoll(v.substr(at, comma - at)));
+        at = comma + 1;
+      }
+    } else {
       std::fprintf(stderr,
                    "usage: k3_layer_bench [--config DIR] [--expert-pool N] [--depth N] [--prefill N] [-r N] "
-                   "[--numerics fast|exact]\n");
+                   "[--numerics fast|exact|fp32] [--device cpu|cuda] [--batch 1,32]\n");
       return 2;
     }
   }
+  if (device != "cpu" && device != "cuda") {
+    std::fprintf(stderr, "k3_layer_bench: --device must be cpu or cuda, not '%s'\n", device.c_str());
+    return 2;
+  }
+  for (const int64_t b : batches)
+    if (b < 1 || b > 4096) {
+      std::fprintf(stderr, "k3_layer_bench: --batch values must be in 1..4096\n");
+      return 2;
+    }
+  const bool gpu = device == "cuda";
   try {
     const k3::ModelConfig cfg = k3::load_model_config(config_dir);
     const k3::ModelDims d = k3::ModelDims::from_config(cfg);
@@ -196,17 +223,72 @@ int main(int argc, char** argv) {
 
     k3::ForwardOptions opt;
     opt.numerics = k3::ops::parse_numerics(numerics);
-    // The read probe before and after the timings (a shared machine's bandwidth moves within
-    // seconds): the ratio divides by the larger.
-    const k3::ops::ReadProbe probe(k3::par::max_threads(), uint64_t(1) << 30);
-    const k3::ops::Roofline roof = k3::ops::measure_roofline(probe, 5);
+    const auto num = opt.numerics == k3::ops::Numerics::Exact ? k3::StepNumerics::Exact
+                     : opt.numerics == k3::ops::Numerics::F32 ? k3::StepNumerics::F32
+                                                              : k3::StepNumerics::Fast;
+    const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+    const int64_t max_rows = std::max(prefill, max_batch);
+
+    // GPU: one backend for every runner, the two layers and the lm_head uploaded once (the 896
+    // experts of a layer stacked from the pool's views: every expert's bytes exist on the device).
+    std::unique_ptr<k3::Backend> gpu_be;
+    k3::ModelWeights placed;
+    const k3::LayerWeights *kda_w = &kda, *mla_w = &mla;
+    const k3::WeightMat* head_w = &lm_head;
+    if (gpu) {
+      k3::GpuOptions o;
+      o.tokens_per_call = max_rows;
+      o.initial_context = depth + prefill + 64;
+      gpu_be = k3::make_cuda_backend_for_dims(d, o);
+      placed.layers = {kda, mla};
+      placed.lm_head = lm_head;
+      std::fprintf(stderr, "k3_layer_bench: uploading the layers to the GPU...\n");
+      gpu_be->place(placed);
+      kda_w = &placed.layers[0];
+      mla_w = &placed.layers[1];
+      head_w = &placed.lm_head;
+    }
+    // Activation buffers where the backend reads them (host vectors on the CPU, device memory on the GPU).
+    std::vector<void*> dev_bufs;
+    std::deque<std::vector<float>> host_bufs;
+    auto buffer = [&](std::vector<float> init) -> float* {
+      if (!gpu) {
+        host_bufs.push_back(std::move(init));
+        return host_bufs.back().data();
+      }
+      void* p = gpu_be->alloc(init.size() * 4, "layer bench activations");
+      gpu_be->upload(p, init.data(), init.size() * 4);
+      dev_bufs.push_back(p);
+      return static_cast<float*>(p);
+    };
+    const int64_t work_floats = std::max(k3::kda_work_floats(d.kda, max_rows), k3::mla_work_floats(d.mla, max_rows)) +
+                                k3::moe_work_floats(d.moe, d.shared_inter, max_rows) +
+                                k3::glu_work_floats(d.shared_inter, max_rows) + (int64_t(1) << 16);
+
+    // The bandwidth roof: the CPU read probe before and after the timings (a shared machine's
+    // bandwidth moves within seconds; the ratio divides by the larger), or the GPU's copy bandwidth.
+    std::unique_ptr<k3::ops::ReadProbe> probe;
+    k3::ops::Roofline roof;
+    if (gpu) {
+#ifdef K3_HAVE_CUDA
+      roof.read_gbs = k3::cuda::measure_copy_gbs(size_t(1) << 31);
+      roof.peak_gflops = 1e3 * k3::cuda::measure_bf16_gemm_tflops(8192);
+      roof.peak_kind = "cuBLAS bf16 GEMM 8192^3";
+#endif
+    } else {
+      probe = std::make_unique<k3::ops::ReadProbe>(k3::par::max_threads(), uint64_t(1) << 30);
+      roof = k3::ops::measure_roofline(*probe, 5);
+    }
     const double read_before = roof.read_gbs;
 
-    // Decode: one token at `depth` context (MLA cache filled with random latents, KDA state random).
-    auto time_layer = [&](const k3::LayerWeights& w, int64_t L, int64_t T) {
+    // One step of B sequences x T tokens through layer L (decode: T = 1 at `depth` context, MLA
+    // cache filled with random latents, KDA state random), median seconds of `reps` after a warm-up.
+    // On the GPU the time is device time between events around the step; decode steps replay a
+    // CUDA graph recorded in the warm-up.
+    auto time_layer = [&](const k3::LayerWeights& w, int64_t L, int64_t T, int64_t B) {
       std::vector<bool> kinds(size_t(L + 1), true);
       kinds[size_t(L)] = w.is_kda;
-      k3::LayerRunner run(d, kinds);
+      k3::LayerRunner run(d, kinds, work_floats, gpu_be.get());
       if (w.is_kda) {
         std::vector<float> S(size_t(d.kda.state_floats())), conv[3];
         for (auto& x : S) x = float(A.rng() % 2001) * 1e-4f - 0.1f;
@@ -217,51 +299,81 @@ int main(int argc, char** argv) {
         run.pool.write_mla(run.slot, L, A.floats(depth * d.mla.kv_lora, 0.0f, 1.0f),
                            A.floats(depth * d.mla.rope, 0.0f, 1.0f));
       }
-      const auto num = opt.numerics == k3::ops::Numerics::Exact ? k3::StepNumerics::Exact
-                       : opt.numerics == k3::ops::Numerics::F32 ? k3::StepNumerics::F32
-                                                                : k3::StepNumerics::Fast;
+      const int64_t rows = B * T;
       // Depth state: `blocks` snapshots and the partial sum, plus a spare for a snapshot.
-      std::vector<std::vector<float>> bufs;
-      for (int64_t b = 0; b <= blocks + 1; ++b) bufs.push_back(A.floats(T * H, 0.0f, 1.0f));
       std::vector<float*> spare;
-      for (auto& b : bufs) spare.push_back(b.data());
-      std::vector<float> a(size_t(T * H)), xn(a.size()), y(a.size());
+      for (int64_t b = 0; b <= blocks + 1; ++b) spare.push_back(buffer(A.floats(rows * H, 0.0f, 1.0f)));
+      float *a = buffer(std::vector<float>(size_t(rows * H))), *xn = buffer(std::vector<float>(size_t(rows * H))),
+            *y = buffer(std::vector<float>(size_t(rows * H)));
       std::vector<double> times;
       for (int64_t r = 0; r <= reps; ++r) {
-        const int32_t s = run.pool.fork(run.slot);
+        std::vector<int32_t> seqs;
+        for (int64_t b = 0; b < B; ++b) seqs.push_back(run.pool.fork(run.slot));
         k3::DepthState ds;
         for (int64_t b = 0; b < blocks; ++b) ds.blocks.push_back(spare[size_t(b)]);
         ds.partial = spare[size_t(blocks)];
         ds.partial_empty = false;
+        const int64_t m0 = run.be->mark();
         const double t0 = now_s();
-        run.step(
-            s, T,
+        run.step_many(
+            seqs, T,
             [&](const k3::StepCtx& c) {
-              k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a.data(), xn.data(), y.data(), opt);
+              k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a, xn, y, opt);
             },
-            num);
-        if (r > 0) times.push_back(now_s() - t0);  // the first run warms caches/pages up
-        run.pool.free(s);
+            num, /*replayable=*/gpu);
+        double dt = now_s() - t0;
+        if (m0 >= 0) {
+          dt = run.be->seconds_between(m0, run.be->mark());
+          run.be->reset_marks();
+        }
+        if (r > 0) times.push_back(dt);  // the first run warms caches/pages up (and records the graph)
+        for (const int32_t q : seqs) run.pool.free(q);
       }
       return median(times);
     };
-    std::fprintf(stderr, "k3_layer_bench: timing (threads %d, %s kernels)...\n", k3::par::max_threads(),
-                 k3::ops::cpu_isa_name(k3::ops::cpu_isa()));
-    const double kda_dec = time_layer(kda, 1, 1), mla_dec = time_layer(mla, 3, 1);
-    const double kda_pre = time_layer(kda, 1, prefill) / double(prefill);
-    const double mla_pre = time_layer(mla, 3, prefill) / double(prefill);
-    std::vector<float> x(size_t(H), 0.01f), logits(size_t(d.vocab));
-    std::vector<double> lt;
-    for (int64_t r = 0; r <= reps; ++r) {
-      const double t0 = now_s();
-      k3::ops::matmul(k3::ops::Exec{opt.numerics}, lm_head, x.data(), 1, logits.data());
-      if (r > 0) lt.push_back(now_s() - t0);
-    }
-    const double head = median(lt);
-    const double read_after = probe.measure(5), read_gbs = std::max(read_before, read_after);
+    // lm_head over B rows (decode: the logits of every sequence).
+    auto time_head = [&](int64_t B) {
+      k3::LayerRunner run(d, {true}, work_floats, gpu_be.get());
+      float *x = buffer(std::vector<float>(size_t(B * H), 0.01f)),
+            *logits = buffer(std::vector<float>(size_t(B * d.vocab)));
+      std::vector<double> lt;
+      for (int64_t r = 0; r <= reps; ++r) {
+        std::vector<int32_t> seqs;
+        for (int64_t b = 0; b < B; ++b) seqs.push_back(run.pool.fork(run.slot));
+        const int64_t m0 = run.be->mark();
+        const double t0 = now_s();
+        run.step_many(
+            seqs, 1, [&](const k3::StepCtx& c) { c.be.matmul(*head_w, x, B, logits); }, num, /*replayable=*/gpu);
+        double dt = now_s() - t0;
+        if (m0 >= 0) {
+          dt = run.be->seconds_between(m0, run.be->mark());
+          run.be->reset_marks();
+        }
+        if (r > 0) lt.push_back(dt);
+        for (const int32_t q : seqs) run.pool.free(q);
+      }
+      return median(lt);
+    };
+    std::fprintf(stderr, "k3_layer_bench: timing on %s (%s)...\n", device.c_str(),
+                 gpu ? "CUDA graphs for decode" : (std::to_string(k3::par::max_threads()) + " threads, " +
+                                                   k3::ops::cpu_isa_name(k3::ops::cpu_isa()) + " kernels")
+                                                      .c_str());
+    struct DecodeRow {
+      int64_t batch;
+      double kda_s, mla_s, head_s;
+    };
+    std::vector<DecodeRow> decode_rows;
+    for (const int64_t B : batches)
+      decode_rows.push_back({B, time_layer(*kda_w, 1, 1, B), time_layer(*mla_w, 3, 1, B), time_head(B)});
+    const double kda_dec = decode_rows.front().kda_s, mla_dec = decode_rows.front().mla_s,
+                 head = decode_rows.front().head_s;
+    const double kda_pre = time_layer(*kda_w, 1, prefill, 1) / double(prefill);
+    const double mla_pre = time_layer(*mla_w, 3, prefill, 1) / double(prefill);
+    const double read_after = probe ? probe->measure(5) : read_before, read_gbs = std::max(read_before, read_after);
     const int64_t n_kda = int64_t(k3::kda_layers_zero_based(cfg).size()), n_mla = d.layers - n_kda;
     const double decode_s = double(n_kda) * kda_dec + double(n_mla) * mla_dec + head;
     const double prefill_s = double(n_kda) * kda_pre + double(n_mla) * mla_pre;
+    for (void* p : dev_bufs) gpu_be->release(p);
 
     // Bytes a decode step of each layer reads, for the bandwidth ratio.
     auto layer_bytes = [&](const k3::LayerWeights& w) {
@@ -288,8 +400,16 @@ int main(int argc, char** argv) {
 
     Json j;
     j["config"] = config_dir;
-    j["threads"] = k3::par::max_threads();
-    j["cpu_isa"] = k3::ops::cpu_isa_name(k3::ops::cpu_isa());
+    j["device"] = device;
+    if (gpu) {
+#ifdef K3_HAVE_CUDA
+      const k3::cuda::DeviceInfo dev = k3::cuda::device_info();
+      j["gpu"] = dev.name;
+#endif
+    } else {
+      j["threads"] = k3::par::max_threads();
+      j["cpu_isa"] = k3::ops::cpu_isa_name(k3::ops::cpu_isa());
+    }
     j["numerics"] = numerics;
     j["expert_pool"] = pool_n;
     j["decode_depth"] = depth;
@@ -308,14 +428,29 @@ int main(int argc, char** argv) {
                       {"decode_gbs", double(mla_b) / mla_dec / 1e9},
                       {"prefill_ms_per_token", mla_pre * 1e3}};
     j["lm_head_ms"] = head * 1e3;
+    // Per decode batch: one step of B sequences, extrapolated to the whole model (aggregate t/s).
+    Json by_batch = Json::array();
+    for (const DecodeRow& r : decode_rows) {
+      const double step = double(n_kda) * r.kda_s + double(n_mla) * r.mla_s + r.head_s;
+      by_batch.push_back({{"batch", r.batch},
+                          {"kda_layer_ms", r.kda_s * 1e3},
+                          {"mla_layer_ms", r.mla_s * 1e3},
+                          {"lm_head_ms", r.head_s * 1e3},
+                          {"step_s", step},
+                          {"aggregate_tokens_per_s", double(r.batch) / step}});
+    }
+    j["decode_by_batch"] = by_batch;
     j["layers"] = {{"kda", n_kda}, {"mla", n_mla}};
     j["extrapolated"] = {{"decode_s_per_token", decode_s},
                          {"decode_bytes_per_token", total_b},
                          {"decode_fraction_of_read_bw", double(total_b) / decode_s / (read_gbs * 1e9)},
                          {"prefill_s_per_token", prefill_s},
-                         {"note",
-                          "all weights resident in RAM (the 1.45 TB of experts would have to come from "
-                          "disk on a real machine of this size: add expert bytes / disk bandwidth)"}};
+                         {"note", gpu ? "the GPU share of a full K3 step: every layer's weights resident on "
+                                         "the device (the whole model needs about 1.5 TB, several GPUs or host "
+                                         "RAM for the experts)"
+                                       : "all weights resident in RAM (the 1.45 TB of experts would have to come "
+                                         "from disk on a real machine of this size: add expert bytes / disk "
+                                         "bandwidth)"}};
     j["peer_kimi_k3_in_c"] = {{"source",
                                "FareedKhan-dev/kimi-k3-in-c docs/data/speed-2026-08.md via "
                                "performance-anchors.md 6.3"},

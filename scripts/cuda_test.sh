@@ -4,9 +4,10 @@
 #                                         build-cuda-stage/gates.tar.xz (the device test binary),
 #                                         tp.tar.xz (the third-party tiny fixture, ~7 MB: carried
 #                                         when the checkout leaves room) and cli.tar.xz (the k3
-#                                         binary + the libedit libraries it links, which the GPU
-#                                         machine's image may lack; scripts/measure_cuda_perf.sh
-#                                         uses it);
+#                                         binary and k3_layer_bench + the libedit libraries they
+#                                         link, which the GPU machine's image may lack;
+#                                         scripts/measure_cuda_perf.sh, gpu_profile.sh and
+#                                         measure_gpu_layers.sh use it);
 #   bash scripts/cuda_test.sh --on-device on the GPU machine: every device test (each kernel vs
 #                                         its fp64 twin, the whole-model gates in fp32 and bf16,
 #                                         graphs, device sessions), then a pass/fail table.
@@ -24,12 +25,12 @@ if [[ "${1:-}" != "--on-device" ]]; then
   set -e
   command -v nvcc >/dev/null || { echo "cuda_test.sh: nvcc not found (install the CUDA toolkit)" >&2; exit 2; }
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=ON -DK3_BUILD_TESTS=ON >/dev/null
-  cmake --build build-cuda -j"$(nproc)" --target k3cli k3_cuda_tests
+  cmake --build build-cuda -j"$(nproc)" --target k3cli k3_cuda_tests k3_layer_bench
   rm -rf "$stage" build-cuda-pack
   mkdir -p "$stage" build-cuda-pack/gates build-cuda-pack/tp/shared/fixtures/third-party build-cuda-pack/cli
   cp build-cuda/tests/cuda/k3_cuda_tests build-cuda-pack/gates/
-  cp build-cuda/bin/k3 build-cuda-pack/cli/
-  strip build-cuda-pack/gates/k3_cuda_tests build-cuda-pack/cli/k3
+  cp build-cuda/bin/k3 build-cuda/bin/k3_layer_bench build-cuda-pack/cli/
+  strip build-cuda-pack/gates/k3_cuda_tests build-cuda-pack/cli/k3 build-cuda-pack/cli/k3_layer_bench
   # libedit with its own libraries (the chat prompt), by the names k3 asks for.
   ldd build-cuda/bin/k3 | awk '/libedit|libbsd|libmd\.|libcpp-httplib|libbrotli/ {print $3}' | xargs -r -I{} cp -L {} build-cuda-pack/cli/
   if [[ -d ../shared/fixtures/third-party/kimi-k3-in-c-tiny ]]; then

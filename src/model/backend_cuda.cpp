@@ -646,13 +646,26 @@ class CudaBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) {
+namespace {
+// A usable Hopper GPU with cuBLAS loaded, or a one-line error.
+cu::DeviceInfo check_gpu() {
   if (cu::device_count() == 0) fail("--device cuda: no usable CUDA GPU (" + cu::unavailable_reason() + ")");
   const cu::DeviceInfo dev = cu::device_info();
   if (dev.sm_major < 9)
     fail("--device cuda: " + dev.name + " is compute capability " + std::to_string(dev.sm_major) + "." +
          std::to_string(dev.sm_minor) + "; this build has kernels for sm_90a (Hopper) only");
   cu::load_cublas();  // not linked: opened here, the first time a model goes to the GPU
+  return dev;
+}
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend_for_dims(const ModelDims& d, const GpuOptions& o) {
+  check_gpu();
+  return std::make_unique<CudaBackend>(d, o);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) {
+  const cu::DeviceInfo dev = check_gpu();
   const GpuMemoryPlan plan = gpu_memory_plan(m, o, o.initial_context);
   // Leave headroom for the CUDA context, cuBLAS workspace, expert scratch and allocator rounding.
   const size_t headroom = size_t(512) << 20;

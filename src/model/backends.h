@@ -12,4 +12,6 @@ std::unique_ptr<Backend> make_cpu_backend();
 // Checks that a usable GPU exists and that the model fits in its free memory (one-line k3::Error
 // naming the sizes otherwise).
 std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o);
+// A CUDA backend for layers run outside a Model (the layer bench): checks the GPU, not the memory.
+std::unique_ptr<Backend> make_cuda_backend_for_dims(const ModelDims& d, const GpuOptions& o);
 }  // namespace k3
