@@ -9,6 +9,8 @@ Presets:
   cpu-bench  K3-shaped ~2 GB checkpoint for the CPU roofline benchmarks (--no-reference).
   experts-heavy  experts ~10x the trunk, for the --ram-budget measurement (--no-reference).
   gpu-bench  K3-shaped ~5 GB checkpoint (hidden 4096) for `k3 bench --device cuda` (--no-reference).
+  sweep-hybrid / sweep-mla / sweep-kda  one set of widths in three layer maps (3:1, all-MLA, all-KDA)
+             for the context sweep (scripts/context_sweep.sh); --no-reference.
   mid1g      K3-shaped ~1 GB checkpoint (hidden 1024, 8 layers, 64 experts, vocab 163840) for
              load/RSS measurements; generate with --no-reference, never commit.
 
@@ -96,6 +98,21 @@ PRESETS: Dict[str, dict] = {
         experts=64, topk=8, shared=1, moe_inter=1536, latent=2048,
         vocab=32768, vision=False,
     ),
+    # The context sweep (scripts/context_sweep.sh, issue 22): one set of widths, three layer maps --
+    # the released 3:1 KDA:MLA hybrid, all-MLA (full attention everywhere) and all-KDA -- with K3's
+    # MLA latent (512 + 64 values cached per token and MLA layer). --no-reference, never commit.
+    **{
+        f"sweep-{name}": dict(
+            nested=True, trunk_dtype="bf16", shards=1,
+            hidden=512, layers=8, mla_layers=mla, block=4,
+            kda_heads=4, kda_dim=128, conv=4,
+            mla_heads=4, q_lora=256, kv_lora=512, nope=128, rope=64, v=128,
+            dense_inter=1024, first_dense=1,
+            experts=8, topk=2, shared=1, moe_inter=256, latent=256,
+            vocab=8448, vision=False, max_pos=1048576,
+        )
+        for name, mla in (("hybrid", [4, 8]), ("mla", [1, 2, 3, 4, 5, 6, 7, 8]), ("kda", []))
+    },
     # Routed experts ~10x the trunk (1,280 MXFP4 experts, 0.53 GB; trunk ~50 MB): the --ram-budget
     # measurement runs it with a budget under half the expert bytes (scripts/measure_ram_budget.sh).
     # Vocabulary 8448 so the K3-nano tokenizer can drive it. --no-reference, never commit.
@@ -202,7 +219,7 @@ def make_config(p: dict) -> dict:
         "mla_use_nope": True,
         "mla_use_output_gate": True,
         "attn_res_block_size": p["block"],
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": p.get("max_pos", 4096),
         "rope_theta": 10000.0,
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
