@@ -370,23 +370,27 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
 // the weight stream never waits for the decode. Same contract as warp_gemv<VEC = true>; all warps
 // share the activations (token t at x0 + t x_stride). WAIT: as warp_gemv's, after the first tile's
 // weight loads.
-// The same over R rows given by their data (wr) and MXFP4 scale (sr) pointers (rows may lie in
-// different matrices). Tiles as the (F, T) configuration's; each row's sums in the same order
-// whatever R is.
-template <WFormat F, int T, int R, bool WAIT = false>
-__device__ __forceinline__ void block_gemv_smem_rows(const uint8_t* const (&wr)[R], const uint8_t* const (&sr)[R],
-                                                     bool active, int64_t cols, const float* x0, int64_t x_stride,
-                                                     float (&acc)[R][T]) {
+template <WFormat F, int T, bool WAIT = false>
+__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
+                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
+                                                const float* x0, int64_t x_stride,
+                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
   using C = GemvCfg<F, T>;
-  constexpr int U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
-  static_assert(F != WFormat::MXFP4 || C::lift_x() == (T <= R), "chunk_fma lifts x exactly when T <= R");
+  constexpr int R = C::rows(), U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
   __shared__ float4 xs[T * kTileF4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[r][t] = 0.0f;
   const int lane = threadIdx.x & 31;
-  const int64_t nch = row_bytes<F>(cols) / 16;
+  const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
+  const uint8_t* wr[R];
+  const uint8_t* sr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    wr[r] = W + row[r] * rb;
+    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+  }
   constexpr int kStage = (T * kTileF4 + kGemvThreads - 1) / kGemvThreads;  // float4s each thread stages
   constexpr int kBatch = kStage < 4 ? kStage : 4;                          // loaded before any is stored
   uint4 wv[U][R], wn[U][R];
@@ -438,23 +442,6 @@ __device__ __forceinline__ void block_gemv_smem_rows(const uint8_t* const (&wr)[
       }
   }
   warp_sum<R, T>(acc);
-}
-
-template <WFormat F, int T, bool WAIT = false>
-__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
-                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
-                                                const float* x0, int64_t x_stride,
-                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
-  constexpr int R = GemvCfg<F, T>::rows();
-  const int64_t rb = row_bytes<F>(cols);
-  const uint8_t* wr[R];
-  const uint8_t* sr[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    wr[r] = W + row[r] * rb;
-    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
-  }
-  block_gemv_smem_rows<F, T, R, WAIT>(wr, sr, active, cols, x0, x_stride, acc);
 }
 
 // Block `blk` of a GEMV: Y[t, r] = W[r, :] . X[t, :] for T <= kGemvMaxT (or kGemvWideT); each warp
