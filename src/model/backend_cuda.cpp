@@ -126,8 +126,12 @@ class CudaBackend final : public Backend {
     moe_floats_ = R * K * (2 * d.moe.inter + 3 * d.moe.latent);
     if (d.moe.experts > 0) {
       moe_buf_ = cu::DevBuf(size_t(std::max<int64_t>(moe_floats_, 1)) * 4, "MoE expert scratch");
-      rows_dev_ = cu::DevBuf(size_t(2 * R * K) * 4, "MoE row lists");
-      rows_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(2 * R * K) * 4));
+      // Row lists: [R*K] gather rows, [R*K] scatter rows, then the grouped GEMM's tiles (each expert's
+      // rows in pieces of kExpertTileRows: at most R*K/kExpertTileRows + E tiles).
+      max_tiles_ = R * K / cu::kExpertTileRows + d.moe.experts;
+      const size_t list_bytes = size_t(2 * R * K) * 4 + size_t(max_tiles_) * sizeof(cu::ExpertTile);
+      rows_dev_ = cu::DevBuf(list_bytes, "MoE row lists");
+      rows_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(list_bytes));
     }
     const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
     if (d.mla_layers > 0) {
@@ -591,24 +595,54 @@ class CudaBackend final : public Backend {
       rows[T * K + at] = int32_t(slot);
     }
     int32_t* rows_dev = rows_dev_.as<int32_t>();
-    cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4, stream_);
     float *hg = moe_buf_.as<float>(), *hu = hg + T * K * I, *ye = hu + T * K * I, *xg = ye + T * K * latent,
           *yg = xg + T * K * latent;
-    cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
+    const GluWeights& st = w.stacked;
+    if (p_ == cu::Precision::BF16 && cu::expert_gemm_grouped_ok(st.gate, I) && cu::expert_gemm_grouped_ok(st.up, I) &&
+        cu::expert_gemm_grouped_ok(st.down, latent) && st.gate.rows == E * I && st.down.rows == E * latent) {
+      // One launch for every expert's gate and up, one for the downs (tiles of up to 64 rows each).
+      auto* tiles = reinterpret_cast<cu::ExpertTile*>(rows + 2 * T * K);
+      int64_t n_tiles = 0;
+      for (int64_t e = 0; e < E; ++e)
+        for (int64_t o = count[size_t(e)]; o < count[size_t(e) + 1]; o += cu::kExpertTileRows)
+          tiles[n_tiles++] = {int32_t(e), int32_t(o),
+                              int32_t(std::min<int64_t>(cu::kExpertTileRows, count[size_t(e) + 1] - o))};
+      if (n_tiles > max_tiles_) fail("internal error: more expert tiles than the row lists hold");
+      cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4 + size_t(n_tiles) * sizeof(cu::ExpertTile), stream_);
+      const auto* tiles_dev = reinterpret_cast<const cu::ExpertTile*>(rows_dev + 2 * T * K);
+      cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
+      const WeightMat* gu[2] = {&st.gate, &st.up};
+      float* gu_out[2] = {hg, hu};
+      cu::expert_gemm_grouped(gu, gu_out, 2, I, tiles_dev, n_tiles, xg, stream_);
+      cu::situ_glu(hg, hu, T * K * I, situ.beta, situ.linear_beta, hg, stream_);
+      const WeightMat* dn[1] = {&st.down};
+      float* dn_out[1] = {yg};
+      cu::expert_gemm_grouped(dn, dn_out, 1, latent, tiles_dev, n_tiles, hg, stream_);
+    } else {
+      cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4, stream_);
+      cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
+      grouped_per_expert(w, latent, situ, count, xg, hg, hu, yg);
+    }
+    cu::scatter_rows(yg, rows_dev + T * K, T * K, latent, ye, stream_);
+    cu::moe_combine(ye, wt, T, K, latent, agg, stream_);
+    cu::sync(stream_);  // the pinned row lists are rewritten by the next layer
+  }
+
+  // The grouped experts one matmul per expert and matrix (fp32 parity mode, BF16 or unaligned stacks).
+  void grouped_per_expert(const MoeWeights& w, int64_t latent, const SituParams& situ, const std::vector<int64_t>& count,
+                          const float* xg, float* hg, float* hu, float* yg) {
+    const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows, n_all = count.back();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
       if (n == 0) continue;
       cu::matmul(w.experts[size_t(e)].gate, xg + o * latent, n, hg + o * I, p_, stream_);
       cu::matmul(w.experts[size_t(e)].up, xg + o * latent, n, hu + o * I, p_, stream_);
     }
-    cu::situ_glu(hg, hu, T * K * I, situ.beta, situ.linear_beta, hg, stream_);
+    cu::situ_glu(hg, hu, n_all * I, situ.beta, situ.linear_beta, hg, stream_);
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
       if (n) cu::matmul(w.experts[size_t(e)].down, hg + o * I, n, yg + o * latent, p_, stream_);
     }
-    cu::scatter_rows(yg, rows_dev + T * K, T * K, latent, ye, stream_);
-    cu::moe_combine(ye, wt, T, K, latent, agg, stream_);
-    cu::sync(stream_);  // the pinned row lists are rewritten by the next layer
   }
 
   struct GraphKey {
@@ -625,7 +659,7 @@ class CudaBackend final : public Backend {
   GpuOptions opt_;
   cu::Stream stream_ = nullptr;
   cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
-  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0;
+  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, max_tiles_ = 0;
   uint64_t buffers_ = 0;
   int32_t *staging_ = nullptr, *table_pinned_ = nullptr, *rows_pinned_ = nullptr;
   cu::Precision p_ = cu::Precision::BF16;

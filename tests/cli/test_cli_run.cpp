@@ -219,6 +219,17 @@ struct Tmux {
     return false;
   }
 };
+// Why these tests cannot run here ("" when they can): tmux missing, or unable to start a server at
+// all (seen in a container without a terminal setup: the GPU machine's host).
+std::string tmux_unusable() {
+  if (k3test::run_shell("command -v tmux").code != 0) return "tmux is not installed (scripts/deps.txt lists it)";
+  const std::string sock = "k3test_probe_" + std::to_string(::getpid());
+  const auto r = k3test::run_shell("tmux -L " + sock + " new-session -d true 2>&1");
+  k3test::run_shell("tmux -L " + sock + " kill-server 2>/dev/null");
+  if (r.code == 0) return "";
+  std::string first = r.out.substr(0, r.out.find('\n'));
+  return "tmux cannot start a session on this machine (" + (first.empty() ? "no message" : first) + ")";
+}
 // Lines that start with the chat prompt ">" (capture-pane trims the space after it).
 size_t prompts(const std::string& screen) {
   std::istringstream in(screen);
@@ -229,8 +240,7 @@ size_t prompts(const std::string& screen) {
 }  // namespace
 
 TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
-  if (k3test::run_shell("command -v tmux").code != 0)
-    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  if (const std::string why = tmux_unusable(); !why.empty()) GTEST_SKIP() << why;
   Tmux t("chat");
   const fs::path save = tmp("tmux.k3chat");
   const fs::path status = tmp("tmux.status");
@@ -267,8 +277,7 @@ TEST(Chat, TmuxSessionTypeAndReadTheScreen) {
 }
 
 TEST(Chat, TmuxCtrlCStopsAReplyThenCtrlDLeaves) {
-  if (k3test::run_shell("command -v tmux").code != 0)
-    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  if (const std::string why = tmux_unusable(); !why.empty()) GTEST_SKIP() << why;
   Tmux t("intr");
   const fs::path status = tmp("intr.status");
   const std::string cmd = std::string(K3_BIN) + " chat -m " + model() +
@@ -294,8 +303,7 @@ TEST(Chat, TmuxCtrlCStopsAReplyThenCtrlDLeaves) {
 TEST(Chat, TmuxLineEditingHistoryAndCtrlCAtThePrompt) {
   // libedit at a terminal: the cursor keys edit the line, Up recalls the last one, Ctrl-C at the
   // prompt leaves with the summary.
-  if (k3test::run_shell("command -v tmux").code != 0)
-    GTEST_SKIP() << "tmux is not installed (scripts/deps.txt lists it)";
+  if (const std::string why = tmux_unusable(); !why.empty()) GTEST_SKIP() << why;
   Tmux t("edit");
   const fs::path status = tmp("edit.status");
   const std::string cmd = std::string(K3_BIN) + " chat -m " + model() + " --seed 1 -n 4 --no-color; echo EXIT=$? > " +

@@ -396,6 +396,111 @@ TEST(CudaGemm, ExpertGluEqualsMatmulsAndSituBitwise) {
   k3::cuda::stream_destroy(st);
 }
 
+// fp32 products of few weight rows and many tokens (the router of a prefill chunk) run as chunked
+// GEMVs: the same bits as gemv_rows on each 8-token chunk (and the last, shorter one); a wide one
+// takes the SIMT tiles. Both match the fp64 twin.
+TEST(CudaGemm, F32SkinnyMatmulIsChunkedGemvs) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(141);
+  struct Case {
+    WFormat f;
+    int64_t rows, cols, T;
+    bool by_gemv;
+  };
+  const Case cases[] = {{WFormat::BF16, 64, 520, 515, true},
+                        {WFormat::MXFP4, 40, 256, 100, true},
+                        {WFormat::F32, 19, 37, 9, true},
+                        {WFormat::BF16, 2200, 72, 520, false}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(label(c.f, c.rows, c.cols, c.T, Precision::F32));
+    EXPECT_EQ(k3::cuda::matmul_f32_by_gemv(c.rows, c.T), c.by_gemv);
+    const k3test::OwnedW W = k3test::make_weight(rng, c.f, c.rows, c.cols);
+    const k3test::DevWeight dw = k3test::upload_weight(W.w);
+    const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols), -1.0f, 1.0f);
+    const auto y = gpu_matmul(dw.view, X, c.T, Precision::F32);
+    ASSERT_EQ(count_nan(y), 0u);
+    EXPECT_LT(rel_l2(y, ref_matmul(W.w, X, c.T)), kTolF32);
+    if (!c.by_gemv) continue;
+    const auto dx = k3test::to_dev(X);
+    auto dy = k3test::dev_nan(size_t(c.T * c.rows));
+    for (int64_t t0 = 0; t0 < c.T; t0 += k3::cuda::kGemvMaxT) {
+      const int64_t n = std::min<int64_t>(k3::cuda::kGemvMaxT, c.T - t0);
+      k3::cuda::gemv_rows(dw.view, dx.as<float>() + t0 * c.cols, n, dy.as<float>() + t0 * c.rows, nullptr);
+    }
+    k3::cuda::sync();
+    EXPECT_EQ(y, k3test::from_dev<float>(dy, size_t(c.T * c.rows)));
+  }
+}
+
+// Prefill's grouped expert GEMM (one launch for all experts' tiles, gate and up together) gives the
+// same bits as one matmul per expert view and tile rows, and matches the fp64 twin at the bf16 tolerance.
+TEST(CudaGemm, GroupedExpertGemmEqualsPerExpertMatmulBitwise) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(131);
+  const int64_t E = 6, R = 200, C = 96;  // R not a multiple of the 128-row tile
+  const k3::cuda::Stream st = k3::cuda::stream_create();
+  const k3test::OwnedW G = k3test::make_weight(rng, WFormat::MXFP4, E * R, C),
+                       U = k3test::make_weight(rng, WFormat::MXFP4, E * R, C);
+  const k3test::DevWeight dg = k3test::upload_weight(G.w), du = k3test::upload_weight(U.w);
+  ASSERT_TRUE(k3::cuda::expert_gemm_grouped_ok(dg.view, R));
+  // Rows per expert: none, one, a partial tile, exactly a tile, several tiles with a tail.
+  const int64_t per_expert[E] = {0, 1, 37, 64, 150, 9};
+  std::vector<k3::cuda::ExpertTile> tiles;
+  int64_t N = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t o = 0; o < per_expert[e]; o += k3::cuda::kExpertTileRows)
+      tiles.push_back({int32_t(e), int32_t(N + o), int32_t(std::min<int64_t>(64, per_expert[e] - o))});
+    N += per_expert[e];
+  }
+  const auto X = k3test::rand_vec(rng, size_t(N * C), 0.05f, 3.0f);
+  const auto dx = k3test::to_dev(X);
+  const auto dt = k3test::to_dev(tiles);
+  auto yg = k3test::dev_nan(size_t(N * R)), yu = k3test::dev_nan(size_t(N * R));
+  const k3::WeightMat* W[2] = {&dg.view, &du.view};
+  float* Y[2] = {yg.as<float>(), yu.as<float>()};
+  k3::cuda::expert_gemm_grouped(W, Y, 2, R, dt.as<k3::cuda::ExpertTile>(), int64_t(tiles.size()), dx.as<float>(), st);
+  k3::cuda::sync(st);
+  const auto got_g = k3test::from_dev<float>(yg, size_t(N * R)), got_u = k3test::from_dev<float>(yu, size_t(N * R));
+  ASSERT_EQ(count_nan(got_g), 0u);
+  ASSERT_EQ(count_nan(got_u), 0u);
+  int64_t row0 = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = per_expert[e];
+    if (n == 0) continue;
+    SCOPED_TRACE("expert " + std::to_string(e) + ", " + std::to_string(n) + " rows");
+    const std::vector<float> Xe(X.begin() + row0 * C, X.begin() + (row0 + n) * C);
+    for (int m = 0; m < 2; ++m) {
+      const k3test::DevWeight& dw = m == 0 ? dg : du;
+      const k3test::OwnedW& hw = m == 0 ? G : U;
+      const std::vector<float>& got = m == 0 ? got_g : got_u;
+      const std::vector<float> mine(got.begin() + row0 * R, got.begin() + (row0 + n) * R);
+      // Per tile, as the engine did before grouping: one matmul per expert and tile of rows.
+      std::vector<float> sep;
+      for (int64_t o = 0; o < n; o += 64) {
+        const int64_t tn = std::min<int64_t>(64, n - o);
+        const std::vector<float> Xt(Xe.begin() + o * C, Xe.begin() + (o + tn) * C);
+        const auto part = gpu_matmul(row_view(dw.view, e * R, R), Xt, tn, Precision::BF16);
+        sep.insert(sep.end(), part.begin(), part.end());
+      }
+      if (n > k3::cuda::kGemvMaxT) {  // a tile of GEMV size takes the GEMV there (fp32 activations)
+        EXPECT_EQ(mine, sep) << "matrix " << m;
+      }
+      const k3::WeightMat hv = row_view(hw.w, e * R, R);
+      EXPECT_LT(rel_l2(mine, ref_matmul(hv, Xe, n)), kTolBf16VsExact) << "matrix " << m;
+      EXPECT_LT(rel_l2(mine, ref_matmul(hv, round_bf16(Xe), n)), kTolBf16VsRounded) << "matrix " << m;
+    }
+    row0 += n;
+  }
+  // Not an aligned MXFP4 stack: a clear error.
+  const k3test::OwnedW B = k3test::make_weight(rng, WFormat::BF16, 2 * 16, 64);
+  const k3test::DevWeight db = k3test::upload_weight(B.w);
+  EXPECT_FALSE(k3::cuda::expert_gemm_grouped_ok(db.view, 16));
+  const k3::WeightMat* Wb[1] = {&db.view};
+  EXPECT_THROW(k3::cuda::expert_gemm_grouped(Wb, Y, 1, 16, dt.as<k3::cuda::ExpertTile>(), 1, dx.as<float>(), st),
+               k3::Error);
+  k3::cuda::stream_destroy(st);
+}
+
 // A routing id outside [0, E) must not read outside W: that slot's rows become NaN, others are right.
 TEST(CudaGemm, ExpertMatmulBadIdGivesNanRows) {
   K3_REQUIRE_GPU();

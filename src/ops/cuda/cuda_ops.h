@@ -30,6 +30,10 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
 // for T <= kGemvMaxT, or T == kGemvWideT on non-MXFP4 weights (gemv_wide_ok); k3::Error otherwise.
 constexpr int64_t kGemvWideT = 16;
 bool gemv_wide_ok(const WeightMat& W);
+// Whether matmul(Precision::F32) of T > kGemvMaxT tokens on `rows` weight rows runs as chunked GEMVs
+// (kGemvMaxT tokens per chunk, the same bits as gemv_rows on each) instead of the fp32 SIMT tiles:
+// when the tiles would leave most SMs idle (few rows: the router).
+bool matmul_f32_by_gemv(int64_t rows, int64_t T);
 void gemv_rows(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s);
 // Several GEMVs of T rows each (the gemv_rows contract per job), in as few launches as possible: one
 // per weight format for up to kGemvBatchMax jobs (decode: a sublayer's projections of one input in
@@ -52,6 +56,20 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
 // as expert_matmul(gate), expert_matmul(up) and situ_glu (caps b1, b2; 0 = none).
 void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
                 int64_t x_div, float b1, float b2, float* H, Stream s);
+
+// Prefill's routed experts grouped by expert (T > kGemvMaxT rows, Precision::BF16, MXFP4 stacks): a
+// device list of tiles, each up to kExpertTileRows consecutive rows of X that go to one expert; for
+// each tile and each of the n_mats (1 or 2) stacks W[z] (one shape, [E * R, C]):
+//   Y[z][row0 + t, :] = W[z]_{expert} · X[row0 + t]   (t < rows; Y[z] row stride R)
+// in one launch, on bf16 tensor cores (activations rounded to bf16, MXFP4 decoded exactly, fp32
+// accumulation): the same bits as matmul(W_expert, X + row0, rows, BF16) for each tile.
+struct ExpertTile {
+  int32_t expert, row0, rows;
+};
+constexpr int kExpertTileRows = 64;
+bool expert_gemm_grouped_ok(const WeightMat& W, int64_t R);
+void expert_gemm_grouped(const WeightMat* const* W, float* const* Y, int n_mats, int64_t R, const ExpertTile* tiles,
+                         int64_t n_tiles, const float* X, Stream s);
 
 // ------------------------------------------------------------------ elementwise + norms (elementwise.cu)
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s);  // w may be null

@@ -482,6 +482,16 @@ __global__ void __launch_bounds__(kGemvThreads)
   gemv_block<F, T, VEC>(W, S, rows, cols, X, Y, blockIdx.x);
 }
 
+// Many tokens as T-token GEMVs (blockIdx.y = the chunk of T tokens): the fp32 products of few
+// weight rows and many tokens (the router of a prefill chunk), where the SIMT tiles would be a
+// handful of blocks. Same bits as gemv_kernel on each chunk.
+template <WFormat F, int T, bool VEC>
+__global__ void __launch_bounds__(kGemvThreads)
+    gemv_chunks_kernel(const uint8_t* W, const uint8_t* S, int64_t rows, int64_t cols, const float* X, float* Y) {
+  const int64_t c = blockIdx.y;
+  gemv_block<F, T, VEC>(W, S, rows, cols, X + c * T * cols, Y + c * T * rows, blockIdx.x);
+}
+
 // Several GEMVs of one format and T in one launch (gemv_batch): block b belongs to the job i with
 // first_block[i] <= b < first_block[i + 1] and runs that job's gemv_block (16-byte path only).
 struct GemvBatchArgs {
@@ -599,6 +609,9 @@ constexpr int64_t kExpertSlotsPerLaunch = 65535;
 // first (Precision::BF16 for weights the tensor-core paths do not take: F16/F32 keep their exact
 // values, so the result is the fp32-accumulated product of the rounded activations).
 constexpr int kSimtTile = 64, kSimtBK = 16, kSimtThreads = 256;
+// Below this many 64 x 64 tiles (two per SM of an H100/H200), fp32 products run as chunked GEMVs
+// (matmul_f32_by_gemv): the router of a 512-token chunk (64 experts) was 8 SIMT blocks, 0.62 ms.
+constexpr int64_t kSmallSimtGrid = 264;
 template <WFormat F, bool ROUND_X>
 __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
                                                                  int64_t cols, const float* X, int64_t T, float* Y) {
@@ -670,15 +683,17 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
-                                                                   int64_t cols, const float* X, int64_t T, float* Y) {
+// One block's tile: weight rows [r0, r0 + 128) x tokens [t0, t0 + 64) of Y[T, rows] = X[T, cols] · Wᵀ.
+// Shared by the plain and the grouped (per-expert tile list) kernels, so both compute the same bits.
+__device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
+                                             int64_t rows, int64_t cols, const float* __restrict__ X, int64_t T,
+                                             float* __restrict__ Y, int64_t r0, int64_t t0) {
   __shared__ __align__(16) uint16_t Ws[2][kMmaBM][kMmaLd];
   __shared__ __align__(16) uint16_t Xs[2][kMmaBN][kMmaLd];
   __shared__ float Ss[2][kMmaBM];  // block scale of each weight row for the staged k-step
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;   // mma fragment coordinates
   const int wm = warp & 3, wn = warp >> 2;  // warp tile: 32 rows x 32 tokens
-  const int64_t r0 = int64_t(blockIdx.x) * kMmaBM, t0 = int64_t(blockIdx.y) * kMmaBN;
   const int nk = int(cols / kMmaBK);
 
   // Staging roles: two threads per weight row (8 bytes = 16 codes each), four per token (8 floats).
@@ -766,6 +781,33 @@ __global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t
         const int64_t t = t0 + wn * 32 + ni * 8 + 2 * tq + (i & 1);
         if (r < rows && t < T) Y[t * rows + r] = acc[mi][ni][i];
       }
+}
+
+__global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
+                                                                   int64_t cols, const float* X, int64_t T, float* Y) {
+  mma_fp4_tile(W, S, rows, cols, X, T, Y, int64_t(blockIdx.x) * kMmaBM, int64_t(blockIdx.y) * kMmaBN);
+}
+
+// Grouped experts: block (x, y, z) computes row tile x of matrix z for tile y of the list: expert
+// e = tiles[y].expert's [R, cols] block of the stacked W_z times X rows [row0, row0 + rows), into
+// Y_z rows [row0, row0 + rows) (row stride R). One launch serves every expert of a prefill chunk.
+static_assert(kExpertTileRows == kMmaBN, "a grouped tile is one token tile of the mma kernel");
+struct GroupedMmaArgs {
+  const uint8_t* W[2];
+  const uint8_t* S[2];
+  float* Y[2];
+  const float* X;
+  const ExpertTile* tiles;
+  int64_t R, cols;
+};
+
+__global__ void __launch_bounds__(kMmaThreads) grouped_mma_fp4_kernel(const __grid_constant__ GroupedMmaArgs a) {
+  const ExpertTile t = a.tiles[blockIdx.y];
+  const int z = int(blockIdx.z);
+  const int64_t e = t.expert;
+  mma_fp4_tile(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
+               a.X + int64_t(t.row0) * a.cols, t.rows, a.Y[z] + int64_t(t.row0) * a.R, int64_t(blockIdx.x) * kMmaBM,
+               0);
 }
 
 // fp32 -> bf16 (RNE) copy of the activations for cuBLAS.
@@ -870,6 +912,24 @@ void with_format(WFormat fmt, Fn&& f) {
 template <WFormat F>
 void launch_gemv_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
   with_gemv_rows<F>(T, [&](auto t) { launch_gemv_t<F, decltype(t)::value>(W, X, Y, s); });
+}
+
+// T tokens as chunks of kGemvMaxT (one launch) and a last chunk of T % kGemvMaxT (gemv_rows).
+template <WFormat F>
+void launch_gemv_chunks_f(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  constexpr int C = int(kGemvMaxT);
+  constexpr int R = GemvCfg<F, C>::rows();
+  const int64_t blocks = (W.rows + int64_t(kGemvWarps) * R - 1) / (int64_t(kGemvWarps) * R), full = T / C;
+  const auto* w = static_cast<const uint8_t*>(W.data);
+  if (full > 0) {
+    const dim3 grid{unsigned(blocks), unsigned(full), 1u};
+    if (gemv_vec_ok(W, X))
+      launch(gemv_chunks_kernel<F, C, true>, grid, kGemvThreads, 0, s, w, W.scales, W.rows, W.cols, X, Y);
+    else
+      launch(gemv_chunks_kernel<F, C, false>, grid, kGemvThreads, 0, s, w, W.scales, W.rows, W.cols, X, Y);
+    check_launch("gemv chunks kernel");
+  }
+  if (T % C) launch_gemv_f<F>(W, X + full * C * W.cols, T % C, Y + full * C * W.rows, s);
 }
 
 template <bool ROUND_X>
@@ -1006,6 +1066,8 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   if (T > 65535LL * kSimtTile || W.rows > (int64_t(1) << 31) - 1) failf("matmul: shape too large for the GPU kernels");
   if (W.cols == 0) return dev_memset(Y, 0, size_t(T * W.rows) * sizeof(float), s);
   if (T <= kGemvMaxT) return with_format(W.fmt, [&](auto f) { launch_gemv_f<decltype(f)::value>(W, X, T, Y, s); });
+  if (p == Precision::F32 && matmul_f32_by_gemv(W.rows, T))
+    return with_format(W.fmt, [&](auto f) { launch_gemv_chunks_f<decltype(f)::value>(W, X, T, Y, s); });
   if (p == Precision::F32) return launch_simt<false>(W, X, T, Y, s);
   // Precision::BF16: activations rounded to bf16, weights exact, fp32 accumulation, on every path.
   if (W.fmt == WFormat::BF16 && aligned16(W.data) && aligned16(X)) return matmul_cublas_bf16(W, X, T, Y, s);
@@ -1018,6 +1080,42 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   }
   // F16 / F32 weights (bf16 tensor cores would round them) and unaligned BF16 / MXFP4 views.
   launch_simt<true>(W, X, T, Y, s);
+}
+
+bool matmul_f32_by_gemv(int64_t rows, int64_t T) {
+  const int64_t tiles = ((rows + kSimtTile - 1) / kSimtTile) * ((T + kSimtTile - 1) / kSimtTile);
+  return T > kGemvMaxT && T / kGemvMaxT <= 65535 && tiles < kSmallSimtGrid;
+}
+
+bool expert_gemm_grouped_ok(const WeightMat& W, int64_t R) {
+  return W.fmt == WFormat::MXFP4 && W.data && W.scales && R > 0 && W.rows % R == 0 && W.cols > 0 &&
+         W.cols % kMmaBK == 0 && aligned16(W.data) && (R * W.cols / 2) % 16 == 0 && W.rows / R <= (int64_t(1) << 31) - 1;
+}
+
+void expert_gemm_grouped(const WeightMat* const* W, float* const* Y, int n_mats, int64_t R, const ExpertTile* tiles,
+                         int64_t n_tiles, const float* X, Stream s) {
+  if (n_mats < 1 || n_mats > 2) failf("expert_gemm_grouped: %d matrices (1 or 2)", n_mats);
+  GroupedMmaArgs a{};
+  for (int z = 0; z < n_mats; ++z) {
+    check_weight(*W[z], "expert_gemm_grouped");
+    if (!expert_gemm_grouped_ok(*W[z], R))
+      failf("expert_gemm_grouped: a %s [%lld, %lld] stack of %lld-row experts is not an aligned MXFP4 stack",
+            wformat_name(W[z]->fmt), (long long)W[z]->rows, (long long)W[z]->cols, (long long)R);
+    if (W[z]->rows != W[0]->rows || W[z]->cols != W[0]->cols) failf("expert_gemm_grouped: the matrices differ in shape");
+    a.W[z] = static_cast<const uint8_t*>(W[z]->data);
+    a.S[z] = W[z]->scales;
+    a.Y[z] = Y[z];
+  }
+  if (!aligned16(X)) failf("expert_gemm_grouped: activations not 16-byte aligned");
+  if (n_tiles <= 0) return;
+  if (n_tiles > 65535) failf("expert_gemm_grouped: %lld tiles (at most 65535 per launch)", (long long)n_tiles);
+  a.X = X;
+  a.tiles = tiles;
+  a.R = R;
+  a.cols = W[0]->cols;
+  const dim3 grid(unsigned((R + kMmaBM - 1) / kMmaBM), unsigned(n_tiles), unsigned(n_mats));
+  grouped_mma_fp4_kernel<<<grid, kMmaThreads, 0, s>>>(a);
+  check_launch("grouped mma fp4 kernel");
 }
 
 bool gemv_wide_ok(const WeightMat& W) { return W.fmt != WFormat::MXFP4; }
