@@ -7,7 +7,8 @@ Usage:
 
 For every model and depth it runs, each in a process of its own:
   * `k3 bench -m DIR -p 0 -n N -d DEPTH -r R --no-roofline --json-out ...`: decode t/s with DEPTH
-    tokens already cached (the depth context is prefilled once, untimed);
+    tokens already cached (the depth context is prefilled once, untimed; --depth-fill random: filled with
+    seeded random values instead, no forward);
   * `k3 info -m DIR --ctx DEPTH`: the memory k3 plans for that context (weights, KDA state, MLA
     cache, buffers; on the CPU, and on the GPU).
 The bench process's peak resident set (wait4's ru_maxrss; host memory only) is recorded beside the plan.
@@ -48,12 +49,12 @@ def parse_info(text):
     return out
 
 
-def run_bench(k3, model, depth, n, reps, device):
+def run_bench(k3, model, depth, n, reps, device, depth_fill):
     """Decode timing at `depth` from one `k3 bench` process, and that process's peak RSS (bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "bench.json"), os.path.join(tmp, "stderr.txt")
         cmd = [k3, "bench", "-m", model, "-p", "0", "-n", str(n), "-d", str(depth), "-r", str(reps), "--no-progress",
-               "--no-roofline", "--device", device, "--json-out", out]
+               "--no-roofline", "--device", device, "--depth-fill", depth_fill, "--json-out", out]
         if device == "cuda":
             cmd += ["--graphs", "on"]
         t0 = time.time()
@@ -80,11 +81,15 @@ def main():
     ap.add_argument("--n", type=int, default=16, help="decode tokens per timed run")
     ap.add_argument("-r", type=int, default=3, help="timed repetitions")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--depth-fill", default="prefill", choices=["prefill", "random"],
+                    help="how k3 bench makes the depth context: a prefill, or seeded random cache/state values "
+                         "(no forward; what the 1M all-MLA point needs)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     depths = [int(x) for x in a.depths.split(",")]
     models = [m.split("=", 1) for m in a.model]
-    doc = {"command": " ".join(sys.argv), "device": a.device, "depths": depths, "decode_tokens": a.n,
+    doc = {"command": " ".join(sys.argv), "device": a.device, "depth_fill": a.depth_fill, "depths": depths,
+           "decode_tokens": a.n,
            "repetitions": a.r, "date": time.strftime("%Y-%m-%d"), "models": {}}
     for name, path in models:
         rows = []
@@ -93,7 +98,7 @@ def main():
             if info.returncode != 0:
                 raise SystemExit(f"context_sweep: k3 info failed for {path}: {info.stderr.strip()}")
             row = {"depth": d, **parse_info(info.stdout)}
-            row.update(run_bench(a.k3, path, d, a.n, a.r, a.device))
+            row.update(run_bench(a.k3, path, d, a.n, a.r, a.device, a.depth_fill))
             rows.append(row)
             print(f"{name:>8} depth {d:>8}: decode {row['tg_ts']:8.2f} t/s ({row['step_ms']:.3f} ms/step)"
                   + (f", peak RSS {row['peak_rss'] / 1048576:.1f} MiB" if "peak_rss" in row else "")

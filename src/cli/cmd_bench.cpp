@@ -58,7 +58,9 @@ const char* kHelpFooter =
     "LIST is comma-separated, e.g. -p 128,512 -d 0,1024. Tests: ppN for each N in -p and tgN for\n"
     "each N in -n, at every depth in -d, every thread count in -t and every batch in -b. A depth\n"
     "context is prefilled once from seeded random ids (a deeper one extends the previous one) and\n"
-    "snapshotted; each run starts from a copy (not timed) and one warm-up run precedes -r runs.\n"
+    "snapshotted (--depth-fill random: no prefill, the cache and state hold seeded random values;\n"
+    "a decode step costs the same whatever they hold); each run starts from a copy (not timed) and\n"
+    "one warm-up run precedes -r runs.\n"
     "ppN: one prefill of N new tokens (in --ubatch pieces, last-token logits). tgN: N single-token\n"
     "decode steps, each fed the argmax of the previous step. t/s = mean ± sample stddev over -r.\n"
     "\n"
@@ -98,6 +100,7 @@ struct Flags {
   std::string numerics = "fast", cpu_isa;
   int64_t roofline_mib = 1024;
   std::string device = "cpu", graphs = "both";
+  std::string depth_fill = "prefill";  // --depth-fill: how a depth context is made (prefill or random)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
   bool batched() const {
@@ -173,6 +176,11 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   app.add_option("--chunk", raw.chunk, "KDA chunk size for prefill, 1..1024 (default 64)")->option_text("N");
   app.add_option("--ubatch", raw.ubatch, "prefill tokens per sequence and step (default 512)")->option_text("N");
   app.add_option("--seed", raw.seed, "seed of the random token ids, 0..2^63-1 (default 1)")->option_text("N");
+  app.add_option("--depth-fill", f.depth_fill,
+                 "how a depth context is made: prefill (a forward over seeded random ids) or random (no forward: "
+                 "the cache and state filled with seeded random values; decode at depths a prefill would take "
+                 "hours to reach) (default prefill)")
+      ->option_text("MODE");
   app.add_option("--numerics", f.numerics, "fast, fp32 or exact (see docs/performance.md) (default fast)")
       ->option_text("MODE");
   app.add_option("--cpu-isa", f.cpu_isa, "avx512, avx2 or scalar kernels (default: the best this CPU has)")
@@ -209,6 +217,8 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
     throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
   if (f.mla != "absorbed" && f.mla != "expanded")
     throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
+  if (f.depth_fill != "prefill" && f.depth_fill != "random")
+    throw Error("--depth-fill: unknown mode '" + f.depth_fill + "' (prefill or random)");
   f.chunk = parse_int("--chunk", raw.chunk, 1, 1024);
   f.ubatch = parse_int("--ubatch", raw.ubatch, 1, kMaxTokens);
   f.seed = uint64_t(parse_int("--seed", raw.seed, 0, std::numeric_limits<int64_t>::max()));
@@ -620,6 +630,7 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["n_prompt"] = r.test.pp ? r.test.n : 0;
   j["n_gen"] = r.test.pp ? 0 : r.test.n;
   j["n_depth"] = r.test.depth;
+  if (r.test.depth > 0) j["depth_fill"] = f.depth_fill;
   j["test"] = r.test.name();
   j["samples_ns"] = r.samples_ns;
   j["avg_ts"] = r.avg_ts;
@@ -980,6 +991,11 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
   for (size_t di = 0; di < f.n_depth.size(); ++di) {
     const int64_t d = f.n_depth[di];
     par::set_max_threads(int(p.build_threads));
+    if (f.depth_fill == "random") {  // no forward: the cache and state of d tokens, seeded values
+      prog.say("depth " + std::to_string(d) + ": filling the cache with random values");
+      bench.pool->fill_random(bench.base, d, f.seed);
+      base_len = d;
+    }
     if (d < base_len) bench.reset_base(), base_len = 0;
     if (d > base_len) {
       const std::string dn = std::to_string(d);

@@ -278,6 +278,7 @@ void StatePool::read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std
   check_live(slot);
   const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
   const Slot& s = slots_[size_t(slot)];
+  mla(layer);  // an MLA layer, or a one-line error
   const int64_t m = ordinal_[size_t(layer)];
   std::vector<float> page(size_t(P * W));
   c.resize(size_t(s.pos * L));
@@ -297,6 +298,7 @@ void StatePool::write_mla(int32_t slot, int64_t layer, const std::vector<float>&
   const Slot& s = slots_[size_t(slot)];
   if (int64_t(c.size()) != s.pos * L || int64_t(kr.size()) != s.pos * rp)
     fail("state pool: MLA cache contents do not match the slot's position");
+  mla(layer);  // an MLA layer, or a one-line error
   const int64_t m = ordinal_[size_t(layer)];
   std::vector<float> page(size_t(P * W), 0.0f);
   for (int64_t t0 = 0; t0 < s.pos; t0 += P) {
@@ -312,6 +314,50 @@ void StatePool::set_position(int32_t slot, int64_t pos) {
   reset(slot);
   reserve_append(slot, pos);
   slots_[size_t(slot)].pos = pos;
+}
+
+namespace {
+// Uniform in [-a, a) from (seed, stream, index) alone (splitmix64 of the three).
+float hashed_uniform(uint64_t seed, uint64_t stream, uint64_t i, float a) {
+  uint64_t x = seed ^ (stream * 0x9e3779b97f4a7c15ull) ^ (i * 0xd1b54a32d192ed03ull);
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return (float(x >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * a;
+}
+}  // namespace
+
+void StatePool::fill_random(int32_t slot, int64_t pos, uint64_t seed) {
+  if (pos < 0) fail("state pool: a negative position");
+  set_position(slot, pos);
+  const float unit_rms = 1.7320508f;  // uniform in [-sqrt 3, sqrt 3): mean square 1
+  const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
+  const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
+  std::vector<float> buf;
+  for (size_t layer = 0; layer < is_kda_.size(); ++layer) {
+    const uint64_t stream = uint64_t(layer) * 4;
+    if (is_kda_[layer]) {
+      const KdaPool p = kda(int64_t(layer));
+      buf.resize(size_t(std::max(sf, cf)));
+      for (int64_t i = 0; i < sf; ++i) buf[size_t(i)] = hashed_uniform(seed, stream, uint64_t(i), 0.01f);
+      if (sf) be_.upload(p.S + slot * sf, buf.data(), fbytes(sf));
+      for (int j = 0; j < 3; ++j) {
+        for (int64_t i = 0; i < cf; ++i) buf[size_t(i)] = hashed_uniform(seed, stream + 1 + uint64_t(j), uint64_t(i), 1.0f);
+        if (cf) be_.upload(p.conv[j] + slot * cf, buf.data(), fbytes(cf));
+      }
+      continue;
+    }
+    const int64_t m = ordinal_[layer];
+    const Slot& s = slots_[size_t(slot)];
+    buf.assign(size_t(P * W), 0.0f);
+    for (int64_t t0 = 0; t0 < pos; t0 += P) {
+      const int64_t n = std::min(P, pos - t0);
+      for (int64_t i = 0; i < n * W; ++i)
+        buf[size_t(i)] = hashed_uniform(seed, stream, uint64_t(t0 * W + i), unit_rms);
+      be_.upload(page_ptr(m, s.pages[size_t(t0 / P)]), buf.data(), fbytes(P * W));
+    }
+  }
 }
 
 int64_t StatePool::live_slots() const {

@@ -43,6 +43,7 @@ class StatePool {
   const std::vector<int32_t>& pages(int32_t slot) const;  // block table
   int64_t page_tokens() const { return opt_.page_tokens; }
 
+  bool is_kda_layer(int64_t layer) const { return is_kda_.at(size_t(layer)); }  // else an MLA layer
   KdaPool kda(int64_t layer) const;   // layer must be a KDA layer
   MlaPages mla(int64_t layer) const;  // layer must be an MLA layer
   uint64_t epoch() const { return epoch_; }
@@ -66,6 +67,12 @@ class StatePool {
   void read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std::vector<float>& kr) const;
   void write_mla(int32_t slot, int64_t layer, const std::vector<float>& c, const std::vector<float>& kr);
   void set_position(int32_t slot, int64_t pos);  // reset + pages for pos tokens (contents undefined)
+  // A stand-in context of pos tokens without a forward (benchmarks of decode at depths a prefill
+  // would take hours to reach): set_position, then every MLA layer's cached latents and rope keys
+  // and every KDA layer's state filled with values from `seed` (latents of unit RMS, as the cache's
+  // RMSNorm leaves them before its weight; KDA S in +-0.01, conv history in +-1). Same seed, same
+  // values. Work done per page: no host buffer of the whole cache.
+  void fill_random(int32_t slot, int64_t pos, uint64_t seed);
 
   int64_t live_slots() const;
   int64_t live_pages() const;  // pages referenced by some slot

@@ -261,6 +261,24 @@ TEST(CliBench, DepthsInAnyOrder) {
   }
 }
 
+// --depth-fill random: the depth context without a prefill (seeded values in the cache and state);
+// the rows name it, decode runs from it, and depths in any order each get their own fill.
+TEST(CliBench, DepthFillRandom) {
+  const auto r = run_k3("bench " + m() + " -p 4 -n 2 -d 300,40 -r 1 --depth-fill random -o jsonl --no-progress --no-roofline");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto ls = lines(r.out);
+  ASSERT_EQ(ls.size(), 4u) << r.out;
+  for (size_t i = 0; i < ls.size(); ++i) {
+    const auto x = nlohmann::json::parse(ls[i]);
+    EXPECT_EQ(x["n_depth"], i < 2 ? 300 : 40);
+    EXPECT_EQ(x["depth_fill"], "random");
+    check_stats(x, i % 2 == 0 ? 4 : 2);
+  }
+  const auto p = run_k3("bench " + m() + " -p 0 -n 2 -d 16 -r 1 -o json --no-progress --no-roofline");
+  ASSERT_EQ(p.code, 0) << p.err;
+  EXPECT_EQ(nlohmann::json::parse(p.out)["results"][0]["depth_fill"], "prefill") << p.out;
+}
+
 // -b: one row per batch size, batch 1 first; t/s is the aggregate (N x per-sequence), compared
 // with the batch-1 row of the same test. Without a batch other than 1 nothing of it shows.
 TEST(CliBench, BatchRowsMarkdown) {
@@ -413,6 +431,7 @@ TEST(CliBenchBadInput, Scalars) {
   expect_bad(run_k3("bench " + m() + " -o csv"), "-o/--output: unknown format 'csv'");
   expect_bad(run_k3("bench " + m() + " --kda magic"), "--kda: unknown algorithm 'magic'");
   expect_bad(run_k3("bench " + m() + " --mla magic"), "--mla: unknown form 'magic'");
+  expect_bad(run_k3("bench " + m() + " --depth-fill zeros"), "--depth-fill: unknown mode 'zeros' (prefill or random)");
   expect_bad(run_k3("bench " + m() + " --chunk 0"), "--chunk: 0 is too small");
   expect_bad(run_k3("bench " + m() + " --ubatch 0"), "--ubatch: 0 is too small");
   expect_bad(run_k3("bench " + m() + " --seed -1"), "--seed: '-1' is negative");

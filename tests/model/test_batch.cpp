@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include <algorithm>
@@ -236,6 +237,60 @@ TEST(StatePool, SnapshotRestore) {
   m->forward(fresh, py.data(), 8, false, want.data());
   m->forward(fresh, py.data() + 8, 2, false, want.data());
   EXPECT_LE(k3test::rel_l2(l, want), kBatchTol);
+}
+
+// fill_random: a stand-in context of N tokens without a forward (k3 bench --depth-fill random):
+// the position, seeded values (same seed same values, another seed others) of unit RMS in the MLA
+// cache and within +-0.01 in the KDA state, and a decode step from it gives finite logits.
+TEST(StatePool, FillRandomIsSeededAndDecodable) {
+  auto m = k3::Model::load(ours("tiny").string());
+  auto pool = m->new_pool();
+  const int32_t a = pool->alloc(), b = pool->alloc(), c = pool->alloc();
+  const int64_t N = 150;  // three pages of 64, the last one partial
+  pool->fill_random(a, N, 7);
+  pool->fill_random(b, N, 7);
+  pool->fill_random(c, N, 8);
+  EXPECT_EQ(pool->position(a), N);
+  int64_t mla_layers = 0, kda_layers = 0;
+  for (int64_t L = 0; L < m->dims().layers; ++L) {
+    std::vector<float> ca, ka, cb, kb, cc, kc;
+    if (pool->is_kda_layer(L)) {
+      EXPECT_THROW(pool->read_mla(a, L, ca, ka), k3::Error);
+      std::vector<float> Sa, Sb, Sc, conv[3];
+      pool->read_kda(a, L, Sa, conv);
+      pool->read_kda(b, L, Sb, conv);
+      pool->read_kda(c, L, Sc, conv);
+      EXPECT_EQ(Sa, Sb);
+      EXPECT_NE(Sa, Sc);
+      float mx = 0;
+      for (float v : Sa) mx = std::max(mx, std::fabs(v));
+      EXPECT_GT(mx, 0.005f);
+      EXPECT_LE(mx, 0.01f);
+      ++kda_layers;
+      continue;
+    }
+    pool->read_mla(a, L, ca, ka);
+    pool->read_mla(b, L, cb, kb);
+    pool->read_mla(c, L, cc, kc);
+    ASSERT_EQ(ca.size(), size_t(N * m->dims().mla.kv_lora));
+    EXPECT_EQ(ca, cb);
+    EXPECT_EQ(ka, kb);
+    EXPECT_NE(ca, cc);
+    double ms = 0;
+    for (float v : ca) ms += double(v) * v;
+    EXPECT_NEAR(ms / double(ca.size()), 1.0, 0.05);
+    ++mla_layers;
+  }
+  EXPECT_GT(mla_layers, 0);
+  EXPECT_GT(kda_layers, 0);
+  std::vector<int32_t> id{5};
+  std::vector<float> l(size_t(m->dims().vocab));
+  const k3::SeqStep one{a, id.data(), 1, false};
+  m->step(*pool, std::span(&one, 1), {}, l.data());
+  EXPECT_EQ(pool->position(a), N + 1);
+  EXPECT_EQ(k3test::count_nan(l), 0u);
+  for (float v : l) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_THROW(pool->fill_random(a, -1, 7), k3::Error);
 }
 
 TEST(ModelStep, RefusesBadSteps) {
