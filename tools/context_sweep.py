@@ -104,8 +104,8 @@ def main():
                   + (f", peak RSS {row['peak_rss'] / 1048576:.1f} MiB" if "peak_rss" in row else "")
                   + (f", planned MLA cache {row['cpu_plan']['mla_cache'] / 1048576:.1f} MiB" if "cpu_plan" in row else ""),
                   flush=True)
-        doc["models"][name] = {"path": path, "rows": rows}
-    json.dump(doc, open(a.json, "w"), indent=1)
+            doc["models"][name] = {"path": path, "rows": rows}
+            json.dump(doc, open(a.json, "w"), indent=1)  # after every point: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":
