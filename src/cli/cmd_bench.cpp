@@ -609,7 +609,8 @@ Json profile_json(const k3::OpProfile& p) {
   const double total = p.total_seconds();
   Json rows = Json::array();
   for (const auto& [name, e] : ops)
-    rows.push_back({{"op", name}, {"calls", e.calls}, {"ms", 1e3 * e.seconds}, {"share", total > 0 ? e.seconds / total : 0}});
+    rows.push_back(
+        {{"op", name}, {"calls", e.calls}, {"ms", 1e3 * e.seconds}, {"share", total > 0 ? e.seconds / total : 0}});
   return {{"steps", p.steps}, {"op_ms_total", 1e3 * total}, {"ops", rows}};
 }
 

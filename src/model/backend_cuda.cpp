@@ -629,8 +629,8 @@ class CudaBackend final : public Backend {
   }
 
   // The grouped experts one matmul per expert and matrix (fp32 parity mode, BF16 or unaligned stacks).
-  void grouped_per_expert(const MoeWeights& w, int64_t latent, const SituParams& situ, const std::vector<int64_t>& count,
-                          const float* xg, float* hg, float* hu, float* yg) {
+  void grouped_per_expert(const MoeWeights& w, int64_t latent, const SituParams& situ,
+                          const std::vector<int64_t>& count, const float* xg, float* hg, float* hu, float* yg) {
     const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows, n_all = count.back();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;

@@ -343,7 +343,8 @@ void StatePool::fill_random(int32_t slot, int64_t pos, uint64_t seed) {
       for (int64_t i = 0; i < sf; ++i) buf[size_t(i)] = hashed_uniform(seed, stream, uint64_t(i), 0.01f);
       if (sf) be_.upload(p.S + slot * sf, buf.data(), fbytes(sf));
       for (int j = 0; j < 3; ++j) {
-        for (int64_t i = 0; i < cf; ++i) buf[size_t(i)] = hashed_uniform(seed, stream + 1 + uint64_t(j), uint64_t(i), 1.0f);
+        for (int64_t i = 0; i < cf; ++i)
+          buf[size_t(i)] = hashed_uniform(seed, stream + 1 + uint64_t(j), uint64_t(i), 1.0f);
         if (cf) be_.upload(p.conv[j] + slot * cf, buf.data(), fbytes(cf));
       }
       continue;
@@ -353,8 +354,7 @@ void StatePool::fill_random(int32_t slot, int64_t pos, uint64_t seed) {
     buf.assign(size_t(P * W), 0.0f);
     for (int64_t t0 = 0; t0 < pos; t0 += P) {
       const int64_t n = std::min(P, pos - t0);
-      for (int64_t i = 0; i < n * W; ++i)
-        buf[size_t(i)] = hashed_uniform(seed, stream, uint64_t(t0 * W + i), unit_rms);
+      for (int64_t i = 0; i < n * W; ++i) buf[size_t(i)] = hashed_uniform(seed, stream, uint64_t(t0 * W + i), unit_rms);
       be_.upload(page_ptr(m, s.pages[size_t(t0 / P)]), buf.data(), fbytes(P * W));
     }
   }

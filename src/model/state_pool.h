@@ -43,7 +43,8 @@ class StatePool {
   const std::vector<int32_t>& pages(int32_t slot) const;  // block table
   int64_t page_tokens() const { return opt_.page_tokens; }
 
-  bool is_kda_layer(int64_t layer) const { return is_kda_.at(size_t(layer)); }  // else an MLA layer
+  // Whether `layer` holds KDA state (else an MLA cache).
+  bool is_kda_layer(int64_t layer) const { return is_kda_.at(size_t(layer)); }
   KdaPool kda(int64_t layer) const;   // layer must be a KDA layer
   MlaPages mla(int64_t layer) const;  // layer must be an MLA layer
   uint64_t epoch() const { return epoch_; }

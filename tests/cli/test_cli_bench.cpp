@@ -264,7 +264,8 @@ TEST(CliBench, DepthsInAnyOrder) {
 // --depth-fill random: the depth context without a prefill (seeded values in the cache and state);
 // the rows name it, decode runs from it, and depths in any order each get their own fill.
 TEST(CliBench, DepthFillRandom) {
-  const auto r = run_k3("bench " + m() + " -p 4 -n 2 -d 300,40 -r 1 --depth-fill random -o jsonl --no-progress --no-roofline");
+  const auto r =
+      run_k3("bench " + m() + " -p 4 -n 2 -d 300,40 -r 1 --depth-fill random -o jsonl --no-progress --no-roofline");
   ASSERT_EQ(r.code, 0) << r.err;
   const auto ls = lines(r.out);
   ASSERT_EQ(ls.size(), 4u) << r.out;

@@ -358,8 +358,8 @@ TEST(CudaGemm, ExpertGluEqualsMatmulsAndSituBitwise) {
             const auto di = k3test::to_dev(ids);
             const size_t n = size_t(N * R);
             auto h = k3test::dev_nan(n), g = k3test::dev_nan(n), u = k3test::dev_nan(n);
-            k3::cuda::expert_glu(dg.view, du.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, b1, b2,
-                                 h.as<float>(), st);
+            k3::cuda::expert_glu(dg.view, du.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, b1, b2, h.as<float>(),
+                                 st);
             k3::cuda::expert_matmul(dg.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, g.as<float>(),
                                     Precision::F32, st);
             k3::cuda::expert_matmul(du.view, R, di.as<int32_t>(), N, dx.as<float>(), x_div, u.as<float>(),

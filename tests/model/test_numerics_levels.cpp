@@ -40,12 +40,13 @@ namespace {
 
 // fp32 SIMD vs the fp64 reference, rel-L2 over all logits (full pass; prefill then decode).
 // Twice the exact path's gate (1e-5, kRefTol in tests/model/test_model_gates.cpp), by measurement:
-// the fp32 sums of every level land within it on tiny, tiny-chat and kl-tiny (<= 6.1e-6), but
+// the fp32 sums of every level land within it on tiny, tiny-chat and kl-tiny (scalar and avx2
+// <= 6.1e-6; avx512 below 1e-5, its passing values not printed by that run), but
 // tiny-flat amplifies fp32 rounding the most, and by the order of the sums: scalar 4.47e-6 /
 // 5.14e-6, avx2 8.11e-6 / 6.39e-6 (2-core AMD EPYC VM), avx512 9.84e-6 / 1.34e-5 (the GPU
-// machine's Xeon, docs/data/cpu-ctest-avx512.json), the GPU's fp32 kernels 1.25e-5. The 16-lane
-// kernels run the same formulas as the 8-lane ones (attn_kernels.inc, gemm_rows.inc); only the
-// lane count, so the association of the sums, differs.
+// machine's Xeon, docs/data/cpu-ctest-avx512-981b89c-fp32-gate.txt), the GPU's fp32 kernels 1.25e-5. The 16-lane
+// kernels share most of their source with the 8-lane ones (attn_kernels.inc, gemm_rows.inc; the
+// MXFP4 and BF16 GEMVs have loops of their own), all in fp32: the order of the sums differs.
 constexpr double kRefTol = 2e-5;
 // Fast vs exact on K3-nano (80 ids: 64 prefilled through the bf16-rounded GEMMs, 16 decoded through
 // the 8-bit MXFP4 GEMVs; experts that get one token of a prefill take the 8-bit GEMV too), rel-L2

@@ -685,8 +685,8 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 
 // One block's tile: weight rows [r0, r0 + 128) x tokens [t0, t0 + 64) of Y[T, rows] = X[T, cols] · Wᵀ.
 // Shared by the plain and the grouped (per-expert tile list) kernels, so both compute the same bits.
-__device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S,
-                                             int64_t rows, int64_t cols, const float* __restrict__ X, int64_t T,
+__device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S, int64_t rows,
+                                             int64_t cols, const float* __restrict__ X, int64_t T,
                                              float* __restrict__ Y, int64_t r0, int64_t t0) {
   __shared__ __align__(16) uint16_t Ws[2][kMmaBM][kMmaLd];
   __shared__ __align__(16) uint16_t Xs[2][kMmaBN][kMmaLd];
@@ -806,8 +806,7 @@ __global__ void __launch_bounds__(kMmaThreads) grouped_mma_fp4_kernel(const __gr
   const int z = int(blockIdx.z);
   const int64_t e = t.expert;
   mma_fp4_tile(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
-               a.X + int64_t(t.row0) * a.cols, t.rows, a.Y[z] + int64_t(t.row0) * a.R, int64_t(blockIdx.x) * kMmaBM,
-               0);
+               a.X + int64_t(t.row0) * a.cols, t.rows, a.Y[z] + int64_t(t.row0) * a.R, int64_t(blockIdx.x) * kMmaBM, 0);
 }
 
 // fp32 -> bf16 (RNE) copy of the activations for cuBLAS.
@@ -1024,8 +1023,8 @@ void launch_expert_glu_f(const WeightMat& G, const WeightMat& U, int64_t R, cons
       launch(expert_glu_kernel<F, true>, grid, kGemvThreads, 0, s, wg, G.scales, wu, U.scales, R, G.cols, E, ids + n0,
              x, x_div, b1, b2, H + n0 * R);
     else
-      launch(expert_glu_kernel<F, false>, grid, kGemvThreads, 0, s, wg, G.scales, wu, U.scales, R, G.cols, E,
-             ids + n0, x, x_div, b1, b2, H + n0 * R);
+      launch(expert_glu_kernel<F, false>, grid, kGemvThreads, 0, s, wg, G.scales, wu, U.scales, R, G.cols, E, ids + n0,
+             x, x_div, b1, b2, H + n0 * R);
     check_launch("expert glu kernel");
   }
 }
@@ -1089,7 +1088,8 @@ bool matmul_f32_by_gemv(int64_t rows, int64_t T) {
 
 bool expert_gemm_grouped_ok(const WeightMat& W, int64_t R) {
   return W.fmt == WFormat::MXFP4 && W.data && W.scales && R > 0 && W.rows % R == 0 && W.cols > 0 &&
-         W.cols % kMmaBK == 0 && aligned16(W.data) && (R * W.cols / 2) % 16 == 0 && W.rows / R <= (int64_t(1) << 31) - 1;
+         W.cols % kMmaBK == 0 && aligned16(W.data) && (R * W.cols / 2) % 16 == 0 &&
+         W.rows / R <= (int64_t(1) << 31) - 1;
 }
 
 void expert_gemm_grouped(const WeightMat* const* W, float* const* Y, int n_mats, int64_t R, const ExpertTile* tiles,
@@ -1101,7 +1101,8 @@ void expert_gemm_grouped(const WeightMat* const* W, float* const* Y, int n_mats,
     if (!expert_gemm_grouped_ok(*W[z], R))
       failf("expert_gemm_grouped: a %s [%lld, %lld] stack of %lld-row experts is not an aligned MXFP4 stack",
             wformat_name(W[z]->fmt), (long long)W[z]->rows, (long long)W[z]->cols, (long long)R);
-    if (W[z]->rows != W[0]->rows || W[z]->cols != W[0]->cols) failf("expert_gemm_grouped: the matrices differ in shape");
+    if (W[z]->rows != W[0]->rows || W[z]->cols != W[0]->cols)
+      failf("expert_gemm_grouped: the matrices differ in shape");
     a.W[z] = static_cast<const uint8_t*>(W[z]->data);
     a.S[z] = W[z]->scales;
     a.Y[z] = Y[z];
@@ -1171,7 +1172,8 @@ void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int
           (long long)R);
   if (x_div < 1 || x_div > kExpertSlotsPerLaunch) failf("expert_glu: x_div must be in 1..65535");
   if (N <= 0) return;
-  if (N > (int64_t(1) << 31) - 1 || gate.rows / R > 65534) failf("expert_glu: too many slots or experts for the GPU kernels");
+  if (N > (int64_t(1) << 31) - 1 || gate.rows / R > 65534)
+    failf("expert_glu: too many slots or experts for the GPU kernels");
   if (gate.cols == 0) {  // both products are 0: situ(0, 0) = 0
     return dev_memset(H, 0, size_t(N * R) * sizeof(float), s);
   }
