@@ -4,8 +4,10 @@
 // (MXFP4 routed experts) and the tiny fixture.
 // Owns: the allocation counter (this executable replaces the global operator new).
 // Counted: every C++ allocation (all forms of operator new, which the standard containers use).
-// Not counted: C calls to malloc (none in the engine's step) and allocations before warm-up (the
-// first step of a shape sizes the workspace, the kernels' per-thread scratch and the index arrays).
+// Not counted: allocations before warm-up (the first step of a shape sizes the workspace, the
+// kernels' per-thread scratch and the index arrays), and the kernels' per-thread scratch itself
+// (ops/cpu/scratch.h, grow-only, by aligned_alloc): a pool worker that a busy machine kept out of
+// every warm-up loop of some shape sizes its scratch the first time it joins one, once.
 #include <gtest/gtest.h>
 
 #include <execinfo.h>

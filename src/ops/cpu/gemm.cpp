@@ -30,21 +30,11 @@ constexpr int64_t kRowBlock = 16;
 // its 12-row ones).
 constexpr int64_t kBf16RowChunk = 48;
 
-// Buffers of the bf16 GEMM, kept per thread across calls: a prefill makes hundreds of these
-// calls, and fresh allocations of this size are fresh pages, faulted in and zeroed every time.
-std::vector<uint32_t>& tl_xp_buf() {
-  thread_local std::vector<uint32_t> v;
-  return v;
-}
-std::vector<uint32_t>& tl_rows_buf() {
-  thread_local std::vector<uint32_t> v;
-  return v;
-}
-// The first 64-byte boundary of v, grown to hold n elements from there.
-uint32_t* aligned64(std::vector<uint32_t>& v, size_t n) {
-  if (v.size() < n + 16) v.resize(n + 16);
-  return v.data() + (64 - reinterpret_cast<uintptr_t>(v.data()) % 64) % 64 / 4;
-}
+// Buffers of the bf16 GEMM (the packed activations, one row tile), the per-thread scratch of
+// ops/cpu/scratch.h: a prefill makes hundreds of these calls, and fresh allocations of this size
+// are fresh pages, faulted in and zeroed every time.
+uint32_t* bf16_packed_x(size_t n) { return cpu::scratch<uint32_t>(cpu::ScratchId::Bf16PackedX, int64_t(n)); }
+uint32_t* bf16_row_tile(size_t n) { return cpu::scratch<uint32_t>(cpu::ScratchId::Bf16RowTile, int64_t(n)); }
 // Decode GEMVs hand out rows in chunks of about this many weight bytes (see gemv_threaded).
 constexpr int64_t kGemvChunkBytes = int64_t(64) << 10;
 // Rows of one such chunk for rows of `bytes` bytes each: whole 8-row tiles, at least one.
@@ -292,10 +282,10 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16, ngroups = tpad / 16;
     const int64_t tb = std::clamp<int64_t>((int64_t(512) << 10) / (2 * np) / 64 * 64, 64, 256);
     const int64_t nchunks = (rows + kBf16RowChunk - 1) / kBf16RowChunk;
-    uint32_t* const Xp = aligned64(tl_xp_buf(), size_t(tpad * np / 2));
+    uint32_t* const Xp = bf16_packed_x(size_t(tpad * np / 2));
     par::parallel_for_each(
         ngroups, [&](int64_t g) { K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp); }, parallel);
-    const auto rows_buffer = [&] { return aligned64(tl_rows_buf(), size_t(6 * np)); };
+    const auto rows_buffer = [&] { return bf16_row_tile(size_t(6 * np)); };
     for (int64_t t0 = 0; t0 < T; t0 += tb)
       par::parallel_for_each_setup(
           nchunks, rows_buffer,
@@ -371,8 +361,8 @@ void dequant_row(const WeightMat& W, int64_t r, float* out) { dequant_row_impl(W
 void reserve_matmul(int64_t T, int64_t n, int64_t rows, int64_t cols, bool bf16) {
   // The bf16 GEMM's buffers (gemm_threaded): the packed activations and one row tile.
   const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16;
-  aligned64(tl_xp_buf(), size_t(tpad * np / 2));
-  aligned64(tl_rows_buf(), size_t(6 * np));
+  bf16_packed_x(size_t(tpad * np / 2));
+  bf16_row_tile(size_t(6 * np));
   // The one-row driver (gemv_threaded): row chunks of at least 8 rows, one prepared input per weight.
   GemvScratch& s = gemv_scratch();
   s.chunks.reserve(size_t(n * (rows / 8 + 1)));

@@ -32,6 +32,8 @@ enum class ScratchId : uint8_t {
   GemmRows,
   GemmRounded,
   ScalarRows,
+  Bf16PackedX,
+  Bf16RowTile,
   kCount
 };
 
