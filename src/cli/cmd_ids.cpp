@@ -31,6 +31,7 @@ struct IdEngineFlags {
   int threads = 0;
   std::string device = "cpu", numerics;
   bool no_graphs = false;
+  int tp = 1, ep = 1;
 
   void add(CLI::App* app) {
     add_model_option(app, model);
@@ -43,11 +44,26 @@ struct IdEngineFlags {
                     "exact (CPU default: fp64 sums), fp32 (GPU default: parity mode) or fast (bf16 activations)")
         ->check(CLI::IsMember({"fast", "fp32", "exact"}));
     app->add_flag("--no-graphs", no_graphs, "with --device cuda: no CUDA-graph replay of decode steps");
+    app->add_option("--tp", tp,
+                    "tensor parallel ranks: attention heads, dense FFN and shared experts split N ways (CPU: the "
+                    "ranks run in this process)")
+        ->check(CLI::Range(1, 256));
+    app->add_option("--ep", ep, "expert parallel ranks: routed experts split N ways (with --tp: the same ranks)")
+        ->check(CLI::Range(1, 256));
   }
   std::unique_ptr<Model> load(const std::string& dir, const std::string& who) const {
     if (device == "cuda" && numerics == "exact")
       fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
+    const ParallelPlan plan{tp, ep};
+    if (plan.split() && device == "cuda")
+      fail(
+          "--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet; "
+          "on the CPU the ranks run in this process");
     auto m = Model::load(dir);
+    if (plan.split()) {
+      m->split(plan);
+      std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());
+    }
     move_to_device(*m, device, !no_graphs, 512, 4096, true, who);
     return m;
   }

@@ -95,6 +95,17 @@ class LocalComm final : public Communicator {
     if (n) std::memcpy(out, scratch_.data(), size_t(n) * sizeof(float));
   }
 
+  void broadcast(float* buf, int64_t n, int root) override {
+    check_n(n, "broadcast");
+    if (root < 0 || root >= s_->size)
+      fail("broadcast: root " + std::to_string(root) + " of a group of " + std::to_string(s_->size));
+    publish(buf);
+    // The root's buffer is read in place while every other rank copies it, then all meet again so
+    // the root does not write it before they are done.
+    if (rank_ != root && n) std::memcpy(buf, s_->ptrs[size_t(root)], size_t(n) * sizeof(float));
+    s_->wait_all();
+  }
+
   void barrier() override { s_->wait_all(); }
   void abort(const std::string& why) override { s_->abort("rank " + std::to_string(rank_) + ": " + why); }
 

@@ -31,6 +31,8 @@ class Communicator {
   // out[0 .. n) <- sum over ranks of send_r[rank*n .. (rank+1)*n), rank order: this rank's slice of
   // the element-wise sum of every rank's size*n floats.
   virtual void reduce_scatter_sum(const float* send, int64_t n, float* out) = 0;
+  // buf[0 .. n) <- rank root's buf[0 .. n) on every rank (0 <= root < size, else k3::Error).
+  virtual void broadcast(float* buf, int64_t n, int root) = 0;
   virtual void barrier() = 0;
   // This rank gives up: the others' collectives throw (with `why`) instead of waiting for it.
   virtual void abort(const std::string& why) = 0;

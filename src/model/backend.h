@@ -16,6 +16,7 @@
 namespace k3 {
 
 class ExpertSource;
+class Communicator;
 enum class KdaAlgo { Recurrent, Chunked };
 enum class MlaAlgo { Expanded, Absorbed };
 
@@ -175,10 +176,20 @@ class Backend {
   virtual void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm,
                            float scale, int32_t* idx, float* w) = 0;
   // agg[R, latent] = Σ_j w[r, j] · GLU_{idx[r, j]}(z[r]) over the routed experts (j ascending), from the
-  // placed weights or, when `source` is set, from it.
+  // placed weights or, when `source` is set, from it. Only the experts w.is_local() holds are summed;
+  // `onto`: added onto agg's contents, in the same order, instead of a zero start (the ranks of an
+  // expert-parallel split take turns, model/layers.cpp).
   virtual void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
                           const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
-                          ExpertSource* source) = 0;
+                          ExpertSource* source, bool onto) = 0;
+
+  // ---- collectives (a model split over ranks, model/parallel.h), on this backend's memory
+  // Defaults: the communicator's own calls after this backend's queued work, right for backends
+  // whose memory is host RAM; a device backend overrides them (NCCL) or refuses in one line.
+  // out[r*n .. (r+1)*n) <- rank r's send[0 .. n).
+  virtual void all_gather(Communicator& comm, const float* send, int64_t n, float* out);
+  // buf[0 .. n) <- rank root's.
+  virtual void broadcast(Communicator& comm, float* buf, int64_t n, int root);
 
   // ---- output
   // host_out[r] = argmax of row r of logits [R, V] (lowest id on ties).

@@ -178,7 +178,8 @@ class CpuBackend final : public Backend {
       ops::router_topk(ex_, logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override {
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, bool onto) override {
+    onto_ = onto;
     // Under fast numerics an expert's GEMM rounds its rows when it has >= 4 of them, so each
     // sequence's rows go through the experts as they would alone; otherwise every row of the step
     // at once (each selected expert read once).
@@ -199,6 +200,7 @@ class CpuBackend final : public Backend {
   }
   void moe_decode_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                        const float* wt, int64_t top_k, float* agg);
+  bool onto_ = false;  // moe_routed's `onto`: agg starts from its contents (else from zero)
   void moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                 const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source);
 
@@ -344,11 +346,11 @@ void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const Situ
   const int64_t E = int64_t(w.experts.size());
   m.pairs.clear();
   for (int32_t r : m.decode_rows) {
-    std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
+    if (!onto_) std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = idx[r * top_k + j];
       check_expert(e, E);
-      m.pairs.push_back({e, r, wt[r * top_k + j]});
+      if (w.is_local(e)) m.pairs.push_back({e, r, wt[r * top_k + j]});
     }
   }
   std::sort(m.pairs.begin(), m.pairs.end(), [](const MoeScratch::Pair& a, const MoeScratch::Pair& b) {
@@ -389,7 +391,7 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
                           ExpertSource* source) {
   MoeScratch& m = moe_;
   const int64_t E = int64_t(w.experts.size()), RK = R * top_k;
-  std::fill(agg, agg + R * latent, 0.0f);
+  if (!onto_) std::fill(agg, agg + R * latent, 0.0f);
   // Per selected expert (ascending id): the rows routed to it (ascending) and their weights, as
   // runs of one flat array (a counting sort of the step's R * top_k choices).
   m.start.assign(size_t(E + 1), 0);
@@ -398,9 +400,9 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
     check_expert(e, E);
     ++m.start[size_t(e) + 1];
   }
-  m.selected.clear();  // the union, ascending: the accumulation order into agg
+  m.selected.clear();  // the union, ascending: the accumulation order into agg (this rank's experts)
   for (int64_t e = 0; e < E; ++e) {
-    if (m.start[size_t(e) + 1] > 0) m.selected.push_back(int32_t(e));
+    if (m.start[size_t(e) + 1] > 0 && w.is_local(e)) m.selected.push_back(int32_t(e));
     m.start[size_t(e) + 1] += m.start[size_t(e)];
   }
   m.fill.assign(m.start.begin(), m.start.end() - 1);

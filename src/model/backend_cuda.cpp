@@ -351,8 +351,16 @@ class CudaBackend final : public Backend {
                    int32_t* idx, float* w) override {
     cu::router_topk(logits, bias, R, E, k, renorm, scale, idx, w, stream_);
   }
+  void all_gather(Communicator&, const float*, int64_t, float*) override { refuse_split(); }
+  void broadcast(Communicator&, float*, int64_t, int) override { refuse_split(); }
+  [[noreturn]] static void refuse_split() {
+    fail(
+        "a model split over ranks (--tp/--ep) runs on the CPU backend only: the NCCL communicator for GPUs "
+        "is not built yet");
+  }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source) override {
+                  const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, bool onto) override {
+    if (w.local_end >= 0 || onto) refuse_split();
     if (source) return routed_from_source(w, latent, situ, z, idx, wt, R, K, agg, *source);
     if (w.stacked.gate.empty())
       fail("the routed experts were not uploaded to the GPU (--ram-budget): pass their expert source");

@@ -24,8 +24,12 @@ class ProfilingBackend final : public Backend {
   void release(void* p) noexcept override { in_->release(p); }
   void upload(void* dst, const void* src, size_t bytes) override { in_->upload(dst, src, bytes); }
   void download(void* dst, const void* src, size_t bytes) override { in_->download(dst, src, bytes); }
-  void copy(void* dst, const void* src, size_t bytes) override { timed("copy", [&] { in_->copy(dst, src, bytes); }); }
-  void zero(void* dst, size_t bytes) override { timed("zero", [&] { in_->zero(dst, bytes); }); }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    timed("copy", [&] { in_->copy(dst, src, bytes); });
+  }
+  void zero(void* dst, size_t bytes) override {
+    timed("zero", [&] { in_->zero(dst, bytes); });
+  }
   void sync() override { in_->sync(); }
   void place(ModelWeights& w) override { in_->place(w); }
   bool set_graphs(bool on) override { return in_->set_graphs(on); }
@@ -71,11 +75,15 @@ class ProfilingBackend final : public Backend {
                 float lower_bound, float* g) override {
     timed("kda_gate", [&] { in_->kda_gate(f, R, H, D, A_log, dt_bias, lower_bound, g); });
   }
-  void sigmoid(float* x, int64_t n) override { timed("sigmoid", [&] { in_->sigmoid(x, n); }); }
+  void sigmoid(float* x, int64_t n) override {
+    timed("sigmoid", [&] { in_->sigmoid(x, n); });
+  }
   void sigmoid_mul(float* x, const float* gate, int64_t n) override {
     timed("sigmoid_mul", [&] { in_->sigmoid_mul(x, gate, n); });
   }
-  void add(float* y, const float* x, int64_t n) override { timed("add", [&] { in_->add(y, x, n); }); }
+  void add(float* y, const float* x, int64_t n) override {
+    timed("add", [&] { in_->add(y, x, n); });
+  }
   void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst) override {
     timed("gather_rows", [&] { in_->gather_rows(src, rows, n, width, dst); });
   }
@@ -98,8 +106,8 @@ class ProfilingBackend final : public Backend {
                   const MlaPages& pages) override {
     timed("mla_append", [&] { in_->mla_append(ckv, s, kv_lora, rope, norm_w, eps, pages); });
   }
-  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b,
-                  const MlaAttnDims& d, MlaAlgo algo, float* out) override {
+  void mla_attend(const float* q, const StepView& s, const MlaPages& pages, const WeightMat& kv_b, const MlaAttnDims& d,
+                  MlaAlgo algo, float* out) override {
     timed("mla_attend", [&] { in_->mla_attend(q, s, pages, kv_b, d, algo, out); });
   }
   void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
@@ -107,8 +115,14 @@ class ProfilingBackend final : public Backend {
     timed("router_topk", [&] { in_->router_topk(logits, bias, R, E, k, renorm, scale, idx, w); });
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source) override {
-    timed("moe_routed", [&] { in_->moe_routed(w, latent, situ, z, idx, wt, R, top_k, agg, source); });
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, bool onto) override {
+    timed("moe_routed", [&] { in_->moe_routed(w, latent, situ, z, idx, wt, R, top_k, agg, source, onto); });
+  }
+  void all_gather(Communicator& comm, const float* send, int64_t n, float* out) override {
+    timed("all_gather", [&] { in_->all_gather(comm, send, n, out); });
+  }
+  void broadcast(Communicator& comm, float* buf, int64_t n, int root) override {
+    timed("broadcast", [&] { in_->broadcast(comm, buf, n, root); });
   }
   void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
     timed("argmax_rows", [&] { in_->argmax_rows(logits, R, V, out); });

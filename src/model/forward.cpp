@@ -27,21 +27,34 @@ StepNumerics step_numerics(ops::Numerics n) {
 
 int64_t depth_slots(const ModelDims& d) { return d.block_size > 0 ? d.layers / d.block_size + 2 : 1; }
 
+// y = the layer's attention sublayer of xn (on a split model, its output projection gathers the
+// ranks' heads: model/layers.h project_out).
+void attention_sublayer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
+                        const float* xn, float* y, const ForwardOptions& opt) {
+  if (w.is_kda)
+    kda_sublayer(c, d.kda, w.kda, pool.kda(L), xn, opt.kda_algo, opt.kda_chunk, y);
+  else
+    mla_sublayer(c, d.mla, w.mla, pool.mla(L), xn, opt.mla_algo, y);
+}
+
+// y = the layer's FFN of xn: the dense SiTU FFN or the MoE.
+void ffn_sublayer(const StepCtx& c, const ModelDims& d, const LayerWeights& w, const float* xn, float* y,
+                  const ForwardOptions& opt) {
+  if (w.dense_ffn)
+    glu_sublayer(c, w.dense, d.situ, xn, y);
+  else
+    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+}
+
 // The plain pre-norm residual stream (block_size 0, Kimi Linear): h += attn(norm(h)); h += ffn(norm(h)).
 void plain_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
                  float* h, float* xn, float* y, const ForwardOptions& opt) {
   const int64_t H = d.hidden, n = c.R * H;
   c.be.rmsnorm(h, c.R, H, w.input_norm.data(), d.eps, xn);
-  if (w.is_kda)
-    kda_sublayer(c, d.kda, w.kda, pool.kda(L), xn, opt.kda_algo, opt.kda_chunk, y);
-  else
-    mla_sublayer(c, d.mla, w.mla, pool.mla(L), xn, opt.mla_algo, y);
+  attention_sublayer(c, d, L, w, pool, xn, y, opt);
   c.be.add(h, y, n);
   c.be.rmsnorm(h, c.R, H, w.post_norm.data(), d.eps, xn);
-  if (w.dense_ffn)
-    glu_sublayer(c, w.dense, d.situ, xn, y);
-  else
-    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+  ffn_sublayer(c, d, w, xn, y, opt);
   c.be.add(h, y, n);
 }
 
@@ -64,10 +77,7 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
   }
   // 3-4. attention sublayer, added into the partial sum
   c.be.rmsnorm(a, c.R, H, w.input_norm.data(), d.eps, xn);
-  if (w.is_kda)
-    kda_sublayer(c, d.kda, w.kda, pool.kda(L), xn, opt.kda_algo, opt.kda_chunk, y);
-  else
-    mla_sublayer(c, d.mla, w.mla, pool.mla(L), xn, opt.mla_algo, y);
+  attention_sublayer(c, d, L, w, pool, xn, y, opt);
   if (depth.partial_empty)
     c.be.copy(depth.partial, y, size_t(n) * 4);
   else
@@ -76,10 +86,7 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
   // 5-7. FFN-site mix (always), FFN, added into the partial sum
   attnres_site(c, w.mlp_res, depth, H, d.eps, a);
   c.be.rmsnorm(a, c.R, H, w.post_norm.data(), d.eps, xn);
-  if (w.dense_ffn)
-    glu_sublayer(c, w.dense, d.situ, xn, y);
-  else
-    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+  ffn_sublayer(c, d, w, xn, y, opt);
   c.be.add(depth.partial, y, n);
 }
 
@@ -100,7 +107,7 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
                  int32_t* argmax) const {
   const int64_t V = dims_.vocab, N = int64_t(seqs.size());
   if (N == 0) fail("step: no sequences");
-  if (!logits && !argmax) fail("forward: logits output is null");
+  if (!logits && !argmax && role_.rank == 0) fail("forward: logits output is null");
   const BackendCaps caps = backend_->caps();
   if (opt.numerics == ops::Numerics::Exact && !caps.exact)
     fail(std::string("--numerics exact (fp64 sums) is CPU-only; on ") + backend_->name() +
@@ -121,6 +128,8 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
         fail("token id " + std::to_string(s.ids[t]) + " at position " + std::to_string(t) +
              " is outside the vocabulary [0, " + std::to_string(V) + ")");
   }
+  if (split_) return step_split(pool, seqs, opt, logits, argmax);
+  if (pool.ranks() > 1 && !role_.comm) fail("step: this state pool belongs to a split model (--tp/--ep)");
   // The output rows of each sequence (all its tokens, or its last), in order.
   StepIndex& x = ix_;
   std::vector<int64_t>& out0 = x.out0;
@@ -182,7 +191,7 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   int64_t max_pages = 0, max_rows = 0;
   for (int64_t i = 0; i < N; ++i) {
     const SeqStep& s = seqs[size_t(i)];
-    pool.reserve_append(s.slot, s.n);
+    pool.reserve_append_local(s.slot, s.n);
     cu[size_t(i) + 1] = cu[size_t(i)] + int32_t(s.n);
     slots[size_t(i)] = s.slot;
     pos0[size_t(i)] = pool.position(s.slot);
@@ -212,10 +221,11 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
                       pool.page_capacity(),
                       &pool,
                       pool.epoch()};
-  if (!work_) work_ = std::make_unique<Workspace>(be, forward_work_floats(d, max_rows_));
+  if (!work_)
+    work_ = std::make_unique<Workspace>(be, forward_work_floats(d, max_rows_) + role_.gather_floats(max_rows_));
   Workspace& work = *work_;
   work.rewind(0);
-  const StepCtx c{be, view, work, R};
+  const StepCtx c{be, view, work, R, role_.comm ? &role_ : nullptr};
   const int64_t nsel = int64_t(sel.size());
   // The selected rows by sequence (all its rows, or its last one), for shape-dependent numerics.
   std::vector<int32_t>& sel_groups = x.sel_groups;
@@ -242,21 +252,24 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
       for (int64_t L = 0; L < d.layers; ++L)
         decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
       // Output aggregator over B ∪ {P} (the residual stream itself without Block AttnRes), then for
-      // the rows whose logits are wanted: final norm, lm_head.
-      if (d.block_size > 0)
-        attnres_site(c, placed_.output_res, depth, H, d.eps, h);
-      else
-        h = depth.partial;
-      be.gather_rows(h, sel.data(), nsel, H, hs);
-      be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
-      be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
+      // the rows whose logits are wanted: final norm, lm_head (rank 0's alone on a split model).
+      if (role_.rank == 0) {
+        if (d.block_size > 0)
+          attnres_site(c, placed_.output_res, depth, H, d.eps, h);
+        else
+          h = depth.partial;
+        be.gather_rows(h, sel.data(), nsel, H, hs);
+        be.rmsnorm(hs, nsel, H, placed_.final_norm.data(), d.eps, hs);
+        be.matmul(placed_.lm_head, hs, nsel, ls, sel_groups.data(), int64_t(sel_groups.size()) - 1);
+      }
     }
     be.end_step();
   } catch (...) {
     be.abort_step();
     throw;
   }
-  for (int64_t i = 0; i < N; ++i) pool.advance(seqs[size_t(i)].slot, seqs[size_t(i)].n);
+  for (int64_t i = 0; i < N; ++i) pool.advance_local(seqs[size_t(i)].slot, seqs[size_t(i)].n);
+  if (role_.rank != 0) return;
   if (argmax) {
     std::vector<int32_t>&picks = x.picks, &rows = x.rows;
     picks.resize(size_t(nsel)), rows.clear();

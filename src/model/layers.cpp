@@ -8,6 +8,56 @@
 
 namespace k3 {
 
+// ---------------------------------------------------------------- split models
+int64_t RankRole::gather_floats(int64_t R) const {
+  if (!heads_split) return 0;
+  // project_out: the gathered input, this rank's output rows, and a gather's send and receive
+  // buffers (each rank's part padded to the widest), for the widest cut.
+  int64_t widest = 0, part = 0;
+  for (const auto& p : parts) {
+    int64_t sum = 0;
+    for (int64_t w : p) sum += w, part = std::max(part, w);
+    widest = std::max(widest, sum);
+  }
+  const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
+  return g(R * widest) + g(R * part) + g(R * part) + g(int64_t(ranks) * R * part);
+}
+
+namespace {
+// x [R, parts[rank]] on every rank -> out [R, Σ parts] on every rank, rank q's columns after rank
+// q-1's (one all-gather of each rank's part padded to the widest, then the columns put in place).
+void gather_columns(const StepCtx& c, const float* x, const std::vector<int64_t>& parts, float* out) {
+  const RankRole& role = *c.role;
+  const int64_t R = c.R, mine = parts[size_t(role.rank)];
+  int64_t wide = 0, total = 0;
+  for (int64_t w : parts) wide = std::max(wide, w), total += w;
+  const WorkScope scope(c.work);
+  float *send = c.work.take(R * wide), *recv = c.work.take(int64_t(parts.size()) * R * wide);
+  for (int64_t r = 0; r < R; ++r) c.be.copy(send + r * wide, x + r * mine, size_t(mine) * 4);
+  c.be.all_gather(*role.comm, send, R * wide, recv);
+  int64_t off = 0;
+  for (size_t q = 0; q < parts.size(); ++q) {
+    for (int64_t r = 0; r < R; ++r)
+      c.be.copy(out + r * total + off, recv + (int64_t(q) * R + r) * wide, size_t(parts[q]) * 4);
+    off += parts[q];
+  }
+}
+}  // namespace
+
+void project_out(const StepCtx& c, const WeightMat& W, const float* x, RankRole::Cut in, float* out) {
+  if (!c.heads_split()) return c.be.matmul(W, x, c.R, out);
+  const RankRole& role = *c.role;
+  const WorkScope scope(c.work);
+  int64_t cols = 0;
+  for (int64_t w : role.parts[in]) cols += w;
+  if (W.cols != cols) fail("internal error: a split output projection whose input is not its columns");
+  float* xf = c.work.take(c.R * cols);
+  gather_columns(c, x, role.parts[in], xf);
+  float* y = c.work.take(c.R * W.rows);
+  c.be.matmul(W, xf, c.R, y);
+  gather_columns(c, y, role.parts[RankRole::Hidden], out);
+}
+
 // ---------------------------------------------------------------- workspace
 Workspace::Workspace(Backend& be, int64_t floats) : be_(&be), cap_(floats) {
   base_ = static_cast<float*>(be.alloc(size_t(std::max<int64_t>(floats, 1)) * 4, "activation workspace"));
@@ -56,8 +106,8 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
         *f = c.work.take(R * C), *b = c.work.take(R * H), *r = c.work.take(R * C), *ga = c.work.take(R * D);
   // Projections from the same normed x; the output gate is full rank (K3) or low rank (g_b · g_a x).
   {
-    const WeightMat* ws[] = {&w.q_proj, &w.k_proj, &w.v_proj, &w.f_a_proj, &w.b_proj,
-                             d.low_rank_gate ? &w.g_a_proj : &w.g_proj};
+    const WeightMat* ws[] = {&w.q_proj,   &w.k_proj, &w.v_proj,
+                             &w.f_a_proj, &w.b_proj, d.low_rank_gate ? &w.g_a_proj : &w.g_proj};
     float* ys[] = {qh, kh, vh, fa, b, d.low_rank_gate ? ga : r};
     be.matmul_shared_input(ws, 6, x, R, ys, nullptr);
   }
@@ -72,10 +122,26 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   // Causal short conv + SiLU with carried history, then L2 norm of q and k (q also × D^-1/2); the
   // decay gate (bounded below for K3, unbounded for Kimi Linear: d.lower_bound 0) and β.
   float *q = c.work.take(R * C), *k = c.work.take(R * C), *v = c.work.take(R * C), *g = c.work.take(R * C);
-  be.kda_prepare(KdaPrepare{qh, kh, vh, q, k, v, {w.q_conv.data(), w.k_conv.data(), w.v_conv.data()},
-                            {st.conv[0], st.conv[1], st.conv[2]}, C, H, D, d.conv_k,
-                            float(1.0 / std::sqrt(double(D))), 1e-6f, f, w.A_log.data(), w.dt_bias.data(),
-                            d.lower_bound, g, b},
+  be.kda_prepare(KdaPrepare{qh,
+                            kh,
+                            vh,
+                            q,
+                            k,
+                            v,
+                            {w.q_conv.data(), w.k_conv.data(), w.v_conv.data()},
+                            {st.conv[0], st.conv[1], st.conv[2]},
+                            C,
+                            H,
+                            D,
+                            d.conv_k,
+                            float(1.0 / std::sqrt(double(D))),
+                            1e-6f,
+                            f,
+                            w.A_log.data(),
+                            w.dt_bias.data(),
+                            d.lower_bound,
+                            g,
+                            b},
                  c.seqs, R);
   // Delta-rule recurrence per sequence (chunked for multi-row chunks; both give the same numbers).
   float* o = c.work.take(R * C);
@@ -83,7 +149,7 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   // Per-head RMSNorm first, then the sigmoid gate, then o_proj (§6.4 trap 6).
   be.rmsnorm(o, R * H, D, w.o_norm.data(), d.norm_eps, o);
   be.sigmoid_mul(o, r, R * C);
-  be.matmul(w.o_proj, o, R, out);
+  project_out(c, w.o_proj, o, RankRole::KdaCols, out);
 }
 
 // ---------------------------------------------------------------- MLA
@@ -113,7 +179,7 @@ void mla_sublayer(const StepCtx& c, const MlaDims& d, const MlaWeights& w, const
   be.mla_attend(q, c.seqs, cache, w.kv_b_proj, ad, algo, a);
   // Output gate before o_proj, no norm.
   if (d.output_gate) be.sigmoid_mul(a, gt, R * HV);
-  be.matmul(w.o_proj, a, R, out);
+  project_out(c, w.o_proj, a, RankRole::MlaCols, out);
 }
 
 // ---------------------------------------------------------------- FFNs
@@ -127,7 +193,7 @@ void glu_sublayer(const StepCtx& c, const GluWeights& w, const SituParams& p, co
     c.be.matmul_shared_input(ws, 2, x, c.R, ys, nullptr);
   }
   c.be.situ_glu(g, u, c.R * I, p.beta, p.linear_beta, g);
-  c.be.matmul(w.down, g, c.R, out);
+  project_out(c, w.down, g, RankRole::DenseInter, out);
 }
 
 void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* x, float* out,
@@ -167,16 +233,33 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
   be.router_topk(logits, w.bias.empty() ? nullptr : w.bias.data(), R, d.experts, d.top_k, d.renormalize, d.routed_scale,
                  idx, wt);
   // Routed experts in the latent space (the backend's strategy: grouped by expert, streamed, ...).
-  be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts);
+  // Split by expert over ranks (each holding an ascending range of ids): the ranks take turns, each
+  // adding its experts onto the sum so far, which is then everyone's; the additions are the one
+  // rank's, in its order, so the sum is the same bits.
+  if (!c.experts_split()) {
+    be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts, false);
+  } else {
+    for (int r = 0; r < c.role->ranks; ++r) {
+      if (r == c.role->rank) be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts, r > 0);
+      be.broadcast(*c.role->comm, agg, R * d.latent, r);
+    }
+  }
+  const int64_t n = R * d.hidden;
   // RMSNorm on the aggregate, then up to full width; the shared experts' down-projection on the
   // full-width input alongside, added unweighted.
   if (d.latent_norm) be.rmsnorm(agg, R, d.latent, w.lat_norm.data(), d.norm_eps, agg);
   if (shared) be.situ_glu(sg, su, R * Is, d.situ.beta, d.situ.linear_beta, sg);
   if (!lat) {  // the routed sum is already in `out`; the shared experts are added to it
     if (shared) {
-      be.matmul(w.shared.down, sg, R, sh);
-      be.add(out, sh, R * d.hidden);
+      project_out(c, w.shared.down, sg, RankRole::SharedInter, sh);
+      be.add(out, sh, n);
     }
+    return;
+  }
+  if (shared && c.heads_split()) {  // the shared experts' intermediate is cut: their own projection
+    be.matmul(w.up_lat, agg, R, out);
+    project_out(c, w.shared.down, sg, RankRole::SharedInter, sh);
+    be.add(out, sh, n);
     return;
   }
   {
@@ -185,7 +268,7 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
     float* yv[] = {out, sh};
     be.matmul_many(wv, xv, shared ? 2 : 1, R, yv);
   }
-  if (shared) be.add(out, sh, R * d.hidden);
+  if (shared) be.add(out, sh, n);
 }
 
 // ---------------------------------------------------------------- AttnRes

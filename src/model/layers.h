@@ -48,13 +48,39 @@ class WorkScope {
   int64_t at_;
 };
 
-// What a sublayer needs besides its weights: the backend, the step's sequences, the workspace.
+// Which part of a split model (model/parallel.h) this forward computes, and how it meets the other
+// ranks. One rank (the default): nothing is split, no collectives.
+struct RankRole {
+  Communicator* comm = nullptr;  // the group of ranks; null on one rank
+  int rank = 0, ranks = 1;
+  bool heads_split = false;    // tensor parallel: heads, dense FFN and shared experts cut, gathered
+  bool experts_split = false;  // expert parallel: each rank sums its own routed experts, in turn
+  // How wide each rank's part is (one entry per rank) of what the ranks gather: the KDA and MLA
+  // heads' outputs (heads x head_dim, heads x v), the dense FFN's and shared experts' intermediate,
+  // and the rows of the output projections (hidden).
+  enum Cut { KdaCols, MlaCols, DenseInter, SharedInter, Hidden, kCuts };
+  std::vector<int64_t> parts[kCuts];
+  int64_t gather_floats(int64_t R) const;  // workspace a step of R rows needs for its gathers
+};
+
+// What a sublayer needs besides its weights: the backend, the step's sequences, the workspace, and
+// (split models) the rank's role.
 struct StepCtx {
   Backend& be;
   const StepView& seqs;
   Workspace& work;
-  int64_t R;  // rows of the step
+  int64_t R;                       // rows of the step
+  const RankRole* role = nullptr;  // null: one rank
+  bool heads_split() const { return role && role->heads_split; }
+  bool experts_split() const { return role && role->experts_split; }
 };
+
+// out[R, W.rows of the whole model] = W · x for an output projection (o_proj, a down projection)
+// whose input x [R, cols] is split by heads or intermediate under tensor parallelism: the ranks
+// gather x whole (cut `in`), each computes its rows of W (every output element by one rank with the
+// whole dot product, so the result is the one rank's, bit for bit) and they gather the rows. One
+// rank: W · x.
+void project_out(const StepCtx& c, const WeightMat& W, const float* x, RankRole::Cut in, float* out);
 
 // Where routed-expert weights come from when they are not all placed (runtime/expert_cache.h
 // streams them from disk into a bounded cache). Implementations need not be thread-safe: one fetch

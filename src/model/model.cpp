@@ -25,12 +25,18 @@ void Model::set_max_step_rows(int64_t rows) {
 }
 
 Model::~Model() {
-  // Memory of the backend goes back before the backend itself.
+  // Memory of the backend goes back before the backend itself (and the ranks' pools before the ranks).
   sessions_.reset();
   work_.reset();
+  split_.reset();
 }
 
 std::unique_ptr<StatePool> Model::new_pool(const StatePoolOptions& o) const {
+  if (split_) {  // rank 0's pool, holding every other rank's
+    auto p = split_->ranks[0]->new_pool(o);
+    for (size_t r = 1; r < split_->ranks.size(); ++r) p->add_shard(split_->ranks[r]->new_pool(o));
+    return p;
+  }
   std::vector<bool> kda;
   for (const LayerWeights& l : host_.layers) kda.push_back(l.is_kda);
   return std::make_unique<StatePool>(*backend_, dims_, std::move(kda), o);
@@ -54,6 +60,10 @@ void Model::set_op_profile(OpProfile* sink) {
 }
 
 void Model::use_gpu(const GpuOptions& o) {
+  if (split_ || role_.comm)
+    fail(
+        "--device cuda: a model split over ranks (--tp/--ep) runs on the CPU backend only (the NCCL communicator "
+        "for GPUs is not built yet)");
   if (o.tokens_per_call < 1) fail("GPU: tokens per call must be >= 1");
   std::unique_ptr<Backend> be = make_cuda_backend(*this, o);  // checks the device and the fit
   ModelWeights placed = host_;
@@ -155,6 +165,7 @@ void get_floats(std::istream& in, std::vector<float>& v, size_t expect, const ch
 }  // namespace
 
 void Session::save(std::ostream& out) const {
+  if (model_->split_) fail("session files of a model split with --tp/--ep are not supported yet");
   StatePool& p = pool();
   const ModelDims& d = model_->dims();
   const int64_t pos = p.position(slot_);
@@ -178,6 +189,7 @@ void Session::save(std::ostream& out) const {
 }
 
 void Session::load(std::istream& in) {
+  if (model_->split_) fail("session files of a model split with --tp/--ep are not supported yet");
   StatePool& p = pool();
   char magic[8];
   if (!in.read(magic, 8) || std::memcmp(magic, kSessionMagic, 8) != 0) fail("not a k3 session file (bad magic)");

@@ -18,6 +18,7 @@
 #include "model/backend.h"
 #include "model/dims.h"
 #include "model/layers.h"
+#include "model/parallel.h"
 #include "model/state_pool.h"
 #include "model/weights.h"
 #include "ops/cpu/isa.h"
@@ -135,6 +136,14 @@ class Model {
   // A fresh pool on this model's backend (a server's own; sessions are not in it).
   std::unique_ptr<StatePool> new_pool(const StatePoolOptions& o = {}) const;
 
+  // Splits the model over p.world() ranks (model/parallel.h): tensor parallel (p.tp), expert
+  // parallel (p.ep) or both, the ranks as threads of this process on the CPU backend. Steps, pools
+  // and sessions then run on every rank; logits are rank 0's. One-line k3::Error when the model
+  // cannot be cut so, or is on the GPU. Sessions created before refuse to run. A plan of one rank
+  // changes nothing.
+  void split(const ParallelPlan& p);
+  ParallelPlan parallel() const;  // how the model is split (one rank: tp = ep = 1)
+
   // Moves the model to the GPU (uploads the weights after checking they fit, with one-line errors);
   // sessions created before refuse to run. Numerics on the GPU: Fast = bf16 tensor-core GEMMs,
   // F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
@@ -164,6 +173,11 @@ class Model {
   void run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std::vector<int32_t>& sel,
                  const std::vector<int64_t>& dst, const std::vector<int64_t>& am, const ForwardOptions& opt,
                  float* logits, int32_t* argmax) const;
+  // A split model's step: every rank's step on its own shard of `pool`, on threads of their own.
+  void step_split(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
+                  int32_t* argmax) const;
+  // Rank r of `full` split by p (model/parallel.cpp), talking to the others through comm.
+  static std::unique_ptr<Model> make_rank(const Model& full, const ParallelPlan& p, int r, Communicator* comm);
   ModelConfig cfg_;
   ModelDims dims_;
   std::unique_ptr<io::Checkpoint> ckpt_;
@@ -171,6 +185,9 @@ class Model {
   ModelWeights host_;
   ModelWeights placed_;
   std::unique_ptr<Backend> backend_;
+  // A split model's ranks (null otherwise); on a rank model, its place in the group.
+  std::unique_ptr<SplitGroup> split_;
+  RankRole role_;
   int64_t max_rows_ = 512;              // rows of one step (workspace plan)
   StatePoolOptions session_pool_opts_;  // the sessions' pool (GPU: pages for initial_context)
   mutable std::unique_ptr<Workspace> work_;

@@ -91,7 +91,7 @@ void StatePool::copy_state(int32_t dst, int32_t src) {
   }
 }
 
-int32_t StatePool::alloc() {
+int32_t StatePool::alloc_here() {
   if (free_slots_.empty()) grow_slots();
   const int32_t s = free_slots_.back();
   free_slots_.pop_back();
@@ -110,7 +110,7 @@ void StatePool::unref(int32_t page) {
   if (--page_refs_[size_t(page)] == 0) free_pages_.push_back(page);
 }
 
-void StatePool::free(int32_t slot) {
+void StatePool::free_here(int32_t slot) {
   check_live(slot);
   Slot& s = slots_[size_t(slot)];
   for (int32_t p : s.pages) unref(p);
@@ -120,7 +120,7 @@ void StatePool::free(int32_t slot) {
   free_slots_.push_back(slot);
 }
 
-void StatePool::reset(int32_t slot) {
+void StatePool::reset_here(int32_t slot) {
   check_live(slot);
   Slot& s = slots_[size_t(slot)];
   for (int32_t p : s.pages) unref(p);
@@ -136,7 +136,7 @@ int32_t StatePool::fork(int32_t src) {
   return dst;
 }
 
-void StatePool::copy_into(int32_t dst, int32_t src) {
+void StatePool::copy_into_here(int32_t dst, int32_t src) {
   check_live(dst);
   check_live(src);
   if (dst == src) return;
@@ -166,7 +166,7 @@ float* StatePool::page_ptr(int64_t mla_ordinal, int32_t page) const {
   return mla_[size_t(mla_ordinal)] + int64_t(page) * opt_.page_tokens * d_.mla.cache_floats_per_token();
 }
 
-void StatePool::reserve_append(int32_t slot, int64_t n) {
+void StatePool::reserve_append_here(int32_t slot, int64_t n) {
   check_live(slot);
   const int64_t P = opt_.page_tokens;
   {
@@ -192,6 +192,11 @@ void StatePool::reserve_append(int32_t slot, int64_t n) {
 }
 
 void StatePool::advance(int32_t slot, int64_t n) {
+  advance_local(slot, n);
+  for (auto& sh : shards_) sh->advance(slot, n);
+}
+
+void StatePool::advance_local(int32_t slot, int64_t n) {
   check_live(slot);
   slots_[size_t(slot)].pos += n;
 }
@@ -226,16 +231,29 @@ StatePool::Snapshot StatePool::snapshot(int32_t slot) const {
       o += cf;
     }
   }
+  for (const auto& sh : shards_) sn.shard_kda.push_back(sh->snapshot(slot).kda);
   return sn;
 }
 
 void StatePool::restore(int32_t slot, const Snapshot& sn) {
   check_live(slot);
+  if (sn.shard_kda.size() != shards_.size()) fail("session rollback: the mark is not an earlier point of this session");
+  // Every rank's part is checked before any is changed.
+  for (int64_t r = 0; r < ranks(); ++r) {
+    const StatePool& p = rank(r);
+    const std::vector<float>& kda = r == 0 ? sn.kda : sn.shard_kda[size_t(r - 1)];
+    if (sn.pos > p.slots_[size_t(slot)].pos ||
+        kda.size() != p.kda_.size() * size_t(p.d_.kda.state_floats() + 3 * p.d_.kda.conv_floats()))
+      fail("session rollback: the mark is not an earlier point of this session");
+  }
+  restore_here(slot, sn.pos, sn.kda);
+  for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->restore_here(slot, sn.pos, sn.shard_kda[i]);
+}
+
+void StatePool::restore_here(int32_t slot, int64_t pos, const std::vector<float>& kda) {
   const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
   Slot& s = slots_[size_t(slot)];
-  if (sn.pos > s.pos || sn.kda.size() != kda_.size() * size_t(sf + 3 * cf))
-    fail("session rollback: the mark is not an earlier point of this session");
-  const float* i = sn.kda.data();
+  const float* i = kda.data();
   for (KdaPool& p : kda_) {
     if (sf) be_.upload(p.S + slot * sf, i, fbytes(sf));
     i += sf;
@@ -244,15 +262,16 @@ void StatePool::restore(int32_t slot, const Snapshot& sn) {
       i += cf;
     }
   }
-  const int64_t keep = (sn.pos + opt_.page_tokens - 1) / opt_.page_tokens;
+  const int64_t keep = (pos + opt_.page_tokens - 1) / opt_.page_tokens;
   while (int64_t(s.pages.size()) > keep) {
     unref(s.pages.back());
     s.pages.pop_back();
   }
-  s.pos = sn.pos;
+  s.pos = pos;
 }
 
 void StatePool::read_kda(int32_t slot, int64_t layer, std::vector<float>& S, std::vector<float> conv[3]) const {
+  refuse_split("read_kda");
   const KdaPool p = kda(layer);
   const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
   S.resize(size_t(sf));
@@ -264,6 +283,7 @@ void StatePool::read_kda(int32_t slot, int64_t layer, std::vector<float>& S, std
 }
 
 void StatePool::write_kda(int32_t slot, int64_t layer, const std::vector<float>& S, const std::vector<float> conv[3]) {
+  refuse_split("write_kda");
   const KdaPool p = kda(layer);
   const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
   if (int64_t(S.size()) != sf) fail("state pool: KDA state has the wrong size");
@@ -275,6 +295,7 @@ void StatePool::write_kda(int32_t slot, int64_t layer, const std::vector<float>&
 }
 
 void StatePool::read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std::vector<float>& kr) const {
+  refuse_split("read_mla");
   check_live(slot);
   const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
   const Slot& s = slots_[size_t(slot)];
@@ -293,6 +314,7 @@ void StatePool::read_mla(int32_t slot, int64_t layer, std::vector<float>& c, std
 }
 
 void StatePool::write_mla(int32_t slot, int64_t layer, const std::vector<float>& c, const std::vector<float>& kr) {
+  refuse_split("write_mla");
   check_live(slot);
   const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
   const Slot& s = slots_[size_t(slot)];
@@ -311,8 +333,14 @@ void StatePool::write_mla(int32_t slot, int64_t layer, const std::vector<float>&
 }
 
 void StatePool::set_position(int32_t slot, int64_t pos) {
-  reset(slot);
-  reserve_append(slot, pos);
+  check_live(slot);
+  set_position_here(slot, pos);
+  for (auto& sh : shards_) sh->set_position(slot, pos);
+}
+
+void StatePool::set_position_here(int32_t slot, int64_t pos) {
+  reset_here(slot);
+  reserve_append_here(slot, pos);
   slots_[size_t(slot)].pos = pos;
 }
 
@@ -330,7 +358,13 @@ float hashed_uniform(uint64_t seed, uint64_t stream, uint64_t i, float a) {
 
 void StatePool::fill_random(int32_t slot, int64_t pos, uint64_t seed) {
   if (pos < 0) fail("state pool: a negative position");
-  set_position(slot, pos);
+  check_live(slot);
+  fill_random_here(slot, pos, seed);
+  for (auto& sh : shards_) sh->fill_random(slot, pos, seed);  // each rank its own heads' values
+}
+
+void StatePool::fill_random_here(int32_t slot, int64_t pos, uint64_t seed) {
+  set_position_here(slot, pos);
   const float unit_rms = 1.7320508f;  // uniform in [-sqrt 3, sqrt 3): mean square 1
   const int64_t L = d_.mla.kv_lora, rp = d_.mla.rope, W = L + rp, P = opt_.page_tokens;
   const int64_t sf = d_.kda.state_floats(), cf = d_.kda.conv_floats();
@@ -371,7 +405,62 @@ int64_t StatePool::live_pages() const {
 uint64_t StatePool::bytes() const {
   const uint64_t per_slot = uint64_t(kda_.size()) * 4 * uint64_t(d_.kda.state_floats() + 3 * d_.kda.conv_floats());
   const uint64_t per_page = uint64_t(mla_.size()) * 4 * uint64_t(opt_.page_tokens * d_.mla.cache_floats_per_token());
-  return per_slot * slots_.size() + per_page * page_refs_.size();
+  uint64_t b = per_slot * slots_.size() + per_page * page_refs_.size();
+  for (const auto& sh : shards_) b += sh->bytes();
+  return b;
+}
+
+// ---------------------------------------------------------------- shards (a split model's ranks)
+void StatePool::add_shard(std::unique_ptr<StatePool> shard) {
+  if (!shard || shard.get() == this || !shard->shards_.empty()) fail("state pool: not a shard");
+  if (shard->is_kda_ != is_kda_ || shard->opt_.page_tokens != opt_.page_tokens || shard->live_slots() != 0 ||
+      live_slots() != 0)
+    fail("state pool: a shard must be an empty pool of the same layers and page size, added before any slot");
+  // Same capacities, so both grow at the same operations (their epochs stay equal).
+  while (shard->slot_capacity() < slot_capacity()) shard->grow_slots();
+  while (shard->page_capacity() < page_capacity()) shard->grow_pages();
+  shard->free_slots_ = free_slots_;
+  shard->free_pages_ = free_pages_;
+  shards_.push_back(std::move(shard));
+}
+
+StatePool& StatePool::rank(int64_t r) {
+  if (r < 0 || r >= ranks()) fail("state pool: no rank " + std::to_string(r) + " (" + std::to_string(ranks()) + ")");
+  return r == 0 ? *this : *shards_[size_t(r - 1)];
+}
+
+void StatePool::refuse_split(const char* what) const {
+  if (!shards_.empty())
+    fail(std::string("state pool: ") + what +
+         " reads one rank's heads of a split model (--tp/--ep); session files of split models are not supported");
+}
+
+// The public operations: this pool, then every shard, in the same order.
+int32_t StatePool::alloc() {
+  const int32_t s = alloc_here();
+  for (auto& sh : shards_)
+    if (sh->alloc() != s) fail("internal error: the state pools of a split model are out of step");
+  return s;
+}
+
+void StatePool::free(int32_t slot) {
+  free_here(slot);
+  for (auto& sh : shards_) sh->free(slot);
+}
+
+void StatePool::reset(int32_t slot) {
+  reset_here(slot);
+  for (auto& sh : shards_) sh->reset(slot);
+}
+
+void StatePool::copy_into(int32_t dst, int32_t src) {
+  copy_into_here(dst, src);
+  for (auto& sh : shards_) sh->copy_into(dst, src);
+}
+
+void StatePool::reserve_append(int32_t slot, int64_t n) {
+  reserve_append_here(slot, n);
+  for (auto& sh : shards_) sh->reserve_append(slot, n);
 }
 
 }  // namespace k3

@@ -4,8 +4,12 @@
 // pool grows by doubling (slot and page ids stay valid; epoch() counts the reallocations, after
 // which device pointers captured earlier, e.g. in a CUDA graph, are stale).
 // Owns: slot/page bookkeeping, fork, snapshot/restore. Must not: compute (the forward does).
+// A split model's pool (model/parallel.h) is rank 0's, holding the pools of the other ranks as
+// shards: every slot and page operation is applied to each of them in the same order, so slot and
+// page ids agree on every rank; each rank's step reads its own shard.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "model/backend.h"
@@ -40,6 +44,10 @@ class StatePool {
   // advance() after the step.
   void reserve_append(int32_t slot, int64_t n);
   void advance(int32_t slot, int64_t n);
+  // The same on this pool alone, not its shards: the forward's own calls (a split model's ranks
+  // each step their own shard, on threads of their own).
+  void reserve_append_local(int32_t slot, int64_t n) { reserve_append_here(slot, n); }
+  void advance_local(int32_t slot, int64_t n);
   const std::vector<int32_t>& pages(int32_t slot) const;  // block table
   int64_t page_tokens() const { return opt_.page_tokens; }
 
@@ -55,7 +63,8 @@ class StatePool {
   // (the cache is not copied: restore() only shortens it back).
   struct Snapshot {
     int64_t pos = 0;
-    std::vector<float> kda;  // per KDA layer: S, conv q, conv k, conv v
+    std::vector<float> kda;                     // per KDA layer: S, conv q, conv k, conv v
+    std::vector<std::vector<float>> shard_kda;  // the same of every shard (a split model's other ranks)
   };
   Snapshot snapshot(int32_t slot) const;
   void restore(int32_t slot, const Snapshot& s);  // k3::Error if the slot no longer extends it
@@ -75,6 +84,12 @@ class StatePool {
   // values. Work done per page: no host buffer of the whole cache.
   void fill_random(int32_t slot, int64_t pos, uint64_t seed);
 
+  // The pools of ranks 1.. of a split model (model/parallel.h), created by the model with the same
+  // options and empty; from then on every operation above is applied to them too.
+  void add_shard(std::unique_ptr<StatePool> shard);
+  int64_t ranks() const { return 1 + int64_t(shards_.size()); }
+  StatePool& rank(int64_t r);  // 0: this pool
+
   int64_t live_slots() const;
   int64_t live_pages() const;  // pages referenced by some slot
   uint64_t bytes() const;      // backend memory the pool holds now
@@ -86,6 +101,16 @@ class StatePool {
     int64_t pos = 0;
     std::vector<int32_t> pages;
   };
+  // The operations on this pool alone (the public ones apply them to every shard as well).
+  int32_t alloc_here();
+  void free_here(int32_t slot);
+  void reset_here(int32_t slot);
+  void copy_into_here(int32_t dst, int32_t src);
+  void reserve_append_here(int32_t slot, int64_t n);
+  void restore_here(int32_t slot, int64_t pos, const std::vector<float>& kda);
+  void set_position_here(int32_t slot, int64_t pos);
+  void fill_random_here(int32_t slot, int64_t pos, uint64_t seed);
+  void refuse_split(const char* what) const;  // per-layer state of one rank is not the model's
   int32_t new_page();
   void unref(int32_t page);
   void grow_slots();
@@ -106,6 +131,7 @@ class StatePool {
   std::vector<int32_t> page_refs_;
   std::vector<int32_t> free_pages_;
   uint64_t epoch_ = 0;
+  std::vector<std::unique_ptr<StatePool>> shards_;
 };
 
 }  // namespace k3

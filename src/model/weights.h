@@ -75,6 +75,11 @@ struct MoeWeights {
   // views into these. Empty on the CPU.
   GluWeights stacked;
   GluWeights shared;  // fused shared experts [n_shared*inter, hidden]; empty if none
+  // The routed experts this model computes: [local_begin, local_end) of `experts` (one rank of an
+  // expert-parallel split, model/parallel.h: the others are empty views, held by other ranks, and
+  // moe_routed leaves them out of the sum). -1: all of them.
+  int64_t local_begin = 0, local_end = -1;
+  bool is_local(int64_t e) const { return e >= local_begin && (local_end < 0 || e < local_end); }
 };
 
 // Block AttnRes site: fold = w_norm ⊙ w_proj, folded at bind time (§3.3).

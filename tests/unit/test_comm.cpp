@@ -64,6 +64,30 @@ TEST(LocalComm, AllReduceAllGatherReduceScatter) {
   }
 }
 
+// broadcast: every rank ends with the root's values, for every root, also back to back with the
+// root changing each time (the chain a split model's expert-parallel MoE runs); a bad root is an error.
+TEST(LocalComm, BroadcastFromEveryRoot) {
+  for (int size : {1, 2, 3, 4}) {
+    SCOPED_TRACE("size " + std::to_string(size));
+    auto group = k3::make_local_group(size);
+    const int64_t n = 777;
+    std::vector<int> bad(static_cast<size_t>(size), 0);
+    k3::run_ranks(group, [&](k3::Communicator& c) {
+      std::vector<float> buf(static_cast<size_t>(n));
+      for (int rep = 0; rep < 50; ++rep)
+        for (int root = 0; root < size; ++root) {
+          for (int64_t i = 0; i < n; ++i) buf[size_t(i)] = val(c.rank(), i + rep);
+          c.broadcast(buf.data(), n, root);
+          for (int64_t i = 0; i < n; ++i) bad[size_t(c.rank())] += buf[size_t(i)] != val(root, i + rep);
+        }
+    });
+    for (int r = 0; r < size; ++r) EXPECT_EQ(bad[size_t(r)], 0) << "rank " << r;
+  }
+  auto one = k3::make_local_group(1);
+  float x = 0;
+  EXPECT_THROW(one[0]->broadcast(&x, 1, 1), k3::Error);
+}
+
 // Thousands of small collectives in a row with ranks that run at different speeds: every result is
 // that call's (a fast rank never publishes its next buffer into a slow rank's current sum).
 TEST(LocalComm, BackToBackCollectivesStayInStep) {

@@ -1,0 +1,228 @@
+// How a split model's weights and dims are cut per rank, the plan's checks, and the rank models of
+// Model::split (see parallel.h).
+#include "model/parallel.h"
+
+#include <algorithm>
+
+#include "core/comm.h"
+#include "core/error.h"
+#include "model/model.h"
+
+namespace k3 {
+
+void Backend::all_gather(Communicator& comm, const float* send, int64_t n, float* out) {
+  sync();  // the backend's queued work on send is done (a no-op where ops complete as they return)
+  comm.all_gather(send, n, out);
+}
+
+void Backend::broadcast(Communicator& comm, float* buf, int64_t n, int root) {
+  sync();
+  comm.broadcast(buf, n, root);
+}
+
+std::string ParallelPlan::str() const {
+  if (!split()) return "1 rank";
+  if (tp > 1 && ep > 1) return "TP" + std::to_string(tp) + " x EP" + std::to_string(ep);
+  return tp > 1 ? "TP" + std::to_string(tp) : "EP" + std::to_string(ep);
+}
+
+CutRange balanced_part(int64_t n, int parts, int i) {
+  const int64_t base = n / parts, extra = n % parts;
+  const int64_t b = i * base + std::min<int64_t>(i, extra);
+  return {b, b + base + (i < extra ? 1 : 0)};
+}
+
+namespace {
+
+void need(bool ok, const std::string& why) {
+  if (!ok) fail(why);
+}
+
+// Rows [r0, r0 + n) of a matrix that may be absent (empty stays empty).
+WeightMat rows_or_empty(const WeightMat& W, int64_t r0, int64_t n) { return W.empty() ? W : rows_of(W, r0, n); }
+FVec slice(const FVec& v, int64_t i0, int64_t n) { return v.empty() ? v : FVec{v.p + i0, n}; }
+
+// A GLU cut for tensor parallelism: gate/up rows of the intermediate part, down rows of the hidden part.
+GluWeights cut_glu(const GluWeights& g, CutRange inter, CutRange hidden) {
+  if (g.gate.empty()) return g;
+  return GluWeights{rows_of(g.gate, inter.begin, inter.size()), rows_of(g.up, inter.begin, inter.size()),
+                    rows_of(g.down, hidden.begin, hidden.size())};
+}
+
+std::vector<int64_t> part_sizes(int64_t n, int parts, int64_t unit = 1) {
+  std::vector<int64_t> v;
+  for (int i = 0; i < parts; ++i) v.push_back(balanced_part(n, parts, i).size() * unit);
+  return v;
+}
+
+}  // namespace
+
+void check_parallel_plan(const ModelDims& d, const ParallelPlan& p) {
+  const std::string flags = "--tp " + std::to_string(p.tp) + " --ep " + std::to_string(p.ep);
+  need(p.tp >= 1 && p.tp <= 256 && p.ep >= 1 && p.ep <= 256, flags + ": --tp and --ep must be between 1 and 256");
+  need(p.tp == 1 || p.ep == 1 || p.tp == p.ep,
+       flags + ": with both above 1 they must be equal (the same ranks split attention and experts)");
+  const auto enough = [&](const char* flag, int n, const char* what, int64_t have) {
+    need(have >= n, std::string(flag) + " " + std::to_string(n) + ": the model has " + std::to_string(have) + " " +
+                        what + ", fewer than the ranks (each rank needs at least one)");
+  };
+  if (p.tp > 1) {
+    if (d.kda_layers) enough("--tp", p.tp, "KDA heads", d.kda.heads);
+    if (d.mla_layers) enough("--tp", p.tp, "MLA heads", d.mla.heads);
+    if (d.dense_inter) enough("--tp", p.tp, "columns of dense FFN intermediate", d.dense_inter);
+    if (d.shared_inter) enough("--tp", p.tp, "columns of shared-expert intermediate", d.shared_inter);
+    enough("--tp", p.tp, "hidden rows", d.hidden);
+  }
+  if (p.ep > 1) {
+    need(d.moe.experts > 0, "--ep " + std::to_string(p.ep) + ": the model has no routed experts");
+    enough("--ep", p.ep, "routed experts", d.moe.experts);
+  }
+}
+
+std::string split_description(const ModelDims& d, const ParallelPlan& p) {
+  if (!p.split()) return "1 rank";
+  std::string s = p.str() + " (" + std::to_string(p.world()) + " ranks in this process): ";
+  if (p.tp > 1) {
+    s += "heads";
+    if (d.kda_layers) s += " KDA " + std::to_string(d.kda.heads);
+    if (d.mla_layers) s += " MLA " + std::to_string(d.mla.heads);
+    s += ", dense FFN and shared experts cut " + std::to_string(p.tp) + " ways";
+  } else {
+    s += "attention and dense trunk whole on every rank";
+  }
+  if (d.moe.experts)
+    s += p.ep > 1 ? "; routed experts " + std::to_string(d.moe.experts) + " cut " + std::to_string(p.ep) + " ways"
+                  : "; routed experts whole on every rank";
+  return s;
+}
+
+ModelDims rank_dims(const ModelDims& d, const ParallelPlan& p, int r) {
+  ModelDims o = d;
+  if (p.tp <= 1) return o;
+  o.kda.heads = balanced_part(d.kda.heads, p.tp, r).size();
+  o.mla.heads = balanced_part(d.mla.heads, p.tp, r).size();
+  o.dense_inter = balanced_part(d.dense_inter, p.tp, r).size();
+  o.shared_inter = balanced_part(d.shared_inter, p.tp, r).size();
+  return o;
+}
+
+RankRole rank_role(const ModelDims& d, const ParallelPlan& p, int r) {
+  RankRole role;
+  role.rank = r;
+  role.ranks = p.world();
+  role.heads_split = p.tp > 1;
+  role.experts_split = p.ep > 1;
+  if (p.tp > 1) {
+    role.parts[RankRole::KdaCols] = part_sizes(d.kda.heads, p.tp, d.kda.head_dim);
+    role.parts[RankRole::MlaCols] = part_sizes(d.mla.heads, p.tp, d.mla.v);
+    role.parts[RankRole::DenseInter] = part_sizes(d.dense_inter, p.tp);
+    role.parts[RankRole::SharedInter] = part_sizes(d.shared_inter, p.tp);
+    role.parts[RankRole::Hidden] = part_sizes(d.hidden, p.tp);
+  }
+  return role;
+}
+
+ModelWeights rank_weights(const ModelDims& d, const ModelWeights& w, const ParallelPlan& p, int r) {
+  ModelWeights o = w;  // views: the replicated parts as they are
+  const bool tp = p.tp > 1;
+  const CutRange hid = balanced_part(d.hidden, p.tp, r);
+  for (LayerWeights& l : o.layers) {
+    if (tp && l.is_kda) {
+      KdaWeights& k = l.kda;
+      const CutRange h = balanced_part(d.kda.heads, p.tp, r);
+      const int64_t D = d.kda.head_dim, c0 = h.begin * D, nc = h.size() * D, K = d.kda.conv_k;
+      for (WeightMat* m : {&k.q_proj, &k.k_proj, &k.v_proj, &k.f_b_proj, &k.g_proj, &k.g_b_proj})
+        *m = rows_or_empty(*m, c0, nc);
+      k.b_proj = rows_of(k.b_proj, h.begin, h.size());
+      k.o_proj = rows_of(k.o_proj, hid.begin, hid.size());
+      for (FVec* v : {&k.q_conv, &k.k_conv, &k.v_conv}) *v = slice(*v, c0 * K, nc * K);
+      k.A_log = slice(k.A_log, h.begin, h.size());
+      k.dt_bias = slice(k.dt_bias, c0, nc);
+      // f_a_proj, g_a_proj (low-rank inputs, shared by every head) and o_norm (one per head_dim): whole
+    } else if (tp) {
+      MlaWeights& m = l.mla;
+      const CutRange h = balanced_part(d.mla.heads, p.tp, r);
+      const int64_t dq = d.mla.nope + d.mla.rope, dkv = d.mla.nope + d.mla.v, dv = d.mla.v;
+      m.q_proj = rows_or_empty(m.q_proj, h.begin * dq, h.size() * dq);
+      m.q_b_proj = rows_or_empty(m.q_b_proj, h.begin * dq, h.size() * dq);
+      m.kv_b_proj = rows_of(m.kv_b_proj, h.begin * dkv, h.size() * dkv);
+      m.g_proj = rows_or_empty(m.g_proj, h.begin * dv, h.size() * dv);
+      m.o_proj = rows_of(m.o_proj, hid.begin, hid.size());
+      // q_a_proj, kv_a_proj and their norms: whole (the latent is the same for every head)
+    }
+    if (l.dense_ffn) {
+      if (tp) l.dense = cut_glu(l.dense, balanced_part(d.dense_inter, p.tp, r), hid);
+      continue;
+    }
+    MoeWeights& e = l.moe;
+    if (tp) e.shared = cut_glu(e.shared, balanced_part(d.shared_inter, p.tp, r), hid);
+    if (p.ep > 1) {
+      const CutRange mine = balanced_part(int64_t(e.experts.size()), p.ep, r);
+      for (int64_t x = 0; x < int64_t(e.experts.size()); ++x)
+        if (x < mine.begin || x >= mine.end) e.experts[size_t(x)] = GluWeights{};  // held by another rank
+      e.local_begin = mine.begin;
+      e.local_end = mine.end;
+    }
+  }
+  return o;
+}
+
+SplitGroup::SplitGroup() = default;
+SplitGroup::~SplitGroup() = default;
+
+std::unique_ptr<Model> Model::make_rank(const Model& full, const ParallelPlan& p, int r, Communicator* comm) {
+  std::unique_ptr<Model> m(new Model());
+  m->cfg_ = full.cfg_;
+  m->dims_ = rank_dims(full.dims_, p, r);
+  m->host_ = rank_weights(full.dims_, full.host_, p, r);
+  m->placed_ = m->host_;
+  m->backend_->place(m->placed_);
+  m->max_rows_ = full.max_rows_;
+  m->session_pool_opts_ = full.session_pool_opts_;
+  m->role_ = rank_role(full.dims_, p, r);
+  m->role_.comm = comm;
+  return m;
+}
+
+void Model::split(const ParallelPlan& p) {
+  if (split_) fail("the model is already split (" + split_->plan.str() + ")");
+  if (role_.comm) fail("a rank of a split model cannot be split again");
+  if (on_gpu())
+    fail(
+        "--tp/--ep: a model split over ranks runs on the CPU backend only (the NCCL communicator for GPUs is not "
+        "built yet)");
+  check_parallel_plan(dims_, p);
+  if (!p.split()) return;
+  auto g = std::make_unique<SplitGroup>();
+  g->plan = p;
+  g->comms = make_local_group(p.world());
+  for (int r = 0; r < p.world(); ++r) g->ranks.push_back(make_rank(*this, p, r, g->comms[size_t(r)].get()));
+  sessions_.reset();
+  work_.reset();
+  split_ = std::move(g);
+  ++backend_generation_;  // sessions made before hold no slots in the ranks' pools
+}
+
+ParallelPlan Model::parallel() const { return split_ ? split_->plan : ParallelPlan{}; }
+
+void Model::step_split(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
+                       int32_t* argmax) const {
+  SplitGroup& g = *split_;
+  if (opt.experts)
+    fail("routed experts from an expert source (--ram-budget) are not supported with --tp/--ep (" + g.plan.str() + ")");
+  if (pool.ranks() != int64_t(g.ranks.size()))
+    fail("step: the state pool was not made by this split model (" + g.plan.str() + "): use its new_pool()");
+  try {
+    run_ranks(g.comms, [&](Communicator& c) {
+      const int r = c.rank();
+      g.ranks[size_t(r)]->step(pool.rank(r), seqs, opt, r == 0 ? logits : nullptr, r == 0 ? argmax : nullptr);
+    });
+  } catch (...) {
+    // A rank that failed aborted the group: the next step gets a fresh one.
+    g.comms = make_local_group(g.plan.world());
+    for (size_t r = 0; r < g.ranks.size(); ++r) g.ranks[r]->role_.comm = g.comms[r].get();
+    throw;
+  }
+}
+
+}  // namespace k3
