@@ -39,6 +39,8 @@ struct EngineOptions {
   bool need_tokenizer = true;     // false: load without a tokenizer (token ids only; text calls throw)
   bool prefault = true;           // CPU: read the weights in at load time (else on first use)
   bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
+  int tp = 1, ep = 1;             // split the model over tp (tensor) / ep (expert) parallel ranks in this
+                                  // process (CPU only; same output as one rank: docs/multi-gpu.md)
   // Called during load(), on the loading thread, with bytes done/total while the weights are read in
   // (CPU prefault); a server reports it on /health. Empty = no reports.
   std::function<void(uint64_t done, uint64_t total)> load_progress;
@@ -96,7 +98,7 @@ class Engine {
   int64_t position(int32_t seq) const;  // tokens the sequence holds
 
   // Memory of sequences (const; any thread): what a cache of forked sequences budgets with.
-  uint64_t sequence_state_bytes() const;  // fixed per sequence: KDA recurrent + conv state of every KDA layer
+  uint64_t sequence_state_bytes() const;   // fixed per sequence: KDA recurrent + conv state of every KDA layer
   uint64_t cache_bytes_per_token() const;  // MLA latent cache per held token, all MLA layers
   int64_t cache_page_tokens() const;       // tokens per cache page (forks share whole pages until written)
 
@@ -175,7 +177,7 @@ struct ChatEvent {
 
 class ChatParser {
  public:
-  explicit ChatParser(bool thinking_prompt = true);  // XTML; thinking_prompt as ChatRenderOptions::thinking
+  explicit ChatParser(bool thinking_prompt = true);   // XTML; thinking_prompt as ChatRenderOptions::thinking
   ChatParser(const Engine& e, bool thinking_prompt);  // in the engine's chat format
   ~ChatParser();
   ChatParser(ChatParser&&) noexcept;

@@ -59,6 +59,7 @@ LoadOptionNames api_names() {
   n.direct_io = "direct_io";
   n.device_cuda = "device=cuda";
   n.numerics_exact = "numerics=exact";
+  n.split = "tp/ep";
   n.no_tokenizer = "set EngineOptions::tokenizer_dir, or need_tokenizer = false for token ids only";
   return n;
 }
@@ -112,6 +113,7 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   req.direct_io = options.direct_io;
   req.cuda = cuda;
   req.numerics = ops::parse_numerics(options.numerics);
+  req.parallel = {options.tp, options.ep};
   req.names = api_names();
   im->lc = load_checkpoint(req);
   im->max_ctx = im->lc.ctx_tokens;
@@ -133,10 +135,10 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   const int64_t bos = m.config().bos_token_id;
   im->bos = bos >= 0 && bos < V ? int32_t(bos) : -1;
   im->stops = eos_ids_from_dir(m, im->lc.dir);
-  im->format = options.chat_format.empty()
-                   ? chat::detect_format(im->lc.tokenizer_dir.empty() ? im->lc.dir : im->lc.tokenizer_dir,
-                                         m.config().model_type)
-                   : chat::parse_format_name(options.chat_format);
+  im->format =
+      options.chat_format.empty()
+          ? chat::detect_format(im->lc.tokenizer_dir.empty() ? im->lc.dir : im->lc.tokenizer_dir, m.config().model_type)
+          : chat::parse_format_name(options.chat_format);
   if (im->lc.tok)
     if (const auto eot = im->lc.tok->special_id(chat::chat_format(im->format).end_marker()); eot && int64_t(*eot) < V) {
       im->eot = int32_t(*eot);
@@ -302,8 +304,7 @@ std::vector<ChatEvent> to_events(const std::vector<chat::Event>& ev) {
 }
 }  // namespace
 
-ChatParser::ChatParser(bool thinking_prompt)
-    : impl_(new Impl{std::make_unique<chat::OutputParser>(thinking_prompt)}) {}
+ChatParser::ChatParser(bool thinking_prompt) : impl_(new Impl{std::make_unique<chat::OutputParser>(thinking_prompt)}) {}
 ChatParser::ChatParser(const Engine& e, bool thinking_prompt)
     : impl_(new Impl{chat::chat_format(e.impl_->format).parser(thinking_prompt)}) {}
 ChatParser::~ChatParser() = default;

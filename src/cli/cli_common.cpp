@@ -89,6 +89,16 @@ void RunEngineFlags::add(CLI::App* app) {
                   "GEMMs, fp32 = parity mode) (default cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_flag("--no-graphs", no_graphs, "with --device cuda: launch decode steps kernel by kernel (no CUDA graphs)");
+  add_parallel_options(app, tp, ep);
+}
+
+void add_parallel_options(CLI::App* app, int& tp, int& ep) {
+  app->add_option("--tp", tp,
+                  "tensor parallel ranks: attention heads, dense FFN and shared experts split N ways (CPU: the ranks "
+                  "run in this process; output identical to one rank)")
+      ->check(CLI::Range(1, 256));
+  app->add_option("--ep", ep, "expert parallel ranks: routed experts split N ways (with --tp: the same ranks)")
+      ->check(CLI::Range(1, 256));
 }
 
 std::string gpu_fit_line(size_t need) {
@@ -282,7 +292,10 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   req.direct_io = f.direct_io;
   req.cuda = f.device == "cuda";
   req.numerics = ops::parse_numerics(f.numerics);
+  req.parallel = {f.tp, f.ep};
   LoadedCheckpoint lc = load_checkpoint(req);
+  if (req.parallel.split() && !f.quiet)
+    std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(lc.model->dims(), req.parallel).c_str());
 
   const auto t0 = std::chrono::steady_clock::now();
   if (req.cuda) {

@@ -30,6 +30,7 @@ struct RunEngineFlags {
   std::string numerics = "fast", cpu_isa;  // ops::Numerics; CPU kernel level (empty = best)
   std::string device = "cpu";              // cpu | cuda
   bool no_graphs = false;                  // cuda: run decode steps without CUDA-graph replay
+  int tp = 1, ep = 1;                      // split over ranks in this process (CPU)
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -46,6 +47,9 @@ struct SamplingFlags {
   // defaults from DIR/generation_config.json, then flags; a random seed when --seed is absent.
   SamplingParams resolve(const std::string& model_dir, std::string* source) const;
 };
+
+// --tp N and --ep N (model/parallel.h), for every command that runs a model.
+void add_parallel_options(CLI::App* app, int& tp, int& ep);
 
 // -m, else $K3_MODEL, else the bundled model (K3_DEFAULT_MODEL_DIR) when it exists.
 std::string resolve_model_dir(const std::string& flag);

@@ -44,12 +44,7 @@ struct IdEngineFlags {
                     "exact (CPU default: fp64 sums), fp32 (GPU default: parity mode) or fast (bf16 activations)")
         ->check(CLI::IsMember({"fast", "fp32", "exact"}));
     app->add_flag("--no-graphs", no_graphs, "with --device cuda: no CUDA-graph replay of decode steps");
-    app->add_option("--tp", tp,
-                    "tensor parallel ranks: attention heads, dense FFN and shared experts split N ways (CPU: the "
-                    "ranks run in this process)")
-        ->check(CLI::Range(1, 256));
-    app->add_option("--ep", ep, "expert parallel ranks: routed experts split N ways (with --tp: the same ranks)")
-        ->check(CLI::Range(1, 256));
+    add_parallel_options(app, tp, ep);
   }
   std::unique_ptr<Model> load(const std::string& dir, const std::string& who) const {
     if (device == "cuda" && numerics == "exact")

@@ -118,17 +118,23 @@ int cmd_serve(int argc, char** argv) {
     eo.step_tokens = std::max<int64_t>(ef.ubatch, so.batch_tokens);
     eo.prefault = !ef.no_prefault;
     eo.cuda_graphs = !ef.no_graphs;
+    eo.tp = ef.tp;
+    eo.ep = ef.ep;
     eo.load_progress = [&](uint64_t d, uint64_t t) { http.set_load_progress(d, t); };
     std::unique_ptr<Engine> engine;
     try {
       const auto t0 = std::chrono::steady_clock::now();
       engine = Engine::load(eo);
       if (!ef.quiet)
-        std::fprintf(stderr,
-                     "k3 serve: loaded in %.2f s (context %lld tokens, %s, %s chat format, %d parallel, prefix cache %s)\n",
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                     (long long)engine->max_context(), ef.device.c_str(), engine->chat_format().c_str(), so.parallel,
-                     so.cache_bytes ? human_bytes(so.cache_bytes).c_str() : "off");
+        std::fprintf(
+            stderr,
+            "k3 serve: loaded in %.2f s (context %lld tokens, %s, %s chat format, %d parallel, prefix cache %s)\n",
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+            (long long)engine->max_context(), ef.device.c_str(), engine->chat_format().c_str(), so.parallel,
+            so.cache_bytes ? human_bytes(so.cache_bytes).c_str() : "off");
+      const ParallelPlan plan{ef.tp, ef.ep};
+      if (plan.split() && !ef.quiet)
+        std::fprintf(stderr, "k3 serve: split %s over %d ranks in this process\n", plan.str().c_str(), plan.world());
     } catch (...) {
       http.stop();
       http_thread.join();

@@ -22,6 +22,8 @@ void Model::set_max_step_rows(int64_t rows) {
   if (on_gpu()) fail("set_max_step_rows: on the GPU the step size is GpuOptions::tokens_per_call");
   max_rows_ = rows;
   work_.reset();
+  if (split_)
+    for (auto& r : split_->ranks) r->set_max_step_rows(rows);
 }
 
 Model::~Model() {

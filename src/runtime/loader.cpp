@@ -40,6 +40,12 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
     fail(nm.numerics_exact + " (fp64 sums) is CPU-only; with " + nm.device_cuda +
          " use fp32 (parity mode) or fast (bf16)");
   if (r.direct_io && !budget) fail(nm.direct_io + " needs " + nm.ram_budget + " (it is how streamed experts are read)");
+  if (r.parallel.split() && r.cuda)
+    fail(nm.split + " with " + nm.device_cuda +
+         ": splitting over GPUs needs the NCCL communicator, which is not built yet; on the CPU the ranks run in "
+         "this process");
+  if (r.parallel.split() && budget)
+    fail(nm.split + " with " + nm.ram_budget + " is not supported yet (the ranks would share one expert cache)");
   lc.ram_budget = budget;
   uint64_t resident_bytes = 0;
   {
@@ -55,7 +61,8 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
       resident_bytes = totals.trunk_bytes + std::min(cache, totals.expert_bytes);
     }
   }
-  const MemoryPlan plan = plan_memory(cfg, resident_bytes, lc.ctx_tokens, r.ubatch);
+  MemoryPlan plan = plan_memory(cfg, resident_bytes, lc.ctx_tokens, r.ubatch);
+  plan.mla_cache *= uint64_t(r.parallel.world());  // a split model's ranks each hold the whole latent cache
   uint64_t limit = 0;
   std::string limit_src;
   if (!r.mem_limit.empty()) {
@@ -86,6 +93,7 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
     fail("the tokenizer in " + lc.tokenizer_dir + " has " + std::to_string(lc.tok->vocab_size()) +
          " ids but the model's vocabulary is " + std::to_string(lc.model->dims().vocab));
   if (budget) lc.experts = make_budget_expert_cache(*lc.model, budget, r.direct_io);
+  if (r.parallel.split()) lc.model->split(r.parallel);
   lc.bind_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return lc;
 }

@@ -25,6 +25,7 @@ struct LoadOptionNames {
   std::string direct_io = "--direct-io";
   std::string device_cuda = "--device cuda";
   std::string numerics_exact = "--numerics exact";
+  std::string split = "--tp/--ep";
   // What to do about a directory without tiktoken.model (after "DIR has no tiktoken.model: ").
   std::string no_tokenizer =
       "text commands need the model's tokenizer (pass --tokenizer DIR, or use `k3 generate --ids` for token-id runs)";
@@ -43,6 +44,7 @@ struct LoadRequest {
   bool direct_io = false;      // with ram_budget: O_DIRECT expert reads
   bool cuda = false;           // the model goes to the GPU (the caller moves it: gpu_options_for)
   ops::Numerics numerics = ops::Numerics::Fast;
+  ParallelPlan parallel;  // split over ranks in this process (CPU; model/parallel.h)
   LoadOptionNames names;
 };
 

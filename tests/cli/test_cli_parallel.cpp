@@ -1,0 +1,96 @@
+// `--tp N --ep N` on the commands that run a model (issue 23): on the CPU the ranks run in the one
+// process, and what the commands write is byte for byte what one rank writes (k3 logits' float32
+// file, k3 generate's ids, k3 run's greedy text, k3 eval's perplexity line). Splits that cannot be
+// made, and the combinations not supported yet (--device cuda, --ram-budget), are one-line errors.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+
+#include "common/run_cmd.h"
+
+namespace fs = std::filesystem;
+using k3test::quote;
+using k3test::run_k3;
+
+namespace {
+
+fs::path src(const std::string& rel) { return fs::path(K3_SOURCE_DIR) / rel; }
+std::string model(const std::string& rel) { return "-m " + quote(src(rel).string()); }
+fs::path tmp(const std::string& name) {
+  return fs::temp_directory_path() / ("k3par_" + std::to_string(::getpid()) + "_" + name);
+}
+size_t lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
+// k3 eval's result line without its last field (the tokens per second of that run).
+std::string without_speed(const std::string& line) { return line.substr(0, line.rfind(" | ")); }
+
+void expect_error(const k3test::CmdResult& r, const std::string& sub, const std::string& needle) {
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_EQ(lines(r.err), 1u) << r.err;
+  EXPECT_EQ(r.err.rfind("k3 " + sub + ": error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+}
+
+const char* const kSplits[] = {"--tp 2", "--ep 2", "--tp 2 --ep 2"};
+const char* const kIds = "--ids 3,141,59,26,5,35,89,79,32,38,46,26,43";
+
+}  // namespace
+
+TEST(CliParallel, LogitsFileIsTheOneRanksByteForByte) {
+  for (const char* m : {"tests/fixtures/tiny", "tests/fixtures/kl-tiny", "models/k3-nano"}) {
+    const fs::path one = tmp("one.f32");
+    const auto r1 = run_k3("logits " + model(m) + " " + kIds + " -o " + one.string());
+    ASSERT_EQ(r1.code, 0) << r1.err;
+    for (const char* sp : kSplits) {
+      const fs::path two = tmp("split.f32");
+      const auto r2 = run_k3("logits " + model(m) + " " + kIds + " -o " + two.string() + " " + sp);
+      ASSERT_EQ(r2.code, 0) << m << " " << sp << ": " << r2.err;
+      EXPECT_NE(r2.err.find("k3 logits: split "), std::string::npos) << r2.err;  // says what each rank holds
+      const std::string a = k3test::slurp(one), b = k3test::slurp(two);
+      EXPECT_GT(a.size(), 0u);
+      EXPECT_TRUE(a == b) << m << " " << sp << ": logits differ from one rank's";
+      fs::remove(two);
+    }
+    fs::remove(one);
+  }
+}
+
+TEST(CliParallel, GenerateRunAndEvalAreTheOneRanks) {
+  const std::string nano = model("models/k3-nano");
+  const auto g1 = run_k3("generate " + nano + " " + kIds + " -n 12 --print-ids");
+  const auto r1 = run_k3("run " + nano + " -q -p 'The engine reads' -n 24 --temp 0");
+  const auto e1 =
+      run_k3("eval " + nano + " -q --file " + quote(src("README.md").string()) + " --ctx 128 --max-tokens 256");
+  ASSERT_EQ(g1.code, 0) << g1.err;
+  ASSERT_EQ(r1.code, 0) << r1.err;
+  ASSERT_EQ(e1.code, 0) << e1.err;
+  for (const char* sp : kSplits) {
+    const auto g2 = run_k3("generate " + nano + " " + kIds + " -n 12 --print-ids " + sp);
+    EXPECT_EQ(g2.code, 0) << g2.err;
+    EXPECT_EQ(g2.out, g1.out) << sp;
+    const auto r2 = run_k3("run " + nano + " -q -p 'The engine reads' -n 24 --temp 0 " + sp);
+    EXPECT_EQ(r2.code, 0) << r2.err;
+    EXPECT_EQ(r2.out, r1.out) << sp;
+    const auto e2 =
+        run_k3("eval " + nano + " -q --file " + quote(src("README.md").string()) + " --ctx 128 --max-tokens 256 " + sp);
+    EXPECT_EQ(e2.code, 0) << e2.err;
+    EXPECT_EQ(without_speed(e2.out), without_speed(e1.out)) << sp;
+  }
+}
+
+TEST(CliParallel, SplitsThatCannotBeMadeAreOneLineErrors) {
+  const std::string flat = model("tests/fixtures/tiny-flat"), nano = model("models/k3-nano");
+  expect_error(run_k3("logits " + flat + " --ids 1,2 -o /dev/null --tp 3"), "logits",
+               "--tp 3: the model has 2 KDA heads, fewer than the ranks");
+  expect_error(run_k3("generate " + flat + " --ids 1,2 --ep 5"), "generate",
+               "--ep 5: the model has 4 routed experts, fewer than the ranks");
+  expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 2 --ep 4"), "generate",
+               "with both above 1 they must be equal");
+  expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 0"), "generate", "--tp");
+  expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 2 --device cuda --numerics fp32"), "generate",
+               "needs the NCCL communicator");
+  expect_error(run_k3("run " + nano + " -p hi -n 2 --tp 2 --device cuda"), "run", "needs the NCCL communicator");
+  expect_error(run_k3("run " + nano + " -p hi -n 2 --ep 2 --ram-budget 1G"), "run",
+               "--ram-budget is not supported yet");
+}
