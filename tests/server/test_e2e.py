@@ -445,6 +445,43 @@ class NoCrossingUnderLoad(unittest.TestCase):
             s.stop()
 
 
+@unittest.skipIf(SANITIZED, "load test skipped in the sanitizer build (run by the release build)")
+class SplitModelServes(unittest.TestCase):
+    # The model split over 2 ranks (--tp 2 --ep 2, docs/multi-gpu.md): 16 concurrent streams, each
+    # equal to the same prompt answered alone by a one-rank server, with a multi-turn chat whose
+    # second turn comes from the prefix cache.
+    def test_split_concurrent_streams_equal_one_rank_solo(self):
+        kw = dict(model=MODEL, max_tokens=8, temperature=0)
+        one = Server()
+        try:
+            c = one.client(timeout=600)
+            solo = [c.chat.completions.create(messages=user(p), **kw) for p in PROMPTS[:16]]
+            solo_text = [reasoning_of(r.choices[0].message) + (r.choices[0].message.content or "") for r in solo]
+            one_turns = converse(one, max_tokens=16)[0]
+        finally:
+            one.stop()
+        s = Server("--tp", "2", "--ep", "2", "--parallel", "8")
+        try:
+            c = s.client(timeout=600)
+
+            def stream(p):
+                text = ""
+                for ch in c.chat.completions.create(messages=user(p), stream=True, **kw):
+                    for x in ch.choices:
+                        text += (getattr(x.delta, "reasoning_content", None) or "") + (x.delta.content or "")
+                return text
+
+            with concurrent.futures.ThreadPoolExecutor(16) as ex:
+                got = list(ex.map(stream, PROMPTS[:16]))
+            for i, text in enumerate(got):
+                self.assertEqual(text, solo_text[i], f"prompt {i}: the split server's output differs from one rank's")
+            split_turns, cached = converse(s, max_tokens=16)[:2]
+            self.assertEqual(split_turns, one_turns)
+            self.assertGreater(sum(cached), 0, "the prefix cache served nothing on the split model")
+        finally:
+            s.stop()
+
+
 TURNS = ["What is a file system?", "How do I mount one?", "What does fsck check?", "Explain inodes.",
          "What is a journal?", "How big can a file be?", "What are hard links?", "And symbolic links?",
          "How are permissions stored?", "Summarize the conversation."]
