@@ -11,6 +11,7 @@
 #include "cli/cmd_bench.h"
 #include "cli/cmd_eval.h"
 #include "cli/cmd_ids.h"
+#include "cli/cmd_plan.h"
 #include "cli/cmd_run.h"
 #include "cli/cmd_serve.h"
 #include "cli/cmd_tokenize.h"
@@ -35,6 +36,7 @@ const Subcommand kSubcommands[] = {
     {"tokenize", "text -> token ids", k3::cli::cmd_tokenize},
     {"detokenize", "token ids -> text", k3::cli::cmd_detokenize},
     {"serve", "OpenAI-compatible HTTP server with continuous batching and a prefix cache", k3::cli::cmd_serve},
+    {"plan", "placement on GPUs / host RAM / disk and predicted t/s from the config and the machine", k3::cli::cmd_plan},
 };
 
 }  // namespace

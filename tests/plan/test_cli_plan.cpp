@@ -1,0 +1,138 @@
+// The built `k3 plan` binary: on K3-nano (this machine) and on the released K3 config with
+// described machines, text and JSON forms, a calibration round trip (measured on this machine, at
+// small sizes), and every bad input as one line on stderr with exit code 2, never a crash.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "common/run_cmd.h"
+
+namespace fs = std::filesystem;
+using k3test::quote;
+using k3test::run_k3;
+
+namespace {
+
+const std::string kNano = std::string(K3_SOURCE_DIR) + "/models/k3-nano";
+const std::string kK3 = std::string(K3_SOURCE_DIR) + "/tests/fixtures/k3-config-only";
+const std::string kRecorded = std::string(K3_SOURCE_DIR) + "/docs/data/calibration-h200-recorded.json";
+const std::string kServerA = " --gpus 1xH200 --ram 1.5T --cpu-bw 921.6G --cores 96 --disk 7G";
+
+// One line on stderr naming the problem, exit code 2, nothing on stdout.
+void expect_one_line_error(const std::string& args, const std::string& part) {
+  const k3test::CmdResult r = run_k3("plan " + args);
+  EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+  EXPECT_EQ(r.out, "") << args;
+  ASSERT_FALSE(r.err.empty()) << args;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << "not one line: " << r.err;
+  EXPECT_EQ(r.err.rfind("k3 plan: error: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find(part), std::string::npos) << r.err;
+}
+
+nlohmann::json plan_json(const std::string& args) {
+  const k3test::CmdResult r = run_k3("plan --json " + args);
+  EXPECT_EQ(r.code, 0) << r.err;
+  return nlohmann::json::parse(r.out);
+}
+
+}  // namespace
+
+TEST(CliPlan, K3NanoOnThisMachine) {
+  const k3test::CmdResult r = run_k3("plan -m " + quote(kNano));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("k3 plan: "), std::string::npos);
+  EXPECT_NE(r.out.find("rates     nominal (no calibration)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("placement "), std::string::npos);
+  EXPECT_NE(r.out.find("=> "), std::string::npos);
+  EXPECT_NE(r.out.find("safetensors headers"), std::string::npos);
+  const nlohmann::json j = plan_json("-m " + quote(kNano) + " --batch 4");
+  EXPECT_TRUE(j["plan"]["fits"].get<bool>());
+  EXPECT_GT(j["plan"]["decode_batch1"]["tokens_per_s"].get<double>(), 0);
+  EXPECT_EQ(j["plan"]["decode_batch"]["batch"].get<int>(), 4);
+  EXPECT_GT(j["plan"]["prefill"]["tokens_per_s"].get<double>(), 0);
+  EXPECT_EQ(j["rates"]["mode"], "nominal (no calibration)");
+}
+
+TEST(CliPlan, K3ConfigOnAGpuServerIsHybrid) {
+  const nlohmann::json j = plan_json("--config " + quote(kK3) + kServerA + " --calibration " + quote(kRecorded));
+  const auto& p = j["plan"];
+  EXPECT_EQ(p["kind"], "hybrid");
+  EXPECT_TRUE(p["fits"].get<bool>());
+  EXPECT_NE(j["rates"]["mode"].get<std::string>().find("1xH200 (from the recorded runs)"), std::string::npos);
+  // The rates the plan used are the calibration's.
+  EXPECT_NE(j["rates"]["gpu_trunk_gemv_Bps"]["source"].get<std::string>().find("k3-layer-bench-gpu.json"),
+            std::string::npos);
+  // The step is the sum its terms say.
+  const auto& d = p["decode_batch1"];
+  const double beside = d["gpu_shared_s"].get<double>() + d["gpu_experts_s"].get<double>();
+  const double serial = d["gpu_total_s"].get<double>() - beside + std::max(beside, d["cpu_total_s"].get<double>()) +
+                        d["pcie_s"].get<double>() + d["sync_s"].get<double>();
+  EXPECT_NEAR(d["step_s"].get<double>(), serial, 1e-12 * serial);
+  // The human form shows the same placement and the arithmetic.
+  const k3test::CmdResult t = run_k3("plan --config " + quote(kK3) + kServerA);
+  ASSERT_EQ(t.code, 0) << t.err;
+  EXPECT_NE(t.out.find("placement hybrid: GPU trunk + routed experts in host RAM"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("CPU experts = max("), std::string::npos);
+  EXPECT_NE(t.out.find("all on GPUs: does not fit"), std::string::npos);
+}
+
+TEST(CliPlan, Fp8TrunkAndMultiGpu) {
+  const k3test::CmdResult r =
+      run_k3("plan --config " + quote(kK3) + " --gpus 1xH100-80G --ram 1.5T --cpu-bw 921.6G --cores 96 --trunk-fp8");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("FP8 trunk: planned, not yet implemented"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("placement hybrid"), std::string::npos);
+  const nlohmann::json j = plan_json("--config " + quote(kK3) +
+                                     " --nodes 2 --gpus 8xH200 --tp 16 --ep 16 --calibration " + quote(kRecorded));
+  EXPECT_EQ(j["plan"]["kind"], "gpu");
+  EXPECT_EQ(j["plan"]["tp"], 16);
+  EXPECT_GT(j["plan"]["decode_batch1"]["collectives_s"].get<double>(), 0);
+}
+
+TEST(CliPlan, BadInputsAreOneLineErrors) {
+  const std::string k3 = "--config " + quote(kK3);
+  expect_one_line_error(k3 + " --gpus 8xB300", "unknown GPU 'B300'");
+  expect_one_line_error(k3 + " --gpus 1xH200 --cpu-bw 5X", "--cpu-bw must be a rate like 55G or 4.8T");
+  expect_one_line_error(k3 + " --gpus 1xH200 --pcie -5G", "--pcie must be positive");
+  expect_one_line_error(k3 + " --ram 1.5Q", "--ram must be a size like 512M");
+  expect_one_line_error(k3 + kServerA + " --placement gpu", "nothing fits: all on GPUs: per GPU trunk");
+  expect_one_line_error(k3 + " --gpus 1xH100-80G --ram 64G --placement hybrid", "over by");
+  expect_one_line_error(k3 + " --gpus 8xH200 --tp 3", "--tp 3 does not divide the 8 GPUs");
+  expect_one_line_error(k3 + " --ctx 2000000", "exceeds the model's max_position_embeddings");
+  expect_one_line_error(k3 + " --gpus 1xH100-80G --calibration " + quote(kRecorded),
+                        "was measured on NVIDIA H200 (H200), but the planned GPU is H100-80G");
+  expect_one_line_error(k3 + " --calibration /nonexistent/cal.json", "calibration file not found");
+  expect_one_line_error(k3 + " --gpu-mem 80G", "--gpu-mem 80G given, but there is no GPU");
+  // A config that is not a K3-family config.
+  const fs::path dir = fs::temp_directory_path() / ("k3plan_llama_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.json") << R"({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32})";
+  expect_one_line_error("--config " + quote((dir / "config.json").string()), "config.json");
+  fs::remove_all(dir);
+}
+
+TEST(CliPlan, CalibrateWritesAFileThatPlanUses) {
+  const fs::path out = fs::temp_directory_path() / ("k3plan_cal_" + std::to_string(::getpid()) + ".json");
+  const k3test::CmdResult r = run_k3("plan --calibrate --out " + quote(out.string()) +
+                                     " --calibrate-mem 64M --disk-size 16M --no-gpu-calibration");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("wrote the calibration to " + out.string()), std::string::npos) << r.out;
+  std::ifstream in(out);
+  const nlohmann::json c = nlohmann::json::parse(in);
+  for (const char* k : {"expert_gemv_Bps", "expert_gemm_flops", "bf16_gemv_Bps", "bf16_gemm_flops", "mem_read_Bps"})
+    EXPECT_GT(c["cpu"][k].get<double>(), 0) << k;
+  EXPECT_GT(c["disk"]["seq_read_Bps"].get<double>(), 0);
+  EXPECT_TRUE(c["gpu"].is_null());
+  const nlohmann::json j = plan_json("-m " + quote(kNano) + " --calibration " + quote(out.string()));
+  EXPECT_DOUBLE_EQ(j["rates"]["cpu_expert_gemv_Bps"]["value"].get<double>(), c["cpu"]["expert_gemv_Bps"].get<double>());
+  fs::remove(out);
+  // The GPU part, required, refuses in one line where there is no GPU (or no CUDA backend).
+  const k3test::CmdResult g = run_k3("plan --calibrate --calibrate-gpu --out " + quote(out.string()));
+  if (g.code == 0) GTEST_SKIP() << "a GPU is present: the refusal is not testable here";
+  EXPECT_EQ(g.code, 2);
+  EXPECT_EQ(g.err.rfind("k3 plan: error: --calibrate-gpu: ", 0), 0u) << g.err;
+  EXPECT_EQ(g.err.find('\n'), g.err.size() - 1) << g.err;
+  EXPECT_FALSE(fs::exists(out));
+}
