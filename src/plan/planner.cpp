@@ -333,7 +333,7 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
       f.a_cpu =
           std::max(U * miss * share * f.flops_experts / r.cpu_expert_flops.value, miss_bytes / r.cpu_expert_Bps.value) +
           miss_bytes * (1 - L.f_ram) / r.disk_Bps.value;
-      f.a_pcie = nm * U / L.dp * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value +
+      f.a_pcie = nm * U * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value +
                  nm * r.lat.sync.value;
       const double n = double(f.chunks);
       f.a_total = n * std::max(f.a_gpu, f.a_cpu) + std::min(f.a_gpu, f.a_cpu) + n * f.a_pcie;
@@ -620,6 +620,19 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
   p.decodeB = decode(e, L, std::max<int64_t>(q.batch, 1));
   p.prefill = prefill(e, L, p);
   if (kind == "hybrid" && p.frac_gpu >= 1) p.notes.push_back("every routed expert fits on the GPUs: same as 'gpu'");
+  // What k3 itself runs of this placement today (the planner plans ahead of the engine).
+  if (kind == "hybrid" && p.frac_gpu < 1)
+    p.notes.push_back(
+        "hybrid: k3 does not yet compute routed experts on the CPU beside a GPU trunk (issue 20); "
+        "k3 run --device cuda --ram-budget uploads each step's experts to the GPU instead");
+  if (p.world > 1)
+    p.notes.push_back(
+        "several GPUs: k3 splits TP/EP on the CPU backend only so far (docs/multi-gpu.md); the NCCL "
+        "communicator and multi-node start-up are not built");
+  if (p.world > 1 && tp != ep)
+    p.notes.push_back("TP" + std::to_string(tp) + " != EP" + std::to_string(ep) +
+                      ": k3's split (src/model/parallel.h) needs --tp == --ep today");
+  if (q.trunk_fp8) p.notes.push_back("FP8 trunk: planned, not yet implemented (k3 run has no FP8 trunk option)");
   return p;
 }
 

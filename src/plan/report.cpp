@@ -197,8 +197,24 @@ std::string format_json(const ReportInput& in) {
                   {"trunk_fp8", q.trunk_fp8},
                   {"placement", q.placement}};
   j["plan"] = plan_json(in.result.best);
+  // Every placement evaluated, in short (the chosen one is "plan" above, with all its terms).
   Json alt = Json::array();
-  for (const Plan& p : in.result.considered) alt.push_back(plan_json(p));
+  for (const Plan& p : in.result.considered)
+    alt.push_back({{"kind", p.kind},
+                   {"tp", p.tp},
+                   {"ep", p.ep},
+                   {"gpus", p.world},
+                   {"fits", p.fits},
+                   {"why_not", p.why_not},
+                   {"expert_hit", p.hit},
+                   {"decode_batch1", {{"step_s", p.decode1.step}, {"tokens_per_s", p.decode1.tokens_per_s}}},
+                   {"decode_batch",
+                    {{"batch", p.decodeB.batch}, {"step_s", p.decodeB.step}, {"tokens_per_s", p.decodeB.tokens_per_s}}},
+                   {"prefill",
+                    {{"prompt", p.prefill.prompt},
+                     {"seconds", p.prefill.seconds},
+                     {"tokens_per_s", p.prefill.tokens_per_s},
+                     {"choice", p.prefill.choice}}}});
   j["considered"] = alt;
   j["notes"] = in.result.notes;
   return j.dump(2) + "\n";
@@ -311,9 +327,9 @@ std::string format_text(const ReportInput& in) {
                     c->prefill.tokens_per_s);
     const bool same = c->kind == "hybrid" && c->frac_gpu >= 1 && p.kind == "gpu";
     o += "  " + kind_name(*c) + ": " +
-         (same ? std::string("every routed expert fits on the GPUs: the same as the placement above")
-               : c->fits ? std::string(b)
-                         : "does not fit: " + c->why_not) +
+         (same      ? std::string("every routed expert fits on the GPUs: the same as the placement above")
+          : c->fits ? std::string(b)
+                    : "does not fit: " + c->why_not) +
          "\n";
   }
   for (const std::string& n : p.notes) o += "note: " + n + "\n";

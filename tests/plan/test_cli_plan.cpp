@@ -76,6 +76,8 @@ TEST(CliPlan, K3ConfigOnAGpuServerIsHybrid) {
   EXPECT_NE(t.out.find("placement hybrid: GPU trunk + routed experts in host RAM"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("CPU experts = max("), std::string::npos);
   EXPECT_NE(t.out.find("all on GPUs: does not fit"), std::string::npos);
+  // The plan says what k3 itself does not run yet.
+  EXPECT_NE(t.out.find("k3 does not yet compute routed experts on the CPU beside a GPU trunk"), std::string::npos);
 }
 
 TEST(CliPlan, Fp8TrunkAndMultiGpu) {
