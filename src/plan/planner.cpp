@@ -333,8 +333,8 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
       f.a_cpu =
           std::max(U * miss * share * f.flops_experts / r.cpu_expert_flops.value, miss_bytes / r.cpu_expert_Bps.value) +
           miss_bytes * (1 - L.f_ram) / r.disk_Bps.value;
-      f.a_pcie = nm * U * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value +
-                 nm * r.lat.sync.value;
+      f.a_pcie =
+          nm * U * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value + nm * r.lat.sync.value;
       const double n = double(f.chunks);
       f.a_total = n * std::max(f.a_gpu, f.a_cpu) + std::min(f.a_gpu, f.a_cpu) + n * f.a_pcie;
       // B: the missing experts of each layer streamed to the GPU in groups of 64, two staged at a
@@ -632,7 +632,10 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
   if (p.world > 1 && tp != ep)
     p.notes.push_back("TP" + std::to_string(tp) + " != EP" + std::to_string(ep) +
                       ": k3's split (src/model/parallel.h) needs --tp == --ep today");
-  if (q.trunk_fp8) p.notes.push_back("FP8 trunk: planned, not yet implemented (k3 run has no FP8 trunk option)");
+  if (q.trunk_fp8)
+    p.notes.push_back(
+        "FP8 trunk: planned, not yet implemented (k3 run has no FP8 trunk at this commit; it is being "
+        "built separately)");
   return p;
 }
 

@@ -238,7 +238,9 @@ std::string format_text(const ReportInput& in) {
   o += "          per sequence (fp32, as k3 holds it): KDA state " + human_dec_bytes(s.kda_state_bytes) +
        ", MLA cache " + human_dec_bytes(s.mla_bytes_per_token) + "/token\n";
   o += "          bytes: " + s.bytes_source + "\n";
-  if (q.trunk_fp8) o += "          FP8 trunk: planned, not yet implemented (k3 run has no FP8 trunk yet)\n";
+  if (q.trunk_fp8)
+    o += "          FP8 trunk: planned, not yet implemented (trunk matrices at 1 B/weight + 128x128 block scales; "
+         "router, embedding, lm_head bf16)\n";
   o += "machine   " + m.description + "\n";
   if (m.gpu)
     o += "          " + std::to_string(m.nodes) + " node(s) x " + std::to_string(m.gpus_per_node) + " x " +
@@ -248,7 +250,7 @@ std::string format_text(const ReportInput& in) {
   o += "          host " + human_bytes(m.ram.value) + " RAM (" + m.ram.source + "), " + std::to_string(m.cores.value) +
        " cores (" + m.cores.source + ")" + (m.cpu_name.empty() ? "" : ", " + m.cpu_name) + "\n";
   if (m.ram_budget) o += "          --ram-budget " + human_bytes(*m.ram_budget) + " for weights\n";
-  o += "rates     " + r.mode + "\n";
+  o += "rates: " + r.mode + "\n";
   if (m.gpu) {
     o += rate_row("GPU trunk GEMV", r.gpu_trunk_Bps, false);
     o += rate_row("GPU expert GEMV", r.gpu_expert_Bps, false);

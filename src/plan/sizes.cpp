@@ -65,6 +65,7 @@ ModelSizes model_sizes(const ModelConfig& cfg, const std::string& dir) {
   s.trunk_params = double(a.trunk);
   s.shared_params = 3.0 * double(cfg.shared_intermediate()) * double(cfg.hidden_size);
   s.expert_params = double(a.routed_expert);
+  s.router_params = double(cfg.num_experts) * double(cfg.hidden_size) * double(a.n_moe_layers);
   s.lm_head_params = double(a.lm_head);
   s.embed_params = double(a.embedding);
   s.experts_mxfp4 = config_says_mxfp4(cfg.source);
@@ -126,7 +127,8 @@ double host_scratch_bytes(const ModelConfig& cfg, int64_t ctx, int64_t rows) {
 
 Fp8Trunk fp8_trunk(const ModelSizes& s) {
   constexpr double kFp8 = 1.0 + 4.0 / (128.0 * 128.0);  // E4M3 byte + an fp32 scale per 128 x 128 block
-  return {s.trunk_params * kFp8, s.shared_params * kFp8, s.lm_head_params * kFp8};
+  return {(s.trunk_params - s.router_params) * kFp8 + s.router_params * kBf16BytesPerWeight, s.shared_params * kFp8,
+          s.lm_head_bytes};
 }
 
 }  // namespace k3::plan

@@ -23,6 +23,7 @@ struct ModelSizes {
   double trunk_params = 0;   // every layer except routed experts + final norms (no embedding, no lm_head)
   double shared_params = 0;  // per MoE layer: the fused shared experts (what runs beside the routed ones)
   double expert_params = 0;  // one routed expert
+  double router_params = 0;  // all MoE layers' router gates (part of trunk_params; bf16 in an FP8 trunk)
   double lm_head_params = 0, embed_params = 0;
   // Stored bytes.
   double trunk_bytes = 0;   // bf16 (or as the headers say)
@@ -46,9 +47,10 @@ ModelSizes model_sizes(const ModelConfig& cfg, const std::string& dir);
 double gpu_workspace_bytes(const ModelConfig& cfg, int64_t rows);
 double host_scratch_bytes(const ModelConfig& cfg, int64_t ctx, int64_t rows);
 
-// FP8 (E4M3) trunk as planned by issue 20: every trunk matrix and the lm_head at 1 byte per weight
-// plus one fp32 scale per 128 x 128 block; the embedding stays bf16 (a row lookup). Returns the
-// trunk bytes and lm_head bytes that replace the bf16 ones.
+// FP8 (E4M3) trunk as issue 20 defines it: the trunk matrices (attention projections, MoE latent
+// down/up projections, shared experts, dense FFN) at 1 byte per weight plus one fp32 scale per
+// 128 x 128 block; the router, the embedding and the lm_head stay bf16. Returns the bytes that
+// replace the bf16 ones.
 struct Fp8Trunk {
   double trunk_bytes = 0, shared_bytes = 0, lm_head_bytes = 0;
 };

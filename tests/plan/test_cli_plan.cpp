@@ -43,7 +43,7 @@ TEST(CliPlan, K3NanoOnThisMachine) {
   const k3test::CmdResult r = run_k3("plan -m " + quote(kNano));
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("k3 plan: "), std::string::npos);
-  EXPECT_NE(r.out.find("rates     nominal (no calibration)"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nrates: nominal (no calibration)\n"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("placement "), std::string::npos);
   EXPECT_NE(r.out.find("=> "), std::string::npos);
   EXPECT_NE(r.out.find("safetensors headers"), std::string::npos);
