@@ -1,7 +1,9 @@
 // Dtype names and exact decoders (see dtype.h).
 #include "core/dtype.h"
 
+#include <bit>
 #include <cmath>
+#include <limits>
 
 namespace k3 {
 
@@ -80,12 +82,59 @@ uint16_t f32_to_f16(float f) {
   return sign | uint16_t(r);
 }
 
+uint8_t f32_to_fp8_e4m3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80);
+  const uint32_t mag = u & 0x7fffffffu;
+  if (mag > 0x7f800000u) return sign | 0x7f;   // NaN
+  if (mag >= 0x43e00000u) return sign | 0x7e;  // >= 448 (and inf): saturate
+  if (mag < 0x3c800000u) {
+    // Below 2^-6, the smallest normal: multiples of 2^-9 (subnormal codes 0..7; 8 is 2^-6, the first
+    // normal code, reached by rounding up). a * 2^9 is exact; nearbyint rounds ties to even.
+    float a;
+    std::memcpy(&a, &mag, 4);
+    return sign | uint8_t(std::nearbyint(a * 512.0f));
+  }
+  // Normal: keep 3 of the 23 mantissa bits, round the other 20 to nearest even (a carry moves into
+  // the exponent, as it must); a result above 448 (0x7e) saturates.
+  const uint32_t exp = (mag >> 23) - 127 + 7, man = mag & 0x7fffffu;
+  uint32_t r = (exp << 3) | (man >> 20);
+  const uint32_t rem = man & 0xfffffu;
+  if (rem > 0x80000u || (rem == 0x80000u && (r & 1))) ++r;
+  return sign | uint8_t(r > 0x7e ? 0x7e : r);
+}
+
+namespace {
+// The decode table, built at compile time from the bit fields (the function below is the
+// independent definition; tests/unit/test_dtype.cpp checks that the two agree on all 256 codes).
+constexpr float e4m3_value(int b) {
+  const int exp = (b >> 3) & 0xf, man = b & 0x7;
+  if (exp == 0xf && man == 0x7)
+    return (b & 0x80) ? -std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::quiet_NaN();
+  const float mag =
+      exp == 0 ? float(man) / 512.0f : float(8 + man) / 8.0f * std::bit_cast<float>(uint32_t(exp - 7 + 127) << 23);
+  return (b & 0x80) ? -mag : mag;
+}
+struct E4m3Table {
+  float v[256];
+};
+constexpr E4m3Table make_e4m3_table() {
+  E4m3Table t{};
+  for (int b = 0; b < 256; ++b) t.v[b] = e4m3_value(b);
+  return t;
+}
+constexpr E4m3Table kE4m3Table = make_e4m3_table();
+}  // namespace
+
+const float (&kE4M3)[256] = kE4m3Table.v;
+
 float fp8_e4m3_to_f32(uint8_t b) {
   const float sign = (b & 0x80) ? -1.0f : 1.0f;
   const int exp = (b >> 3) & 0xf;
   const int man = b & 0x7;
-  if (exp == 0xf && man == 0x7) return __builtin_nanf("");
-  if (exp == 0) return sign * std::ldexp(float(man), -9);  // subnormal: man/8 * 2^-6
+  if (exp == 0xf && man == 0x7) return std::copysign(__builtin_nanf(""), sign);  // S.1111.111, sign kept
+  if (exp == 0) return sign * std::ldexp(float(man), -9);                        // subnormal: man/8 * 2^-6
   return sign * std::ldexp(1.0f + float(man) / 8.0f, exp - 7);
 }
 

@@ -1,5 +1,6 @@
-// Element types of checkpoint tensors and their exact decoders to fp32.
-// Owns: safetensors dtype names, element sizes, bf16/f16/fp8-e4m3/e2m1/e8m0 decoding.
+// Element types of checkpoint tensors, their exact decoders to fp32 and the encoders from it.
+// Owns: safetensors dtype names, element sizes, bf16/f16/fp8-e4m3/e2m1/e8m0 decoding, and the
+// rounding fp32 -> bf16/f16/fp8-e4m3.
 // Must not: know about model structure or quantization policy (that is ops + model binding).
 #pragma once
 #include <cstdint>
@@ -31,9 +32,17 @@ inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-float f16_to_f32(uint16_t h);      // IEEE binary16, subnormals and inf/NaN exact
-uint16_t f32_to_f16(float f);      // round-to-nearest-even
-float fp8_e4m3_to_f32(uint8_t b);  // OCP E4M3FN: bias 7, no inf, S.1111.111 = NaN
+float f16_to_f32(uint16_t h);  // IEEE binary16, subnormals and inf/NaN exact
+uint16_t f32_to_f16(float f);  // round-to-nearest-even
+// FP8 E4M3 as the OCP 8-bit floating point specification (OFP8, rev. 1.0, 2023: "E4M3") defines it:
+// 1 sign, 4 exponent (bias 7) and 3 mantissa bits, no infinities, S.1111.111 = NaN (the only NaNs),
+// largest finite 448 (S.1111.110), smallest subnormal 2^-9 (exponent 0: mantissa/8 * 2^-6).
+float fp8_e4m3_to_f32(uint8_t b);
+// Round to nearest, ties to even (as the spec's roundTiesToEven), saturating: every |f| >= 448 and
+// +-inf become +-448 (the spec's saturating conversion); NaN becomes S.1111.111 with f's sign.
+uint8_t f32_to_fp8_e4m3(float f);
+// fp8_e4m3_to_f32 of every code (the scalar kernels' decode table).
+extern const float (&kE4M3)[256];
 
 // MXFP4 element (E2M1, bit 3 = sign) and group scale (E8M0, 2^(s-127), 255 = NaN per OCP MX).
 extern const float kE2M1[16];

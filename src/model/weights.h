@@ -1,8 +1,9 @@
 // The weights of a K3 model as views, the same structs on every backend: a WeightMat or FVec points
 // at host memory (the mmap'd shards, decoded small vectors) after binding, and at device memory
 // after a backend placed them (Backend::place). Owns: the list of a model's weights (the visitor
-// for_each_weight, which binding checks, placement, the memory plan and the traffic count walk) and
-// the byte count of each (weight_bytes).
+// for_each_weight, which binding checks, placement, the memory plan, the traffic count and the FP8
+// trunk's quantiser walk), the role of each (WeightRole::Trunk is what --trunk-fp8 quantises) and the
+// byte count of each (weight_bytes).
 // Must not: own weight memory (the bound Model and the backends do) or know tensor names.
 #pragma once
 #include <cstdint>
@@ -22,10 +23,22 @@ struct FVec {
   float operator[](size_t i) const { return p[i]; }
 };
 
-// Stored bytes of a weight matrix (MXFP4: packed nibbles + E8M0 scales); 0 for an empty one.
+// Bytes of a [rows, cols] matrix in FP8: the E4M3 bytes and one fp32 scale per 128 x 128 block.
+inline uint64_t fp8_matrix_bytes(int64_t rows, int64_t cols) {
+  return uint64_t(rows) * uint64_t(cols) +
+         4 * uint64_t((rows + kFp8Block - 1) / kFp8Block) * uint64_t(fp8_block_cols(cols));
+}
+
+// Stored bytes of a weight matrix (MXFP4: packed nibbles + E8M0 scales; FP8: E4M3 bytes + the block
+// scales of the block rows it covers, so that a row view counts the scales it reads); 0 for an empty
+// one.
 inline uint64_t weight_bytes(const WeightMat& w) {
   if (w.empty()) return 0;
   const uint64_t data = uint64_t(w.rows) * uint64_t(row_bytes(w));
+  if (w.fmt == WFormat::FP8) {
+    const int64_t block_rows = w.rows == 0 ? 0 : (w.row0 + w.rows - 1) / kFp8Block - w.row0 / kFp8Block + 1;
+    return data + 4 * uint64_t(block_rows) * uint64_t(fp8_block_cols(w.cols));
+  }
   return w.fmt == WFormat::MXFP4 ? data + uint64_t(w.rows) * uint64_t(w.cols / 32) : data;
 }
 inline uint64_t weight_bytes(const FVec& v) { return uint64_t(v.n) * 4; }

@@ -12,6 +12,8 @@ const char* wformat_name(WFormat f) {
       return "BF16";
     case WFormat::MXFP4:
       return "MXFP4";
+    case WFormat::FP8:
+      return "FP8";
   }
   return "?";
 }

@@ -37,6 +37,8 @@ uint64_t data_bytes(const WeightMat& w) {
       return 2 * n;
     case WFormat::MXFP4:
       return n / 2;
+    case WFormat::FP8:  // never a routed expert (--trunk-fp8 quantises the trunk only)
+      return n;
   }
   return 0;
 }

@@ -1,12 +1,15 @@
 // Random weight matrices in every WFormat that own their bytes (tests only).
-// Owns: nothing the engine uses. Values are non-zero; MXFP4 scales span 2^-7..2^3.
+// Owns: nothing the engine uses. Values are non-zero; MXFP4 scales span 2^-7..2^3; FP8 blocks are
+// quantised from fp32 values whose blocks span 2^-6..2^6 (so their scales differ).
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "common/num_util.h"
 #include "core/dtype.h"
+#include "ops/fp8.h"
 #include "ops/weight.h"
 
 namespace k3test {
@@ -15,7 +18,8 @@ namespace k3test {
 struct OwnedW {
   std::vector<float> f32;
   std::vector<uint16_t> h16;
-  std::vector<uint8_t> packed, scales;
+  std::vector<uint8_t> packed, scales;  // MXFP4; FP8: packed holds the E4M3 codes
+  std::vector<float> block_scales;      // FP8
   k3::WeightMat w;
 };
 
@@ -46,6 +50,27 @@ inline OwnedW make_weight(std::mt19937& rng, k3::WFormat fmt, int64_t rows, int6
       for (auto& s : o.scales) s = uint8_t(sc(rng));
       o.w.data = o.packed.data();
       o.w.scales = o.scales.data();
+      break;
+    }
+    case k3::WFormat::FP8: {
+      // Random fp32 values, blocks of different magnitudes (2^-6..2^6 x amp), quantised by the engine's
+      // quantiser (ops/fp8.h; tests/ops/test_fp8.cpp checks it against the definition).
+      auto v = k3test::rand_vec(rng, n, 0.05f * amp, amp);
+      std::uniform_int_distribution<int> mag(-6, 6);
+      const int64_t nbr = (rows + k3::kFp8Block - 1) / k3::kFp8Block, nbc = k3::fp8_block_cols(cols);
+      std::vector<float> block(size_t(nbr * nbc));
+      for (auto& b : block) b = std::ldexp(1.0f, mag(rng));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          v[size_t(r * cols + c)] *= block[size_t((r / k3::kFp8Block) * nbc + c / k3::kFp8Block)];
+      o.f32 = v;
+      o.packed.resize(n);
+      o.block_scales.resize(size_t(nbr * nbc));
+      const k3::WeightMat src = k3::wmat_f32(o.f32.data(), rows, cols);
+      for (int64_t br = 0; br < nbr; ++br)
+        k3::ops::quantize_fp8_block_row(src, br, o.packed.data() + br * k3::kFp8Block * cols,
+                                        o.block_scales.data() + br * nbc, "test weight");
+      o.w = k3::ops::fp8_matrix(o.packed.data(), o.block_scales.data(), rows, cols);
       break;
     }
   }

@@ -2,7 +2,9 @@
 // the F32 and Fast numerics (the SIMD kernels; Exact always runs the scalar kernels), against the fp64 twin
 // k3::ref::matmul. Shapes cover the kernels' edges: rows not a multiple of the 4-row tile or 16-row block, column tails
 // (not a multiple of 8/16/32), T = 1 (GEMV), T < 4 (exact even in Fast mode), token tiles and the 64- and 256-token
-// block boundaries, and unaligned rows. Owns: the GEMM tolerances below.
+// block boundaries, and unaligned rows; FP8 (E4M3 + 128 x 128 block scales) as well: partial edge blocks, row views
+// at offsets that are not multiples of 128, every byte alignment. Owns: the GEMM tolerances below (FP8 is held to
+// the same ones: its kernels sum fp32 products of the dequantised weights as the other formats' do).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -45,15 +47,44 @@ struct Case {
 };
 
 const Case kCases[] = {
-    {k3::WFormat::BF16, 1, 16, 1},    {k3::WFormat::BF16, 7, 37, 1},     {k3::WFormat::BF16, 37, 300, 1},
-    {k3::WFormat::BF16, 33, 1000, 2}, {k3::WFormat::BF16, 21, 64, 3},    {k3::WFormat::BF16, 50, 96, 4},
-    {k3::WFormat::BF16, 19, 129, 5},  {k3::WFormat::BF16, 17, 200, 67},  {k3::WFormat::BF16, 70, 512, 130},
-    {k3::WFormat::F16, 13, 33, 1},    {k3::WFormat::F16, 9, 101, 6},     {k3::WFormat::F16, 40, 250, 65},
-    {k3::WFormat::F32, 11, 65, 1},    {k3::WFormat::F32, 23, 47, 9},     {k3::WFormat::F32, 18, 160, 64},
-    {k3::WFormat::MXFP4, 5, 32, 1},   {k3::WFormat::MXFP4, 37, 96, 1},   {k3::WFormat::MXFP4, 64, 1024, 1},
-    {k3::WFormat::MXFP4, 7, 128, 1},  {k3::WFormat::MXFP4, 9, 224, 1},   {k3::WFormat::MXFP4, 33, 3584, 1},
-    {k3::WFormat::MXFP4, 21, 96, 3},  {k3::WFormat::MXFP4, 33, 160, 7},  {k3::WFormat::MXFP4, 45, 320, 66},
-    {k3::WFormat::BF16, 35, 64, 261}, {k3::WFormat::MXFP4, 31, 64, 259},  // past the 256-token pass of the bf16 GEMM
+    {k3::WFormat::BF16, 1, 16, 1},
+    {k3::WFormat::BF16, 7, 37, 1},
+    {k3::WFormat::BF16, 37, 300, 1},
+    {k3::WFormat::BF16, 33, 1000, 2},
+    {k3::WFormat::BF16, 21, 64, 3},
+    {k3::WFormat::BF16, 50, 96, 4},
+    {k3::WFormat::BF16, 19, 129, 5},
+    {k3::WFormat::BF16, 17, 200, 67},
+    {k3::WFormat::BF16, 70, 512, 130},
+    {k3::WFormat::F16, 13, 33, 1},
+    {k3::WFormat::F16, 9, 101, 6},
+    {k3::WFormat::F16, 40, 250, 65},
+    {k3::WFormat::F32, 11, 65, 1},
+    {k3::WFormat::F32, 23, 47, 9},
+    {k3::WFormat::F32, 18, 160, 64},
+    {k3::WFormat::MXFP4, 5, 32, 1},
+    {k3::WFormat::MXFP4, 37, 96, 1},
+    {k3::WFormat::MXFP4, 64, 1024, 1},
+    {k3::WFormat::MXFP4, 7, 128, 1},
+    {k3::WFormat::MXFP4, 9, 224, 1},
+    {k3::WFormat::MXFP4, 33, 3584, 1},
+    {k3::WFormat::MXFP4, 21, 96, 3},
+    {k3::WFormat::MXFP4, 33, 160, 7},
+    {k3::WFormat::MXFP4, 45, 320, 66},
+    {k3::WFormat::BF16, 35, 64, 261},
+    {k3::WFormat::MXFP4, 31, 64, 259},  // past the 256-token pass of the bf16 GEMM
+    // FP8: one partial block (cols < 128, column tails of 16/8), several block rows and columns with
+    // partial edge blocks (rows 130, 300; cols 129, 300, 1000), GEMV tiles of 8/4/1 rows, GEMMs.
+    {k3::WFormat::FP8, 1, 16, 1},
+    {k3::WFormat::FP8, 7, 37, 1},
+    {k3::WFormat::FP8, 37, 300, 1},
+    {k3::WFormat::FP8, 130, 129, 1},
+    {k3::WFormat::FP8, 300, 1000, 1},
+    {k3::WFormat::FP8, 13, 256, 1},
+    {k3::WFormat::FP8, 9, 256, 2},
+    {k3::WFormat::FP8, 50, 200, 4},
+    {k3::WFormat::FP8, 140, 384, 67},
+    {k3::WFormat::FP8, 19, 129, 5},
 };
 
 // Fast numerics' activations for an MXFP4 GEMV, computed independently: per 32-block, step =
@@ -101,6 +132,8 @@ size_t data_bytes(const k3::WeightMat& w) {
       return size_t(w.rows * w.cols * 2);
     case k3::WFormat::MXFP4:
       return size_t(w.rows * w.cols / 2);
+    case k3::WFormat::FP8:  // the codes (the block scales stay where they are)
+      return size_t(w.rows * w.cols);
   }
   return 0;
 }
@@ -171,7 +204,8 @@ TEST_P(GemmLevels, ResultDoesNotDependOnThreadCount) {
   const CpuIsa level = GetParam();
   std::mt19937 rng(79);
   for (const Case& c : {Case{k3::WFormat::BF16, 301, 512, 1}, Case{k3::WFormat::MXFP4, 300, 512, 1},
-                        Case{k3::WFormat::BF16, 130, 256, 70}, Case{k3::WFormat::MXFP4, 99, 256, 33}}) {
+                        Case{k3::WFormat::BF16, 130, 256, 70}, Case{k3::WFormat::MXFP4, 99, 256, 33},
+                        Case{k3::WFormat::FP8, 301, 700, 1}, Case{k3::WFormat::FP8, 200, 300, 33}}) {
     SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
     k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
     const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
@@ -341,6 +375,7 @@ TEST_P(GemmLevels, SharedInputEqualsSeparateMatmuls) {
     W.push_back(k3test::make_weight(rng, k3::WFormat::BF16, 130, cols));
     W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 8, cols));
     W.push_back(k3test::make_weight(rng, k3::WFormat::F32, 3, cols));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::FP8, 140, cols));
     const auto X = k3test::rand_vec(rng, size_t(T * cols));
     for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
       SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
@@ -378,12 +413,13 @@ TEST_P(GemmLevels, ManyInputsEqualSeparateMatmuls) {
     W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 24, 416));
     W.push_back(k3test::make_weight(rng, k3::WFormat::MXFP4, 17, 256));
     W.push_back(k3test::make_weight(rng, k3::WFormat::F16, 9, 160));
+    W.push_back(k3test::make_weight(rng, k3::WFormat::FP8, 21, 256));
     const auto Xa = k3test::rand_vec(rng, size_t(T * 256));
     const auto Xb = k3test::rand_vec(rng, size_t(T * 416));
     const auto Xc = k3test::rand_vec(rng, size_t(T * 256));
     const auto Xd = k3test::rand_vec(rng, size_t(T * 160));
-    // Weights 0 and 1 share Xa; weight 3 has the same width but its own input.
-    const std::vector<const float*> xs = {Xa.data(), Xa.data(), Xb.data(), Xc.data(), Xd.data()};
+    // Weights 0 and 1 share Xa (and FP8 weight 5 too); weight 3 has the same width but its own input.
+    const std::vector<const float*> xs = {Xa.data(), Xa.data(), Xb.data(), Xc.data(), Xd.data(), Xa.data()};
     for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
       SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " T=" + std::to_string(T) + " numerics " +
                    k3::ops::numerics_name(num));
@@ -420,9 +456,10 @@ TEST_P(GemmLevels, ManyInputsEqualSeparateMatmuls) {
 TEST_P(GemmLevels, RowwiseEqualsOneRowMatmuls) {
   const CpuIsa level = GetParam();
   std::mt19937 rng(87);
-  for (const auto& [fmt, rows, cols] : {std::tuple{k3::WFormat::BF16, 37, 416}, std::tuple{k3::WFormat::BF16, 9, 200},
-                                        std::tuple{k3::WFormat::F32, 13, 100}, std::tuple{k3::WFormat::F16, 6, 160},
-                                        std::tuple{k3::WFormat::MXFP4, 11, 256}}) {
+  for (const auto& [fmt, rows, cols] :
+       {std::tuple{k3::WFormat::BF16, 37, 416}, std::tuple{k3::WFormat::BF16, 9, 200},
+        std::tuple{k3::WFormat::F32, 13, 100}, std::tuple{k3::WFormat::F16, 6, 160},
+        std::tuple{k3::WFormat::MXFP4, 11, 256}, std::tuple{k3::WFormat::FP8, 140, 300}}) {
     k3test::OwnedW W = k3test::make_weight(rng, fmt, rows, cols);
     // BF16: the same rows at several base offsets (each gives another head column).
     std::vector<uint8_t> bytes(data_bytes(W.w) + 128);
@@ -476,6 +513,125 @@ TEST_P(GemmLevels, Bf16GemvAnyAlignment) {
       k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());  // BF16 GEMVs stay fp32 in fast mode
       EXPECT_EQ(count_nan(y), 0u);
       EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- FP8 (E4M3, 128 x 128 block scales)
+namespace {
+// Y rows [r0, r0 + n) of a product of the whole matrix, for comparing a view's product with.
+std::vector<float> rows_slice(const std::vector<float>& Y, int64_t T, int64_t rows, int64_t r0, int64_t n) {
+  std::vector<float> out(size_t(T * n));
+  for (int64_t t = 0; t < T; ++t) std::memcpy(out.data() + t * n, Y.data() + t * rows + r0, size_t(n) * 4);
+  return out;
+}
+}  // namespace
+
+// Row views of an FP8 matrix at any row offset (model/parallel.cpp cuts by heads, e.g. rows 96..159;
+// the GEMV driver cuts row chunks): a view's row r uses block row (row0 + r) / 128 of its parent's
+// scales. Every numerics on every level: the view's product is the parent's rows, bit for bit (each
+// output is one kernel call's per-row arithmetic, whatever the tile), and the fp64 twin of the view
+// (WeightMat::at with row0) is the twin of the parent's rows; views of views too.
+TEST_P(GemmLevels, Fp8RowViewsAtAnyOffset) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(90);
+  const int64_t rows = 400, cols = 300;
+  k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::FP8, rows, cols);
+  for (int64_t T : {1, 3, 70}) {
+    const auto X = k3test::rand_vec(rng, size_t(T * cols));
+    auto y_ref = nan_vec(size_t(T * rows));
+    k3::ref::matmul(W.w, X.data(), T, y_ref.data());
+    for (auto num : {k3::ops::Numerics::Exact, k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+      const k3::ops::Exec ex{num};
+      auto y_all = nan_vec(size_t(T * rows));
+      k3::ops::matmul(ex, W.w, X.data(), T, y_all.data());
+      for (const auto& [r0, n] : {std::pair<int64_t, int64_t>{96, 64},
+                                  {1, 9},
+                                  {127, 2},
+                                  {128, 128},
+                                  {129, 200},
+                                  {250, 150},
+                                  {0, 400},
+                                  {383, 17}}) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + k3::ops::numerics_name(num) +
+                     " T=" + std::to_string(T) + " rows " + std::to_string(r0) + "+" + std::to_string(n));
+        const k3::WeightMat v = k3::rows_of(W.w, r0, n);
+        EXPECT_EQ(v.row0, r0);
+        auto y = nan_vec(size_t(T * n)), y_vref = nan_vec(size_t(T * n));
+        k3::ops::matmul(ex, v, X.data(), T, y.data());
+        ASSERT_EQ(count_nan(y), 0u);
+        EXPECT_EQ(std::memcmp(y.data(), rows_slice(y_all, T, rows, r0, n).data(), y.size() * 4), 0);
+        if (num == k3::ops::Numerics::Exact) {
+          k3::ref::matmul(v, X.data(), T, y_vref.data());
+          EXPECT_EQ(std::memcmp(y_vref.data(), rows_slice(y_ref, T, rows, r0, n).data(), y.size() * 4), 0);
+        }
+        // A view of the view: rows [r0 + 5, r0 + 5 + m) of the parent.
+        if (n > 10) {
+          const int64_t m = n - 7;
+          const k3::WeightMat vv = k3::rows_of(v, 5, m);
+          EXPECT_EQ(vv.row0, r0 + 5);
+          auto yy = nan_vec(size_t(T * m));
+          k3::ops::matmul(ex, vv, X.data(), T, yy.data());
+          EXPECT_EQ(std::memcmp(yy.data(), rows_slice(y_all, T, rows, r0 + 5, m).data(), yy.size() * 4), 0);
+        }
+      }
+    }
+  }
+}
+
+// The FP8 codes at every byte offset (rows of odd widths start anywhere; a view's data pointer is
+// wherever its first row is): the same products, to the F32 tolerance, GEMV and GEMM.
+TEST_P(GemmLevels, Fp8AnyAlignment) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(91);
+  for (int64_t cols : {128, 200, 1024, 37}) {
+    const int64_t rows = 29;
+    k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::FP8, rows, cols);
+    for (int64_t T : {1, 6}) {
+      const auto X = k3test::rand_vec(rng, size_t(T * cols));
+      auto y_ref = nan_vec(size_t(T * rows));
+      k3::ref::matmul(W.w, X.data(), T, y_ref.data());
+      std::vector<uint8_t> bytes(size_t(rows * cols) + 128);
+      const auto base = (reinterpret_cast<uintptr_t>(bytes.data()) + 63) / 64 * 64;
+      for (int off = 0; off < 64; ++off) {
+        SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " cols=" + std::to_string(cols) +
+                     " T=" + std::to_string(T) + " offset=" + std::to_string(off));
+        auto* p = reinterpret_cast<uint8_t*>(base + uintptr_t(off));
+        std::memcpy(p, W.w.data, size_t(rows * cols));
+        k3::WeightMat w = W.w;
+        w.data = p;
+        auto y = nan_vec(size_t(T * rows));
+        k3::ops::matmul(k3::ops::kF32, w, X.data(), T, y.data());
+        ASSERT_EQ(count_nan(y), 0u);
+        EXPECT_LT(rel_l2(y, y_ref), kTolExact);
+      }
+    }
+  }
+}
+
+// The dequantised rows every FP8 path multiplies by are the same values: dequant_row (the scalar
+// kernels, WeightMat::at) and the SIMD widening of the GEMM (checked through a T = 2 product in F32
+// with unit inputs: e_c picks column c, so Y = the weights themselves, exact in any sum order).
+TEST_P(GemmLevels, Fp8DequantisedWeightsAreOneValue) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(92);
+  const int64_t rows = 150, cols = 200;
+  k3test::OwnedW W = k3test::make_weight(rng, k3::WFormat::FP8, rows, cols);
+  std::vector<float> row(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    k3::ops::dequant_row(W.w, r, row.data());
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(row[size_t(c)], W.w.at(r, c)) << r << ", " << c;
+  }
+  for (int64_t c : {0, 1, 127, 128, 199}) {
+    SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " column " + std::to_string(c));
+    std::vector<float> X(size_t(2 * cols), 0.0f);
+    X[size_t(c)] = 1.0f;
+    X[size_t(cols + c)] = 1.0f;
+    for (int64_t T : {1, 2}) {
+      auto y = nan_vec(size_t(T * rows));
+      k3::ops::matmul(k3::ops::kF32, W.w, X.data(), T, y.data());
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t r = 0; r < rows; ++r) ASSERT_EQ(y[size_t(t * rows + r)], W.w.at(r, c)) << "row " << r;
     }
   }
 }

@@ -2,7 +2,9 @@
 // gemm_kernels.h, plus the scalar level (plain loops, fp64-accumulated dots).
 // Owns: threading (rows split across the pool's threads, core/thread_pool.h; each output element is computed by exactly
 // one kernel call, so results do not depend on the thread count), token blocking for prefill GEMMs,
-// the bf16 rounding of activations in Numerics::Fast, and the MXFP4 x permutation for GEMVs.
+// the bf16 rounding of activations in Numerics::Fast, and the MXFP4 x permutation for GEMVs. FP8
+// weights take the fp32 paths of F32/F16 weights (their dequantised values are not bf16 values): the
+// FP8 GEMV at T = 1 in every SIMD numerics, and in Fast the bf16-rounded activations through gemm_f32.
 // Must not: change results beyond fp32 rounding versus the fp64 twins in Numerics::Exact.
 #include <algorithm>
 #include <cassert>
@@ -71,6 +73,12 @@ void dequant_row_impl(const WeightMat& W, int64_t r, float* out) {
     case WFormat::F16: {
       const uint8_t* p = static_cast<const uint8_t*>(W.data) + 2 * r * n;
       for (int64_t c = 0; c < n; ++c) out[c] = f16_to_f32(load_u16(p + 2 * c));
+      break;
+    }
+    case WFormat::FP8: {  // the code's value times its block's scale: one fp32 multiply (WeightMat::at)
+      const uint8_t* p = static_cast<const uint8_t*>(W.data) + r * n;
+      const float* s = fp8_row_scales(W, r);
+      for (int64_t c = 0; c < n; ++c) out[c] = kE4M3[p[c]] * s[c / kFp8Block];
       break;
     }
     case WFormat::MXFP4: {
@@ -443,7 +451,8 @@ void gemv_multi_threaded(const cpu::GemmKernels& K, const WeightMat& W, const fl
 
 void matmul_rowwise(Exec ex, const WeightMat& W, const float* X, int64_t T, float* Y) {
   const cpu::GemmKernels* K = kernels_for(ex.level());
-  if (T > 1 && K && K->gemv_multi && W.fmt != WFormat::MXFP4) return gemv_multi_threaded(*K, W, X, T, Y);
+  if (T > 1 && K && K->gemv_multi && W.fmt != WFormat::MXFP4 && W.fmt != WFormat::FP8)
+    return gemv_multi_threaded(*K, W, X, T, Y);
   for (int64_t t = 0; t < T; ++t) matmul(ex, W, X + t * W.cols, 1, Y + t * W.rows);
 }
 

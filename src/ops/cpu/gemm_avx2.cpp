@@ -1,5 +1,6 @@
-// AVX2 + FMA + F16C weight-matmul kernels (the fallback level): GEMV from BF16/F16/F32 rows and
-// from packed MXFP4 nibbles + E8M0 scales, and a register-tiled fp32 GEMM. There is no bf16 dot
+// AVX2 + FMA + F16C weight-matmul kernels (the fallback level): GEMV from BF16/F16/F32 rows, from
+// packed MXFP4 nibbles + E8M0 scales and from FP8 (E4M3 + 128 x 128 block scales), and a
+// register-tiled fp32 GEMM. There is no bf16 dot
 // product at this level: the driver (gemm.cpp) serves Numerics::Fast by rounding activations to
 // bf16 and calling gemm_f32. Compiled with -mavx2 -mfma -mf16c; called only after cpu_isa() said so.
 // Must not: use std templates or anything with external linkage besides kGemm (see gemm_kernels.h).
@@ -104,6 +105,48 @@ inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, co
   for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]);
 }
 
+// ------------------------------------------------------------------ GEMV, FP8 (E4M3, 128 x 128 block scales)
+// 8 E4M3 codes -> fp32 through an f16 (see gemm_avx512.cpp, e4m3_16): the code's value times 2^-8.
+inline __m256 e4m3_8(const uint8_t* q) {
+  const __m128i h =
+      _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))), 7),
+                    _mm_set1_epi16(int16_t(0xbfff)));
+  return _mm256_cvtph_ps(h);
+}
+
+// R rows . x: per 128-column block a sum of codes x x (8 columns per FMA), scaled into the row's
+// sum; a partial block's last n % 8 columns in scalar code (kE4M3), scaled separately.
+template <int R>
+inline void gemv_fp8_rows(const uint8_t* const* p, const float* const* s, const float* x, int64_t n, float* y,
+                          int64_t pf) {
+  __m256 acc[R];
+  float tail[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps(), tail[i] = 0.0f;
+  for (int64_t c0 = 0, b = 0; c0 < n; c0 += kFp8Block, ++b) {
+    const int64_t c1 = c0 + kFp8Block < n ? c0 + kFp8Block : n;
+    __m256 blk[R];
+    for (int i = 0; i < R; ++i) blk[i] = _mm256_setzero_ps();
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+      const __m256 x0 = _mm256_loadu_ps(x + c);
+      for (int i = 0; i < R; ++i) {
+        if ((c - c0) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + c), _MM_HINT_T0);
+        blk[i] = _mm256_fmadd_ps(e4m3_8(p[i] + c), x0, blk[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm256_fmadd_ps(blk[i], _mm256_set1_ps(s[i][b] * 256.0f), acc[i]);
+      if (c == c1) continue;
+      float t = 0.0f;
+      for (int64_t k = c; k < c1; ++k) t += kE4M3[p[i][k]] * x[k];
+      tail[i] += t * s[i][b];
+    }
+  }
+  for (int i = 0; i < R; ++i) y[i] = hsum(acc[i]) + tail[i];
+}
+
+constexpr int kFp8Tile = 4;  // rows per FP8 GEMV tile (16 ymm registers: 8 accumulators)
+
 // ------------------------------------------------------------------ GEMM fp32 (exact)
 void widen_row(const WeightMat& W, int64_t r, float* out) {
   const int64_t n = W.cols;
@@ -122,6 +165,16 @@ void widen_row(const WeightMat& W, int64_t r, float* out) {
         out[32 * b + 2 * j + 1] = f[1] * sc;
       }
     }
+    return;
+  }
+  if (W.fmt == WFormat::FP8) {
+    // code x 2^-8 (e4m3_8) times scale x 2^8: the one rounding of code x scale, as dequant_row.
+    const uint8_t* p = base + r * n;
+    const float* s = W.block_scales + ((W.row0 + r) / kFp8Block) * ((n + kFp8Block - 1) / kFp8Block);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8)
+      _mm256_storeu_ps(out + c, _mm256_mul_ps(e4m3_8(p + c), _mm256_set1_ps(s[c / kFp8Block] * 256.0f)));
+    for (; c < n; ++c) out[c] = kE4M3[p[c]] * s[c / kFp8Block];
     return;
   }
   const int64_t rb = n * esize(W.fmt);

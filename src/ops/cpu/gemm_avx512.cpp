@@ -1,6 +1,6 @@
-// AVX-512 (F/BW/VL/DQ + BF16) weight-matmul kernels: GEMV straight from BF16/F16/F32 rows and from
-// packed MXFP4 nibbles + E8M0 scales; register-tiled 4x4 GEMMs in fp32 (exact), and with vdpbf16ps
-// (fast) on packed activations. Compiled with -mavx512*; called only through gemm.cpp after
+// AVX-512 (F/BW/VL/DQ + BF16) weight-matmul kernels: GEMV straight from BF16/F16/F32 rows, from
+// packed MXFP4 nibbles + E8M0 scales and from FP8 (E4M3 + 128 x 128 block scales); register-tiled 4x4 GEMMs in fp32
+// (exact), and with vdpbf16ps (fast) on packed activations. Compiled with -mavx512*; called only through gemm.cpp after
 // cpu_isa() said avx512.
 // Must not: use std templates or anything with external linkage besides kGemm (see gemm_kernels.h).
 #include <immintrin.h>
@@ -120,6 +120,50 @@ inline void gemv_mxfp4_rows(const uint8_t* const* p, const uint8_t* const* s, co
   }
   for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
 }
+
+// ------------------------------------------------------------------ GEMV, FP8 (E4M3, 128 x 128 block scales)
+// 16 E4M3 codes -> fp32: sign-extended to 16 bits and shifted left 7, a code's exponent and mantissa
+// land in an f16's (1 + 4 + 3 bits into 1 + 5 + 10; the sign copy in bit 14 cleared), so vcvtph2ps
+// gives the code's value times 2^-8 exactly, subnormals included (S.1111.111 would read as 480 x
+// 2^-8, not NaN: the quantiser never writes it). The 2^8 goes into the block scale.
+inline __m512 e4m3_16(__m128i b) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(0xbfff)));
+  return _mm512_cvtph_ps(h);
+}
+
+// R rows (codes p[i], block scales s[i] of their block row) . x over n columns: per 128-column block
+// a sum of codes x x in fp32 (one FMA per 16 columns), then scaled into the row's sum; the tail of a
+// partial last block masked. pf: where the next tile's rows start (prefetched meanwhile, as the
+// dense GEMV does).
+template <int R>
+inline void gemv_fp8_rows(const uint8_t* const* p, const float* const* s, const float* x, int64_t n, float* y,
+                          int64_t pf) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c0 = 0, b = 0; c0 < n; c0 += kFp8Block, ++b) {
+    const int64_t c1 = c0 + kFp8Block < n ? c0 + kFp8Block : n;
+    __m512 blk[R];
+    for (int i = 0; i < R; ++i) blk[i] = _mm512_setzero_ps();
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+      const __m512 x0 = _mm512_loadu_ps(x + c);
+      for (int i = 0; i < R; ++i) {
+        if ((c - c0) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p[i] + pf + c), _MM_HINT_T1);
+        const __m512 w = e4m3_16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p[i] + c)));
+        blk[i] = _mm512_fmadd_ps(w, x0, blk[i]);
+      }
+    }
+    if (c < c1) {
+      const __mmask16 m = tail16(c1 - c);
+      const __m512 x0 = _mm512_maskz_loadu_ps(m, x + c);
+      for (int i = 0; i < R; ++i) blk[i] = _mm512_fmadd_ps(e4m3_16(_mm_maskz_loadu_epi8(m, p[i] + c)), x0, blk[i]);
+    }
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(blk[i], _mm512_set1_ps(s[i][b] * 256.0f), acc[i]);
+  }
+  for (int i = 0; i < R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+constexpr int kFp8Tile = 8;  // rows per FP8 GEMV tile (as the dense GEMV: eight row streams)
 
 // ------------------------------------------------------------------ helpers of the fast MXFP4 GEMV
 bool scales_are_normal(const uint8_t* s, int64_t n) {
@@ -266,6 +310,17 @@ void widen_row(const WeightMat& W, int64_t r, float* out) {
       for (int64_t c = 0; c < n; c += 16)
         _mm512_mask_storeu_ps(out + c, tail16(n - c), load16<WFormat::BF16>(base + r * n * 2, c, tail16(n - c)));
       return;
+    case WFormat::FP8: {
+      // code x 2^-8 (e4m3_16) times scale x 2^8: the one rounding of code x scale, as dequant_row.
+      const uint8_t* p = base + r * n;
+      const float* s = W.block_scales + ((W.row0 + r) / kFp8Block) * ((n + kFp8Block - 1) / kFp8Block);
+      for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 m = tail16(n - c);
+        const __m512 w = e4m3_16(_mm_maskz_loadu_epi8(m, p + c));
+        _mm512_mask_storeu_ps(out + c, m, _mm512_mul_ps(w, _mm512_set1_ps(s[c / kFp8Block] * 256.0f)));
+      }
+      return;
+    }
     case WFormat::MXFP4: {
       const int64_t nb = n / 32;
       const uint8_t* p = base + r * nb * 16;
@@ -608,7 +663,8 @@ void gemv_multi(const WeightMat& W, const float* const* x, const float* const* x
     case WFormat::BF16:
       return gemv_multi_dense<WFormat::BF16>(W, x, xp, T, r0, r1, Y, ldy);
     case WFormat::MXFP4:
-      break;  // the driver never passes MXFP4 here
+    case WFormat::FP8:
+      break;  // the driver never passes MXFP4 or FP8 here
   }
 }
 

@@ -18,7 +18,7 @@ struct GemmKernels {
   // of x's columns from h on (blocks [h + 32k, h + 32k + 32)): the kernel reads the rows from
   // their first 64-byte boundary (column h) in aligned 64-byte loads, whose dword halves are the
   // even and odd columns; x serves the columns before h and after the last whole block.
-  // Other formats read x only; xp may be null for them.
+  // Other formats (F32, F16, FP8) read x only; xp may be null for them.
   void (*gemv)(const WeightMat& W, const float* x, const float* xp, int64_t r0, int64_t r1, float* y);
   bool bf16_uses_xp;
   // Exact: X [T, cols] fp32. scratch: >= 4*cols floats (rows of W widened to fp32).
@@ -51,7 +51,7 @@ struct GemmKernels {
   // Runs `iters` iterations of independent multiply-adds at this level's widest product (vdpbf16ps
   // on avx512, fp32 FMA on avx2) and returns the FLOPs done (2 per multiply-add).
   double (*flops_probe)(int64_t iters);
-  // T inputs through dense rows (F32/F16/BF16; never MXFP4): Y[t * ldy + r] for t < T and r in
+  // T inputs through dense rows (F32/F16/BF16; never MXFP4 or FP8): Y[t * ldy + r] for t < T and r in
   // [r0, r1) is bit-identical to gemv(W, x[t], xp[t], ..) alone (the same operations per output),
   // with each weight load shared by all T inputs. xp[t] as gemv's xp (the BF16 head permutation of
   // x[t]) or null, for every t alike. nullptr where the level has none (T separate GEMVs then).

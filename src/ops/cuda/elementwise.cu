@@ -803,7 +803,9 @@ void embed_rows(const WeightMat& E, const int32_t* ids, int64_t T, float* out, S
       launch(embed_kernel<2>, grid, kEwThreads, 0, s, E.data, E.rows, E.cols, ids, out);
       break;
     case WFormat::MXFP4:
-      fail("embed_rows: an MXFP4 embedding table is not supported on the GPU (F32/F16/BF16 only)");
+    case WFormat::FP8:
+      fail(std::string("embed_rows: an ") + wformat_name(E.fmt) +
+           " embedding table is not supported on the GPU (F32/F16/BF16 only)");
   }
   check_launch("embed_rows");
 }

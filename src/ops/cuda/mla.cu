@@ -864,6 +864,8 @@ void head_products(bool nt, const float* X, const WeightMat& W, const MlaAttnDim
       break;
     case WFormat::MXFP4:
       fail("mla_attend_absorbed: kv_b_proj in MXFP4 is not supported on the GPU (F32/F16/BF16 only)");
+    case WFormat::FP8:
+      fail("mla_attend_absorbed: kv_b_proj in FP8 (--trunk-fp8) is not supported on the GPU yet (F32/F16/BF16 only)");
   }
 }
 
