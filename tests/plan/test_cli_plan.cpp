@@ -138,3 +138,21 @@ TEST(CliPlan, CalibrateWritesAFileThatPlanUses) {
   EXPECT_EQ(g.err.find('\n'), g.err.size() - 1) << g.err;
   EXPECT_FALSE(fs::exists(out));
 }
+
+TEST(CliPlan, HelpAndErrorsHaveTheFormatOfEverySubcommand) {
+  const k3test::CmdResult h = run_k3("plan --help");
+  EXPECT_EQ(h.code, 0) << h.err;
+  EXPECT_EQ(h.out.rfind("k3 plan: ", 0), 0u) << h.out;
+  EXPECT_NE(h.out.find("Usage: k3 plan [OPTIONS]"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("-m,--model"), std::string::npos);
+  EXPECT_NE(h.out.find("default: $K3_MODEL, else the bundled K3-nano"), std::string::npos);
+  for (const char* flag :
+       {"--gpus", "--gpu-mem", "--ram", "--ram-budget", "--cpu-bw", "--cores", "--pcie", "--disk", "--net", "--tp",
+        "--ep", "--expert-hit", "--trunk-fp8", "--calibrate", "--calibration", "--json", "--batch", "--ctx"})
+    EXPECT_NE(h.out.find(flag), std::string::npos) << flag;
+  expect_one_line_error("--frobnicate", "frobnicate");
+  expect_one_line_error("-m /nonexistent/k3plan", "/nonexistent/k3plan");
+  expect_one_line_error("--out /tmp/x.json", "--out requires --calibrate");
+  const k3test::CmdResult top = run_k3("--help");
+  EXPECT_NE(top.out.find("plan"), std::string::npos) << top.out;
+}
