@@ -1,8 +1,6 @@
-// `k3 plan`: from a checkpoint's config alone (-m DIR or --config FILE) and a machine (this one, or
-// --gpus/--ram/--cpu-bw/... flags), the placement (what goes on which GPU, host RAM or disk) and
-// the predicted decode and prefill tokens/s with the arithmetic (plan/ does the work; --json for a
-// machine-readable form). `k3 plan --calibrate` measures this machine's rates into a calibration
-// file that `--calibration FILE` uses.
+// `k3 plan`: from a checkpoint's config (-m DIR or --config FILE) and a machine (this one, or flags),
+// the placement on GPUs / host RAM / disk and the predicted decode and prefill t/s with the arithmetic
+// (plan/ does the work; --json too); `k3 plan --calibrate` writes a calibration `--calibration` reads.
 // Must not: load weights, or print a prediction without saying which rates it rests on.
 #include "cli/cmd_plan.h"
 

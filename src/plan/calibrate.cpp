@@ -1,9 +1,6 @@
-// CPU and disk measurements of `k3 plan --calibrate` (see calibrate.h). The timed calls are the
-// engine's own kernels (ops::matmul_shared_input / matmul_many / matmul with the CLI's default
-// numerics, fast) on random weights in the shipped formats, cycling through a pool of distinct
-// weights larger than the caches so every call reads from DRAM.
-// Must not: report a rate it did not time; a buffered disk read says that the page cache may
-// inflate it.
+// CPU and disk measurements of `k3 plan --calibrate` (see calibrate.h): the engine's own kernels
+// (fast numerics) on random weights in the shipped formats, cycling pools larger than the caches.
+// Must not: report a rate it did not time; a buffered disk read says the page cache may inflate it.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>

@@ -1,10 +1,6 @@
-// `k3 plan --calibrate`: measures this machine's rates for the planner. CPU: the engine's own MXFP4
-// expert GEMV at K3's expert shape (gate/up 3072 x 3584, down 3584 x 3072; the calls the CPU
-// backend makes for one decode token: ops::matmul_shared_input over the top-k gate+up, then
-// ops::matmul_many over the downs), the experts' GEMM with prefill rows, BF16 GEMV/GEMM, memory
-// read and copy bandwidth; disk: sequential read of a temporary file written for it (O_DIRECT where
-// the file system allows, else a buffered read after posix_fadvise DONTNEED, which is said);
-// GPU (K3_CUDA builds with a GPU present; plan/calibrate_gpu.cpp): the engine's CUDA kernels.
+// `k3 plan --calibrate`: this machine's rates for the planner, timed on the engine's own kernels at
+// K3's shapes: CPU (MXFP4 expert GEMV as the CPU backend calls it for a decode token, expert GEMM,
+// BF16 GEMV/GEMM, read/copy bandwidth), disk (O_DIRECT read of a file it writes), GPU (calibrate_gpu.cpp).
 // Must not: plan, or run on a hot path (each part allocates its buffers and takes seconds).
 #pragma once
 #include <cstdint>

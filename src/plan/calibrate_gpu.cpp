@@ -1,11 +1,7 @@
-// The GPU part of `k3 plan --calibrate` (see calibrate.h): the engine's own CUDA kernels at K3's
-// shapes, timed with device events: BF16 decode GEMV (cuda::matmul, one row, cycling distinct
-// [12288, 7168] matrices), the MXFP4 experts of one decode token (cuda::expert_glu + expert_matmul
-// on 16 experts of a stacked pool, as the CUDA backend runs them), the batched decode GEMV (16 rows,
-// gemv_rows), prefill products (cuda::matmul of 4096 rows on BF16, of 64 rows on one MXFP4 expert),
-// device copy bandwidth, and pinned host <-> device copies (PCIe).
-// Built in every configuration; without K3_CUDA (or without a GPU at run time) it refuses in one line.
-// Must not: run in the planner; it has not been run on a GPU in the session that wrote it.
+// The GPU part of `k3 plan --calibrate` (see calibrate.h): the engine's CUDA kernels at K3's shapes
+// (BF16 GEMV and 16-row GEMV, the MXFP4 experts of a decode token, prefill products, copy bandwidth,
+// pinned PCIe copies), timed with device events; without K3_CUDA or a GPU it refuses in one line.
+// Must not: run in the planner. Compiled in K3_CUDA builds; not yet run on a GPU.
 #include <algorithm>
 #include <random>
 #include <vector>

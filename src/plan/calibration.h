@@ -1,8 +1,6 @@
-// A calibration: rates measured on a machine (`k3 plan --calibrate`) or derived from recorded runs
-// (tools/plan/calibration_from_records.py), as one JSON file; its schema, reading (strict: every
-// problem one line), writing, and the default path ($XDG_CACHE_HOME/k3/calibration.json, else
-// ~/.cache/k3/calibration.json). Each part (cpu, disk, gpu) is optional; the planner uses nominal
-// rates for a missing part and says so.
+// A calibration file: rates measured by `k3 plan --calibrate` or derived from recorded runs, its schema,
+// strict reading, writing and default path ($XDG_CACHE_HOME/k3/calibration.json, ~/.cache/k3/...).
+// Each part (cpu, disk, gpu) is optional: the planner takes a missing part nominally and says so.
 // Must not: measure (plan/calibrate.h) or plan.
 #pragma once
 #include <cstdint>

@@ -1,8 +1,6 @@
-// The machine `k3 plan` places a model on: GPUs (a small table of known kinds with their datasheet
-// figures), nodes, host RAM, CPU cores and memory bandwidth, the PCIe, disk and network links; this
-// machine by default (cores, /proc/meminfo, a GPU only when the CUDA backend is built and one is
-// present) or described by flags (--gpus 8xH200 --ram 1.5T ...). Every figure carries where it came
-// from (flag, detected, datasheet, assumed default), which the report prints.
+// The machine `k3 plan` places a model on: GPUs (a table of known kinds with datasheet figures), nodes,
+// host RAM, cores, memory bandwidth, PCIe, disk and network; this machine by default (a GPU only when
+// the CUDA backend is built and one is present) or flags. Every figure says where it came from.
 // Must not: measure anything (plan/calibrate.h does) or know about models.
 #pragma once
 #include <cstdint>

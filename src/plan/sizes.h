@@ -1,9 +1,7 @@
-// The byte and FLOP sizes `k3 plan` places, from a checkpoint's config alone (parameter counts of
-// config/arch_stats.h, state and workspace of model/model.h's gpu_memory_plan, host buffers of
-// runtime/memory.h's plan_memory) and, when the directory has safetensors headers, the stored
-// bytes of the routed experts and of the rest from those headers.
-// Must not: count parameters or state a second way (it converts the counts of those functions to
-// bytes: bf16 trunk, MXFP4 or bf16 experts), or read tensor data.
+// The byte and FLOP sizes `k3 plan` places, from the config alone (arch_stats counts, gpu_memory_plan
+// state and workspace, plan_memory host buffers) and, when present, safetensors header bytes.
+// Must not: count parameters or state a second way (it converts those counts to stored bytes), or
+// read tensor data.
 #pragma once
 #include <cstdint>
 #include <string>

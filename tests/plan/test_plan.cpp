@@ -1,9 +1,7 @@
-// Tests of the planner library (src/plan): unit parsing, GPU names, the expected-distinct-experts
-// and busiest-shard formulas against Monte-Carlo routing, the decode / prefill arithmetic on
-// hand-made machines and rates (each term recomputed here from the documented formula), fit
-// boundaries, calibration files, and every one-line error.
-// Must not: compare against numbers printed by the code under test (expected values are derived
-// from the inputs of each test).
+// Tests of the planner library (src/plan): parsing, GPU names, the distinct-expert and busiest-shard
+// formulas against simulated routing, the decode / prefill arithmetic on hand-made machines and
+// rates, fit boundaries, calibration files and every one-line error.
+// Must not: compare against numbers the code under test printed (expectations derive from inputs).
 #include <gtest/gtest.h>
 
 #include <algorithm>
