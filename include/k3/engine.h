@@ -41,6 +41,8 @@ struct EngineOptions {
   bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
   int tp = 1, ep = 1;             // split the model over tp (tensor) / ep (expert) parallel ranks in this
                                   // process (CPU only; same output as one rank: docs/multi-gpu.md)
+  bool trunk_fp8 = false;         // hold the trunk in FP8 (E4M3, 128 x 128 block scales), quantised at
+                                  // load (CPU only for now: docs/fp8-trunk.md)
   // Called during load(), on the loading thread, with bytes done/total while the weights are read in
   // (CPU prefault); a server reports it on /health. Empty = no reports.
   std::function<void(uint64_t done, uint64_t total)> load_progress;

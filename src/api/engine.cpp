@@ -60,6 +60,7 @@ LoadOptionNames api_names() {
   n.device_cuda = "device=cuda";
   n.numerics_exact = "numerics=exact";
   n.split = "tp/ep";
+  n.trunk_fp8 = "trunk_fp8";
   n.no_tokenizer = "set EngineOptions::tokenizer_dir, or need_tokenizer = false for token ids only";
   return n;
 }
@@ -114,6 +115,7 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   req.cuda = cuda;
   req.numerics = ops::parse_numerics(options.numerics);
   req.parallel = {options.tp, options.ep};
+  req.trunk_fp8 = options.trunk_fp8;
   req.names = api_names();
   im->lc = load_checkpoint(req);
   im->max_ctx = im->lc.ctx_tokens;

@@ -90,6 +90,25 @@ void RunEngineFlags::add(CLI::App* app) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_flag("--no-graphs", no_graphs, "with --device cuda: launch decode steps kernel by kernel (no CUDA graphs)");
   add_parallel_options(app, tp, ep);
+  add_trunk_fp8_option(app, trunk_fp8);
+}
+
+void add_trunk_fp8_option(CLI::App* app, bool& on) {
+  app->add_flag("--trunk-fp8", on,
+                "hold the trunk (attention, latent projections, shared experts, dense FFN) in FP8: E4M3 with "
+                "128 x 128 block scales, quantised at load (about half the bf16 bytes; router, routed experts, "
+                "embedding and lm_head unchanged; CPU only for now: docs/fp8-trunk.md)");
+}
+
+std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8, const std::string& device, bool quiet,
+                                          const std::string& who) {
+  if (trunk_fp8 && device == "cuda") fail("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
+  auto m = Model::load(dir);
+  if (trunk_fp8) {
+    const TrunkFp8Report r = m->quantize_trunk_fp8();
+    if (!quiet) std::fprintf(stderr, "%s: %s\n", who.c_str(), trunk_fp8_summary(r).c_str());
+  }
+  return m;
 }
 
 void add_parallel_options(CLI::App* app, int& tp, int& ep) {
@@ -293,7 +312,9 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   req.cuda = f.device == "cuda";
   req.numerics = ops::parse_numerics(f.numerics);
   req.parallel = {f.tp, f.ep};
+  req.trunk_fp8 = f.trunk_fp8;
   LoadedCheckpoint lc = load_checkpoint(req);
+  if (lc.trunk_fp8 && !f.quiet) std::fprintf(stderr, "%s: %s\n", who.c_str(), trunk_fp8_summary(lc.fp8).c_str());
   if (req.parallel.split() && !f.quiet)
     std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(lc.model->dims(), req.parallel).c_str());
 

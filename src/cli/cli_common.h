@@ -19,7 +19,7 @@
 namespace k3::cli {
 
 // -m/--model, --kda, --mla, --chunk, --ubatch, -t/--threads, --ctx, --mem-limit, --no-prefault,
-// --ram-budget, --direct-io.
+// --ram-budget, --direct-io, --trunk-fp8.
 struct RunEngineFlags {
   std::string model, tokenizer;
   std::string kda = "chunked", mla = "absorbed";
@@ -31,6 +31,7 @@ struct RunEngineFlags {
   std::string device = "cpu";              // cpu | cuda
   bool no_graphs = false;                  // cuda: run decode steps without CUDA-graph replay
   int tp = 1, ep = 1;                      // split over ranks in this process (CPU)
+  bool trunk_fp8 = false;                  // hold the trunk in FP8 (quantised at load; CPU)
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -50,6 +51,12 @@ struct SamplingFlags {
 
 // --tp N and --ep N (model/parallel.h), for every command that runs a model.
 void add_parallel_options(CLI::App* app, int& tp, int& ep);
+// --trunk-fp8 (Model::quantize_trunk_fp8), for every command that loads a model to run it.
+void add_trunk_fp8_option(CLI::App* app, bool& on);
+// Model::load, then with --trunk-fp8 the quantised trunk (its line on stderr unless quiet; a one-line
+// error with --device cuda): the id tools' and k3 bench's loading, which has no memory check.
+std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8, const std::string& device, bool quiet,
+                                          const std::string& who);
 
 // -m, else $K3_MODEL, else the bundled model (K3_DEFAULT_MODEL_DIR) when it exists.
 std::string resolve_model_dir(const std::string& flag);

@@ -101,6 +101,7 @@ struct Flags {
   int64_t roofline_mib = 1024;
   std::string device = "cpu", graphs = "both";
   std::string depth_fill = "prefill";  // --depth-fill: how a depth context is made (prefill or random)
+  bool trunk_fp8 = false;              // --trunk-fp8: the trunk quantised to FP8 at load
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
   bool batched() const {
@@ -201,6 +202,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->option_text("N");
   app.add_flag("--progress,!--no-progress", f.progress, "progress on stderr (default), or none")
       ->disable_flag_override();
+  k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
   if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
   f.roofline = !no_roofline;
 
@@ -232,6 +234,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (f.device == "cuda" && f.numerics == "exact")
     throw Error("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
+  if (f.device == "cuda" && f.trunk_fp8) throw Error("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
   if (std::all_of(f.n_prompt.begin(), f.n_prompt.end(), [](int64_t v) { return v == 0; }) &&
       std::all_of(f.n_gen.begin(), f.n_gen.end(), [](int64_t v) { return v == 0; }))
     throw Error("nothing to run: every -p and -n value is 0");
@@ -507,7 +510,7 @@ int64_t max_context(const Flags& f) {
 
 std::unique_ptr<k3::Model> load_model(const Flags& f) {
   if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
-  auto model = k3::Model::load(f.model);
+  auto model = k3::cli::load_model_for_run(f.model, f.trunk_fp8, f.device, !f.progress, "k3 bench");
   if (f.device == "cuda")
     k3::cli::move_to_device(*model, "cuda", f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench");
   return model;
@@ -538,6 +541,11 @@ ModelInfo model_info(const Flags& f, const k3::Model& model) {
     mi.name = fs::absolute(f.model, ec).lexically_normal().parent_path().filename().string();
   if (mi.name.empty()) mi.name = "model";
   mi.bytes = model.checkpoint().total_tensor_bytes();
+  if (model.trunk_fp8()) {  // the weights as held: the trunk in FP8 instead of the tensors it replaced
+    for (const std::string& n : model.checkpoint().names())
+      if (model.replaced_by_trunk_fp8(n)) mi.bytes -= model.checkpoint().find(n)->nbytes;
+    mi.bytes += k3::trunk_fp8_bytes(model.weights()).before;
+  }
   const k3::ArchParams ap = k3::compute_arch_params(model.config());
   mi.n_params = ap.total;
   mi.n_active = ap.active_per_token;
@@ -646,6 +654,7 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
   j["kda_chunk"] = f.chunk;
   j["n_ubatch"] = f.ubatch;
   j["numerics"] = f.numerics;
+  j["trunk_fp8"] = f.trunk_fp8;
   j["device"] = f.device;
   if (r.test.graphs >= 0) j["cuda_graphs"] = r.test.graphs == 1;
   if (r.roof > 0) {
@@ -723,6 +732,7 @@ class Report {
                         {"device", f.device},   {"repetitions", f.reps},  {"seed", f.seed},
                         {"warmup_runs", 1}};
     if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
+    doc_["settings"]["trunk_fp8"] = f.trunk_fp8;
     doc_["results"] = Json::array();
     size_t test_w = 4;
     for (const Test& t : p.tests) test_w = std::max(test_w, t.name().size());
@@ -767,8 +777,8 @@ class Report {
     prog.done();
     std::string head = "k3 " + std::string(k3::version()) + " bench | " + (p_.cuda ? "GPU: " + p_.gpu + " | " : "") +
                        "CPU: " + p_.cpu + " (" + std::to_string(par::hardware_threads()) + " cores, " +
-                       p_.kernel_level + " kernels) | " + p_.algo + " | numerics " + f_.numerics + " | " +
-                       std::to_string(f_.reps) + " reps + 1 warm-up\n";
+                       p_.kernel_level + " kernels) | " + p_.algo + " | numerics " + f_.numerics +
+                       (f_.trunk_fp8 ? " | trunk FP8" : "") + " | " + std::to_string(f_.reps) + " reps + 1 warm-up\n";
     for (const auto& [t, r] : roofs) {
       char line[256];
       if (p_.cuda)
@@ -978,10 +988,13 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
            std::to_string(p.tests.size()) + " tests");
   // Read every weight page in once, so no timed run pays for page faults of experts that the
   // warm-up happened not to route to.
+  // (Not the tensors the FP8 trunk replaced: their pages were released and are never read again.)
   if (!p.cuda)
-    model.checkpoint().prefault([&](uint64_t done, uint64_t total) {
-      prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
-    });
+    model.checkpoint().prefault(
+        [&](uint64_t done, uint64_t total) {
+          prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
+        },
+        [&](std::string_view n) { return model.replaced_by_trunk_fp8(n); });
   Bench bench(model, f, p.pool);
   // Depth contexts are prefixes of one id stream: a deeper context extends the previous one
   // (so -d 0,1024,2048 prefills 2048 tokens, not 3072); a shallower one starts over.

@@ -32,6 +32,7 @@ struct IdEngineFlags {
   std::string device = "cpu", numerics;
   bool no_graphs = false;
   int tp = 1, ep = 1;
+  bool trunk_fp8 = false;
 
   void add(CLI::App* app) {
     add_model_option(app, model);
@@ -45,6 +46,7 @@ struct IdEngineFlags {
         ->check(CLI::IsMember({"fast", "fp32", "exact"}));
     app->add_flag("--no-graphs", no_graphs, "with --device cuda: no CUDA-graph replay of decode steps");
     add_parallel_options(app, tp, ep);
+    add_trunk_fp8_option(app, trunk_fp8);
   }
   std::unique_ptr<Model> load(const std::string& dir, const std::string& who) const {
     if (device == "cuda" && numerics == "exact")
@@ -54,7 +56,7 @@ struct IdEngineFlags {
       fail(
           "--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet; "
           "on the CPU the ranks run in this process");
-    auto m = Model::load(dir);
+    auto m = load_model_for_run(dir, trunk_fp8, device, false, who);  // before the split
     if (plan.split()) {
       m->split(plan);
       std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());

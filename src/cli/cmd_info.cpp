@@ -1,6 +1,7 @@
 // `k3 info`: architecture, parameter counts, state/cache sizes and weight bytes by dtype of a
 // checkpoint (config.json alone is enough), and the memory a run at --ctx N needs with the verdict
-// `k3 run` / `k3 chat` would reach: fits, does not fit, or refused past max_position_embeddings.
+// `k3 run` / `k3 chat` would reach: fits, does not fit, or refused past max_position_embeddings;
+// with --trunk-fp8, counting the trunk matrices in FP8 (which needs the shards: it binds them).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -28,7 +29,7 @@ std::string ctx_refusal(const ModelConfig& cfg, int64_t ctx) {
          std::to_string(cfg.max_position_embeddings) + "); k3 run, chat and eval refuse it";
 }
 
-int run_info(const std::string& model_flag, int64_t ctx) {
+int run_info(const std::string& model_flag, int64_t ctx, bool trunk_fp8) {
   const std::string dir = resolve_model_dir(model_flag);
   const ModelConfig cfg = load_model_config(dir);
   std::string report = format_arch_report(cfg, ctx);
@@ -47,6 +48,7 @@ int run_info(const std::string& model_flag, int64_t ctx) {
   auto ck = io::Checkpoint::open_headers(dir);
   if (ck->tensor_count() == 0 && ck->missing_shards().empty()) {
     std::printf("checkpoint: no safetensors files (config only)\n");
+    if (trunk_fp8) std::printf("FP8 trunk (--trunk-fp8): not counted: no safetensors files (counting binds them)\n");
     if (!refused.empty()) std::printf("context: %s\n", refused.c_str());
     return 0;
   }
@@ -59,14 +61,29 @@ int run_info(const std::string& model_flag, int64_t ctx) {
     std::printf("  %-8s %20llu B  (%s)\n", dtype_name(dt), (unsigned long long)bytes, human_bytes(bytes).c_str());
   std::printf("  %-8s %20llu B  (%s)\n", "total", (unsigned long long)ck->total_tensor_bytes(),
               human_bytes(ck->total_tensor_bytes()).c_str());
+  // --trunk-fp8: the weights as run/chat/eval/serve then hold them (the trunk matrices in FP8), counted
+  // from the bound weights (Model::load maps the shards and reads only the small vectors).
+  uint64_t weights = ck->total_tensor_bytes();
+  if (trunk_fp8 && !ck->missing_shards().empty()) {
+    std::printf("FP8 trunk (--trunk-fp8): not counted: %zu shard(s) absent (counting binds the shards)\n",
+                ck->missing_shards().size());
+  } else if (trunk_fp8) {
+    const TrunkFp8Bytes t = trunk_fp8_bytes(Model::load(dir)->weights());
+    weights = weights - t.before + t.after;
+    std::printf(
+        "FP8 trunk (--trunk-fp8): %lld trunk matrices (attention, latent projections, shared experts, dense FFN) "
+        "%s -> %s in FP8 (E4M3 + 128 x 128 fp32 block scales); weights held %s (%s as stored)\n",
+        (long long)t.matrices, human_bytes(t.before).c_str(), human_bytes(t.after).c_str(),
+        human_bytes(weights).c_str(), human_bytes(ck->total_tensor_bytes()).c_str());
+  }
   if (!ck->missing_shards().empty()) {
     if (!refused.empty()) std::printf("context: %s\n", refused.c_str());
   } else {
     // What `k3 run` / `k3 chat` will check against MemAvailable (fp32 state, as this engine holds it).
     const int64_t at = ctx > 0 ? ctx : std::min<int64_t>(cfg.max_position_embeddings, 32768);
-    const MemoryPlan p = plan_memory(cfg, ck->total_tensor_bytes(), at, 512);
-    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch 512)%s\n", (long long)at,
-                ctx > 0 ? "" : " [--ctx N to change]");
+    const MemoryPlan p = plan_memory(cfg, weights, at, 512);
+    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch 512%s)%s\n", (long long)at,
+                trunk_fp8 ? ", --trunk-fp8" : "", ctx > 0 ? "" : " [--ctx N to change]");
     std::printf("  weights %s + KDA state %s + MLA cache %s + buffers ~%s = %s\n", human_bytes(p.weights).c_str(),
                 human_bytes(p.kda_state).c_str(), human_bytes(p.mla_cache).c_str(), human_bytes(p.scratch).c_str(),
                 human_bytes(p.total()).c_str());
@@ -78,8 +95,10 @@ int run_info(const std::string& model_flag, int64_t ctx) {
 
     // What `--device cuda` needs in GPU memory (weights as stored, MXFP4 experts stay 4-bit).
     const int64_t gat = ctx > 0 ? ctx : 4096;
-    const GpuMemoryPlan g = gpu_memory_plan(cfg, ck->total_tensor_bytes(), GpuOptions{}, gat);
-    std::printf("GPU memory to run at %lld tokens (--device cuda)\n", (long long)gat);
+    const GpuMemoryPlan g = gpu_memory_plan(cfg, weights, GpuOptions{}, gat);
+    std::printf(
+        "GPU memory to run at %lld tokens (--device cuda%s)\n", (long long)gat,
+        trunk_fp8 ? "; with --trunk-fp8: what it will need, refused today: its FP8 kernels are not built yet" : "");
     std::printf("  weights %s + state %s + MLA cache %s + workspace %s = %s\n", human_bytes(g.weights).c_str(),
                 human_bytes(g.state_fixed).c_str(), human_bytes(g.state_per_token * size_t(gat)).c_str(),
                 human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
@@ -99,13 +118,16 @@ int cmd_info(int argc, char** argv) {
   app.name("k3 info");
   std::string model;
   int64_t ctx = 0;
+  bool trunk_fp8 = false;
   add_model_option(&app, model);
+  app.add_flag("--trunk-fp8", trunk_fp8,
+               "count the weights as --trunk-fp8 holds them (the trunk matrices in FP8; binds the checkpoint)");
   app.add_option("--ctx", ctx,
                  "size the MLA cache and the memory plan for this many tokens (default: "
                  "min(max_position_embeddings, 32768)); past max_position_embeddings it is reported as refused")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
   if (const auto code = parse_flags(app, argc, argv)) return *code;
-  return run_guarded("k3 info", [&] { return run_info(model, ctx); });
+  return run_guarded("k3 info", [&] { return run_info(model, ctx, trunk_fp8); });
 }
 
 }  // namespace k3::cli

@@ -120,6 +120,7 @@ int cmd_serve(int argc, char** argv) {
     eo.cuda_graphs = !ef.no_graphs;
     eo.tp = ef.tp;
     eo.ep = ef.ep;
+    eo.trunk_fp8 = ef.trunk_fp8;
     eo.load_progress = [&](uint64_t d, uint64_t t) { http.set_load_progress(d, t); };
     std::unique_ptr<Engine> engine;
     try {

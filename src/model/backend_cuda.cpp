@@ -183,6 +183,12 @@ class CudaBackend final : public Backend {
   }
 
   void place(ModelWeights& w) override {
+    for_each_weight(
+        w,
+        [](const WeightMat& m, WeightRole) {
+          if (m.fmt == WFormat::FP8) fail("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
+        },
+        [](const FVec&) {});
     Uploader sizing(nullptr);
     ModelWeights probe = w;
     place_all(sizing, probe, opt_.experts_resident);

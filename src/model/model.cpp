@@ -1,17 +1,26 @@
-// Model construction and backend choice, and Session: one sequence as a slot of the model's own
-// state pool (mark/rollback, the session file format K3SESS01).
+// Model construction and backend choice, the FP8 trunk (quantize_trunk_fp8), and Session: one
+// sequence as a slot of the model's own state pool (mark/rollback, the session file format K3SESS01).
 // Must not: compute (model/forward.cpp) or bind tensors (model/kimi_k3.cpp).
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstring>
 #include <istream>
 #include <ostream>
+#include <unordered_map>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "io/safetensors.h"
 #include "model/backend_profile.h"
 #include "model/backends.h"
 #include "model/model.h"
+#include "ops/fp8.h"
+#include "ops/ops.h"
 
 namespace k3 {
 
@@ -99,6 +108,174 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
       },
       [&](const FVec& v) { bytes += weight_bytes(v); });
   return gpu_memory_plan(m.config(), bytes, o, context);
+}
+
+// ---------------------------------------------------------------- the FP8 trunk (--trunk-fp8)
+// What is quantised: WeightRole::Trunk, every matrix read once per token whatever the routing (the
+// attention projections, the MoE latent projections, the shared experts, the dense FFN). What stays:
+// the router (its top-k over sigmoid scores is tie-sensitive: a rounded gate can change which experts
+// run), the routed experts (MXFP4 as shipped, never re-quantised), the embedding (one row read per
+// token: nothing to gain in bandwidth) and lm_head (the logits themselves), as DeepSeek-V3's FP8
+// training and serving recipes keep the embedding, the output head, the gating and the norms in
+// higher precision.
+
+TrunkFp8Bytes trunk_fp8_bytes(const ModelWeights& w) {
+  TrunkFp8Bytes b;
+  std::vector<const void*> seen;
+  for_each_weight(
+      w,
+      [&](const WeightMat& m, WeightRole role) {
+        if (role != WeightRole::Trunk || std::find(seen.begin(), seen.end(), m.data) != seen.end()) return;
+        seen.push_back(m.data);
+        ++b.matrices;
+        b.before += weight_bytes(m);
+        b.after += fp8_matrix_bytes(m.rows, m.cols);
+      },
+      [](const FVec&) {});
+  return b;
+}
+
+namespace {
+constexpr uint64_t kArenaAlign = 64;
+uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+// Hands the whole pages inside [p, p + n) of a read-only mapping back to the kernel (they are read
+// again from the file if ever touched); returns the bytes released.
+uint64_t release_pages(const uint8_t* p, uint64_t n) {
+  static const uint64_t page = uint64_t(sysconf(_SC_PAGESIZE));
+  const uint64_t b = align_up(reinterpret_cast<uintptr_t>(p), page),
+                 e = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
+  if (e <= b) return 0;
+  if (madvise(reinterpret_cast<void*>(b), size_t(e - b), MADV_DONTNEED) != 0) return 0;
+  return e - b;
+}
+}  // namespace
+
+bool Model::replaced_by_trunk_fp8(std::string_view tensor_name) const {
+  if (trunk_fp8_sources_.empty()) return false;
+  const TensorView* t = ckpt_->find(tensor_name);
+  return t &&
+         std::binary_search(trunk_fp8_sources_.begin(), trunk_fp8_sources_.end(), static_cast<const void*>(t->data));
+}
+
+TrunkFp8Report Model::quantize_trunk_fp8(TrunkFp8Store store) {
+  if (on_gpu())
+    fail("--trunk-fp8: the model is already on the GPU (the trunk is quantised at load, before the upload)");
+  if (split_ || role_.comm)
+    fail("--trunk-fp8: the model is already split over ranks (" + parallel().str() +
+         "); quantise the trunk before Model::split");
+  if (trunk_fp8_) fail("--trunk-fp8: the trunk is already quantised");
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool f32 = store == TrunkFp8Store::DequantizedF32;
+
+  // One job per distinct trunk matrix: its source view, where its codes and scales (or F32 twin) go.
+  struct Job {
+    WeightMat src;
+    std::vector<WeightMat*> uses;  // the host views to rewrite
+    uint64_t codes = 0, scales = 0;
+    std::string name;
+    std::atomic<int64_t> left{0};  // block rows still to quantise
+  };
+  std::vector<std::unique_ptr<Job>> jobs;
+  std::unordered_map<const void*, Job*> by_data;
+  for_each_weight(
+      host_,
+      [&](WeightMat& w, WeightRole role) {
+        if (role != WeightRole::Trunk) return;
+        if (auto it = by_data.find(w.data); it != by_data.end()) return it->second->uses.push_back(&w);
+        auto j = std::make_unique<Job>();
+        j->src = w;
+        j->uses.push_back(&w);
+        j->name = "a trunk matrix [" + std::to_string(w.rows) + ", " + std::to_string(w.cols) + "]";
+        by_data[w.data] = j.get();
+        jobs.push_back(std::move(j));
+      },
+      [](FVec&) {});
+  for (const std::string& n : ckpt_->names())  // tensor names, for messages
+    if (const TensorView* t = ckpt_->find(n))
+      if (auto it = by_data.find(t->data); it != by_data.end()) it->second->name = n;
+  uint64_t size = 0;
+  for (auto& j : jobs) {
+    const WeightMat& w = j->src;
+    if (w.fmt != WFormat::F32 && w.fmt != WFormat::F16 && w.fmt != WFormat::BF16)
+      fail("--trunk-fp8: trunk matrix " + j->name + " is " + wformat_name(w.fmt) + " (F32, F16 or BF16 expected)");
+    j->codes = size;
+    size = align_up(size + uint64_t(w.rows) * uint64_t(w.cols) * (f32 ? 4 : 1), kArenaAlign);
+    j->scales = size;
+    if (!f32)
+      size = align_up(size + 4 * uint64_t((w.rows + kFp8Block - 1) / kFp8Block * fp8_block_cols(w.cols)), kArenaAlign);
+    j->left = (w.rows + kFp8Block - 1) / kFp8Block;
+  }
+  std::unique_ptr<uint8_t[]> store_mem(new uint8_t[size + kArenaAlign]);
+  uint8_t* const arena =
+      reinterpret_cast<uint8_t*>(align_up(reinterpret_cast<uintptr_t>(store_mem.get()), kArenaAlign));
+
+  // Every (matrix, block row) is one task, in matrix order: a matrix's source pages are released as
+  // soon as its last block row is done, so at most a few matrices' pages are resident at once.
+  struct Task {
+    Job* job;
+    int64_t br;
+  };
+  std::vector<Task> tasks;
+  for (auto& j : jobs)
+    for (int64_t br = 0; br < j->left; ++br) tasks.push_back({j.get(), br});
+  const auto source_bytes = [](const WeightMat& w) { return uint64_t(w.rows) * uint64_t(row_bytes(w)); };
+  const auto in_mapping = [&](const WeightMat& w) {
+    return ckpt_->locate(static_cast<const uint8_t*>(w.data), source_bytes(w)).has_value();
+  };
+  par::parallel_for_each(int64_t(tasks.size()), [&](int64_t i) {
+    Job& j = *tasks[size_t(i)].job;
+    const int64_t br = tasks[size_t(i)].br, cols = j.src.cols, nbc = fp8_block_cols(cols);
+    const int64_t r0 = br * kFp8Block, n = std::min(j.src.rows, r0 + kFp8Block) - r0;
+    if (!f32) {
+      ops::quantize_fp8_block_row(j.src, br, arena + j.codes + uint64_t(r0 * cols),
+                                  reinterpret_cast<float*>(arena + j.scales) + br * nbc, j.name);
+    } else {  // the same rounding, written out dequantised
+      std::vector<uint8_t> codes(size_t(n * cols));
+      std::vector<float> scales(static_cast<size_t>(nbc));
+      ops::quantize_fp8_block_row(j.src, br, codes.data(), scales.data(), j.name);
+      const WeightMat q = ops::fp8_matrix(codes.data(), scales.data(), n, cols);
+      float* out = reinterpret_cast<float*>(arena + j.codes) + r0 * cols;
+      for (int64_t r = 0; r < n; ++r) ops::dequant_row(q, r, out + r * cols);
+    }
+    if (--j.left == 0 && in_mapping(j.src)) release_pages(static_cast<const uint8_t*>(j.src.data), source_bytes(j.src));
+  });
+
+  // The views, then the pages shared by two neighbouring replaced tensors (which neither could give
+  // back alone): the merged ranges, again page by page inside them (the count is theirs: a superset
+  // of what each tensor gave back alone).
+  TrunkFp8Report rep;
+  std::vector<std::pair<const uint8_t*, uint64_t>> ranges;
+  for (auto& j : jobs) {
+    const WeightMat& w = j->src;
+    WeightMat v;
+    if (f32) {
+      v = wmat_f32(reinterpret_cast<const float*>(arena + j->codes), w.rows, w.cols);
+    } else {
+      v = ops::fp8_matrix(arena + j->codes, reinterpret_cast<const float*>(arena + j->scales), w.rows, w.cols);
+    }
+    for (WeightMat* u : j->uses) *u = v;
+    ++rep.bytes.matrices;
+    rep.bytes.before += weight_bytes(w);
+    rep.bytes.after += weight_bytes(v);
+    trunk_fp8_sources_.push_back(w.data);
+    if (in_mapping(w)) ranges.push_back({static_cast<const uint8_t*>(w.data), source_bytes(w)});
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 0; i < ranges.size();) {
+    const uint8_t* b = ranges[i].first;
+    const uint8_t* e = b + ranges[i].second;
+    size_t k = i + 1;
+    for (; k < ranges.size() && ranges[k].first <= e; ++k) e = std::max(e, ranges[k].first + ranges[k].second);
+    rep.released_bytes += release_pages(b, uint64_t(e - b));
+    i = k;
+  }
+  std::sort(trunk_fp8_sources_.begin(), trunk_fp8_sources_.end());
+  trunk_fp8_store_ = std::move(store_mem);
+  trunk_fp8_ = true;
+  placed_ = host_;  // the CPU backend reads the host views as they are (on_gpu was refused above)
+  rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return rep;
 }
 
 // ---------------------------------------------------------------- session

@@ -1,9 +1,11 @@
 // Model: a bound K3-family checkpoint (config, dims, typed weight views), the backend it runs on and
 // the one forward pass over a step of many sequences (model/forward.cpp). Session: one sequence as a
 // slot of the model's own state pool, for callers that run one sequence at a time.
-// Owns: the backend choice (CPU unless use_gpu), the placed weights, the planned workspace.
-// Must not: copy big weights on the CPU (they stay views into the mmap'd shards) or read files
-// after load (routed experts may instead arrive through ForwardOptions::experts, which runtime/ owns).
+// Owns: the backend choice (CPU unless use_gpu), the placed weights, the planned workspace, and the
+// FP8 trunk option (quantize_trunk_fp8: the one place that decides which weights are quantised).
+// Must not: copy big weights on the CPU (they stay views into the mmap'd shards; the one exception is
+// the FP8 trunk of quantize_trunk_fp8, which the model then owns) or read files after load (routed
+// experts may instead arrive through ForwardOptions::experts, which runtime/ owns).
 // Threads: one thread at a time drives forward/step of a model (they share its workspace).
 #pragma once
 #include <cstdint>
@@ -97,6 +99,28 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
 // Workspace floats of one step of up to R rows (the plan the workspace is allocated from).
 int64_t forward_work_floats(const ModelDims& d, int64_t R);
 
+// The FP8 trunk (--trunk-fp8, issue 20): what Model::quantize_trunk_fp8 quantises is every matrix
+// for_each_weight visits as WeightRole::Trunk: the attention projections, the MoE latent down/up
+// projections, the shared experts and the dense FFN.
+// Stored bytes of those matrices as bound and in FP8 (E4M3 + fp32 block scales): the memory check
+// and `k3 info --trunk-fp8` count with it before anything is quantised.
+struct TrunkFp8Bytes {
+  int64_t matrices = 0;
+  uint64_t before = 0, after = 0;
+};
+TrunkFp8Bytes trunk_fp8_bytes(const ModelWeights& w);
+
+struct TrunkFp8Report {
+  TrunkFp8Bytes bytes;          // what was quantised
+  uint64_t released_bytes = 0;  // pages of the mapping handed back (madvise MADV_DONTNEED)
+  double seconds = 0;
+};
+
+// Where quantize_trunk_fp8 puts the trunk: FP8 (the option), or the reference twin of the same
+// rounding, each trunk weight replaced by its dequantised FP8 value in F32 (4 bytes a weight; tests
+// and measurements compare the FP8 kernels against it).
+enum class TrunkFp8Store : uint8_t { Fp8, DequantizedF32 };
+
 class Session;
 struct OpProfile;
 
@@ -143,6 +167,18 @@ class Model {
   // changes nothing.
   void split(const ParallelPlan& p);
   ParallelPlan parallel() const;  // how the model is split (one rank: tp = ep = 1)
+
+  // --trunk-fp8: quantises every trunk matrix (trunk_fp8_bytes) from its stored format into FP8
+  // (E4M3, one fp32 scale per 128 x 128 block: ops/fp8.h) held by this model, in parallel on the
+  // engine's thread pool, rewrites the host and placed views to it, and releases the mapping's pages
+  // of the tensors it replaced (they are read once, here). The router, the routed experts (MXFP4,
+  // used as shipped), the embedding and lm_head stay as they are. Call after load, before split()
+  // or use_gpu(): a one-line k3::Error on a model already split, on the GPU, or already quantised
+  // (and on a non-finite trunk weight, naming the tensor).
+  TrunkFp8Report quantize_trunk_fp8(TrunkFp8Store store = TrunkFp8Store::Fp8);
+  bool trunk_fp8() const { return trunk_fp8_; }
+  // True for a checkpoint tensor the FP8 trunk replaced (prefaulting skips it: its pages were released).
+  bool replaced_by_trunk_fp8(std::string_view tensor_name) const;
 
   // Moves the model to the GPU (uploads the weights after checking they fit, with one-line errors);
   // sessions created before refuse to run. Numerics on the GPU: Fast = bf16 tensor-core GEMMs,
@@ -202,6 +238,11 @@ class Model {
   mutable StepIndex ix_;
   mutable std::unique_ptr<StatePool> sessions_;
   uint64_t backend_generation_ = 0;  // bumped by use_gpu: older sessions refuse to run
+  // The FP8 trunk: the memory its views point at (codes and block scales, or the dequantised F32 twin)
+  // and the data pointers of the tensors it replaced, sorted.
+  bool trunk_fp8_ = false;
+  std::unique_ptr<uint8_t[]> trunk_fp8_store_;
+  std::vector<const void*> trunk_fp8_sources_;
 };
 
 class Session {

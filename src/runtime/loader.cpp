@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -46,23 +47,16 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
          "this process");
   if (r.parallel.split() && budget)
     fail(nm.split + " with " + nm.ram_budget + " is not supported yet (the ranks would share one expert cache)");
+  if (r.trunk_fp8 && r.cuda) fail(nm.trunk_fp8 + " on the GPU: its FP8 kernels are not built yet");
   lc.ram_budget = budget;
-  uint64_t resident_bytes = 0;
+  ExpertTensorTotals totals;
   {
     auto heads = io::Checkpoint::open_headers(lc.dir);
     lc.weight_bytes = heads->total_tensor_bytes();
-    resident_bytes = lc.weight_bytes;
-    if (budget) {
-      // Whether the budget holds the trunk plus top_k experts is checked exactly (slot alignment
-      // included) once the model is bound, still before any weight is read.
-      const ExpertTensorTotals totals = expert_tensor_totals(*heads);
-      lc.trunk_bytes = totals.trunk_bytes;
-      const uint64_t cache = budget > totals.trunk_bytes ? budget - totals.trunk_bytes : 0;
-      resident_bytes = totals.trunk_bytes + std::min(cache, totals.expert_bytes);
-    }
+    // Whether the budget holds the trunk plus top_k experts is checked exactly (slot alignment
+    // included) once the model is bound, still before any weight is read.
+    if (budget) totals = expert_tensor_totals(*heads);
   }
-  MemoryPlan plan = plan_memory(cfg, resident_bytes, lc.ctx_tokens, r.ubatch);
-  plan.mla_cache *= uint64_t(r.parallel.world());  // a split model's ranks each hold the whole latent cache
   uint64_t limit = 0;
   std::string limit_src;
   if (!r.mem_limit.empty()) {
@@ -72,13 +66,28 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
     limit = *avail;
     limit_src = "MemAvailable";
   }
-  if (limit && plan.total() > limit && !r.cuda)  // on the GPU the state lives in GPU memory (checked there)
-    fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) +
-         ", state and cache for " + std::to_string(lc.ctx_tokens) + " tokens " +
-         human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " + human_bytes(plan.scratch) + ") but only " +
-         human_bytes(limit) + " is available (" + limit_src +
-         (budget ? "); lower " + nm.ctx + " or " + nm.ram_budget
-                 : "); lower " + nm.ctx + ", raise " + nm.mem_limit + " or set " + nm.ram_budget));
+  // The weights resident once read: all of them, or under a RAM budget the trunk plus the expert
+  // cache; `trunk_saved` is what the FP8 trunk saves (bf16 bytes - FP8 bytes of the trunk matrices).
+  const auto check_fit = [&](uint64_t trunk_saved) {
+    uint64_t resident = lc.weight_bytes - trunk_saved;
+    if (budget) {
+      lc.trunk_bytes = totals.trunk_bytes - trunk_saved;
+      const uint64_t cache = budget > lc.trunk_bytes ? budget - lc.trunk_bytes : 0;
+      resident = lc.trunk_bytes + std::min(cache, totals.expert_bytes);
+    }
+    MemoryPlan plan = plan_memory(cfg, resident, lc.ctx_tokens, r.ubatch);
+    plan.mla_cache *= uint64_t(r.parallel.world());  // a split model's ranks each hold the whole latent cache
+    if (limit && plan.total() > limit && !r.cuda)    // on the GPU the state lives in GPU memory (checked there)
+      fail("model needs " + human_bytes(plan.total()) + " (weights " + human_bytes(plan.weights) +
+           (trunk_saved ? " with the FP8 trunk" : "") + ", state and cache for " + std::to_string(lc.ctx_tokens) +
+           " tokens " + human_bytes(plan.kda_state + plan.mla_cache) + ", buffers " + human_bytes(plan.scratch) +
+           ") but only " + human_bytes(limit) + " is available (" + limit_src +
+           (budget ? "); lower " + nm.ctx + " or " + nm.ram_budget
+                   : "); lower " + nm.ctx + ", raise " + nm.mem_limit + " or set " + nm.ram_budget));
+  };
+  // With the FP8 trunk the check waits for the bound weights (binding maps the shards and reads only
+  // the small vectors), whose trunk it counts in FP8; otherwise it runs before anything is mapped.
+  if (!r.trunk_fp8) check_fit(0);
 
   lc.tokenizer_dir = r.tokenizer_dir.empty() ? lc.dir : r.tokenizer_dir;
   if (r.need_tokenizer) {
@@ -92,17 +101,43 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
   if (lc.tok && int64_t(lc.tok->vocab_size()) > lc.model->dims().vocab)
     fail("the tokenizer in " + lc.tokenizer_dir + " has " + std::to_string(lc.tok->vocab_size()) +
          " ids but the model's vocabulary is " + std::to_string(lc.model->dims().vocab));
-  if (budget) lc.experts = make_budget_expert_cache(*lc.model, budget, r.direct_io);
+  if (r.trunk_fp8) {
+    const TrunkFp8Bytes fp8 = trunk_fp8_bytes(lc.model->weights());
+    check_fit(fp8.before > fp8.after ? fp8.before - fp8.after : 0);
+    lc.fp8 = lc.model->quantize_trunk_fp8();  // before the split: its ranks take views of the FP8 trunk
+    lc.trunk_fp8 = true;
+  }
+  if (budget && r.trunk_fp8) {
+    // make_budget_expert_cache's capacity, from the trunk as it now is (FP8).
+    ExpertTensorTotals t = totals;
+    t.trunk_bytes = lc.trunk_bytes;
+    const int64_t top_k = std::min(lc.model->dims().moe.top_k, lc.model->dims().moe.experts);
+    const uint64_t cap = ram_budget_cache_bytes(budget, t, top_k, ExpertCache::slot_bytes_for(*lc.model, r.direct_io));
+    lc.experts = std::make_unique<ExpertCache>(*lc.model, ExpertCacheOptions{cap, r.direct_io});
+  } else if (budget) {
+    lc.experts = make_budget_expert_cache(*lc.model, budget, r.direct_io);
+  }
   if (r.parallel.split()) lc.model->split(r.parallel);
   lc.bind_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return lc;
 }
 
 void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint64_t, uint64_t)>& progress) {
-  if (lc.ram_budget)
-    lc.model->checkpoint().prefault(progress, is_routed_expert_tensor);  // the trunk only
+  const Model& m = *lc.model;
+  if (lc.ram_budget || lc.trunk_fp8)
+    m.checkpoint().prefault(progress, [&](std::string_view name) {
+      return (lc.ram_budget && is_routed_expert_tensor(name)) || m.replaced_by_trunk_fp8(name);
+    });
   else
-    lc.model->checkpoint().prefault(progress);
+    m.checkpoint().prefault(progress);
+}
+
+std::string trunk_fp8_summary(const TrunkFp8Report& r) {
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%.2f s", r.seconds);
+  return "trunk in FP8 (E4M3, 128 x 128 block scales): " + std::to_string(r.bytes.matrices) + " matrices, " +
+         human_bytes(r.bytes.before) + " -> " + human_bytes(r.bytes.after) + ", " + human_bytes(r.released_bytes) +
+         " of mapped pages released, in " + secs;
 }
 
 GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident) {

@@ -2,6 +2,7 @@
 #include "runtime/memory.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -54,6 +55,13 @@ uint64_t peak_rss_bytes() {
   struct rusage ru {};
   if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
   return uint64_t(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+uint64_t current_rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  if (!(f >> size >> resident)) return 0;
+  return resident * uint64_t(sysconf(_SC_PAGESIZE));
 }
 
 uint64_t parse_size(const std::string& text, const std::string& what) {
