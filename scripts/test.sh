@@ -69,10 +69,18 @@ cmake --build build -j"$jobs"
 if [[ "${K3_TEST_NO_SANITIZE:-0}" != 1 ]]; then
   echo "== ASan + UBSan build"
   # K3_CUDA=OFF here: the sanitizers cover host code, and this build also checks that the engine
-  # builds and refuses --device cuda cleanly without the CUDA backend.
-  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DK3_SANITIZE=ON -DK3_CUDA=OFF \
+  # builds and refuses --device cuda cleanly without the CUDA backend. -O1 -g1 (line tables, enough
+  # for the sanitizers' stack traces) compiles about 2.5x faster than RelWithDebInfo's -O2 -g; the
+  # benchmark programs (no test runs them) are left out.
+  cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+    -DK3_SANITIZE=ON -DK3_CUDA=OFF -DK3_BUILD_BENCH=OFF \
     -DK3_TOKENIZER_DATA="$root/build/tokenizer-data" -DK3_SERVER_VENV="$root/build/servevenv" >/dev/null
   cmake --build build-asan -j"$jobs"
+  # Left out of the sanitizer pass (the release pass runs them): evaluations that run code the
+  # sanitized suite already covers over and over on the trained model (50 chat replies; a perplexity
+  # slice; the scalar level's fast numerics on K3-nano; every code point through the pre-tokenizer),
+  # which took about 400 of its ~1200 test-seconds here (-O2).
+  asan_skip='^(K3NanoChat\.GreedyRepliesCloseThinkingAnswerAndCallTools|K3Nano\.EvalSliceMatchesPyTorchReference|Level/FastLevels\.K3NanoFullDecodeAndStreamedCloseToExact/scalar|PreTokenizerOracle\.EveryCodePointInContextAgrees)$'
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-     ctest --output-on-failure -j"$jobs" --timeout 1800)
+     ctest --output-on-failure -j"$jobs" --timeout 1800 -E "$asan_skip")
 fi
