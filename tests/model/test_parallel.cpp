@@ -96,7 +96,11 @@ TEST_P(Split, BatchedSequencesAreTheOneRankModels) {
   auto split = k3::Model::load(dir_of(c.model));
   split->split({c.tp, c.ep});
   const auto seqs = k3test::mixed_sequences(5, int32_t(one->dims().vocab), 3u);
-  for (auto n : {k3::ops::Numerics::Exact, k3::ops::Numerics::Fast}) {
+  // (K3-nano: the fast numerics only; its exact path is checked above, and the sanitizer build's
+  // scalar kernels make a batch of it slow.)
+  std::vector<k3::ops::Numerics> numerics{k3::ops::Numerics::Fast};
+  if (c.model != "k3-nano") numerics.push_back(k3::ops::Numerics::Exact);
+  for (auto n : numerics) {
     SCOPED_TRACE(k3::ops::numerics_name(n));
     auto p1 = one->new_pool();
     auto p2 = split->new_pool();
@@ -151,8 +155,8 @@ INSTANTIATE_TEST_SUITE_P(Models, Split,
                                            Case{"tiny", 3, 1}, Case{"tiny", 1, 3}, Case{"tiny-flat", 2, 1},
                                            Case{"tiny-flat", 1, 2}, Case{"tiny-flat", 2, 2}, Case{"tiny-chat", 2, 2},
                                            Case{"kl-tiny", 2, 1}, Case{"kl-tiny", 1, 2}, Case{"kl-tiny", 2, 2},
-                                           Case{"k3-nano", 2, 1}, Case{"k3-nano", 1, 2}, Case{"k3-nano", 2, 2},
-                                           Case{"k3-nano", 4, 4}),
+                                           Case{"tiny", 4, 4}, Case{"k3-nano", 2, 1}, Case{"k3-nano", 1, 2},
+                                           Case{"k3-nano", 2, 2}),
                          case_name);
 
 std::string split_error(const std::string& model, int tp, int ep) {
