@@ -140,6 +140,10 @@ class CudaBackend final : public Backend {
       for (int64_t r = 1; r <= R; ++r) floats = std::max(floats, cu::mla_paged_work_floats(r, r, ad));
       mla_work_ = cu::DevBuf(size_t(floats) * 4, "MLA workspace");
     }
+    if (o.experts_on_cpu && d.moe.experts > 0) {
+      cpu_ = make_cpu_backend();
+      host_moe_ = static_cast<float*>(cu::host_alloc_pinned(size_t(R * (2 * d.moe.latent + 2 * K)) * 4));
+    }
     ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
     seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
     argmax_dev_ = cu::DevBuf(size_t(R) * 4, "greedy picks");
@@ -150,6 +154,7 @@ class CudaBackend final : public Backend {
     cu::host_free_pinned(staging_);
     cu::host_free_pinned(table_pinned_);
     cu::host_free_pinned(rows_pinned_);
+    cu::host_free_pinned(host_moe_);
     cu::stream_destroy(stream_);
   }
 
@@ -191,10 +196,11 @@ class CudaBackend final : public Backend {
         [](const FVec&) {});
     Uploader sizing(nullptr);
     ModelWeights probe = w;
-    place_all(sizing, probe, opt_.experts_resident);
+    const bool experts = opt_.experts_resident && !cpu_;  // else they stay host views
+    place_all(sizing, probe, experts);
     arena_ = cu::DevBuf(sizing.used() + 256, "model weights");
     Uploader up(arena_.as<char>());
-    place_all(up, w, opt_.experts_resident);
+    place_all(up, w, experts);
     cu::sync();
   }
 
@@ -230,7 +236,8 @@ class CudaBackend final : public Backend {
     vb_ = cu::VarlenDev{N, R, sd, sd + N + 1, v.n_slots};
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
-    if (!opt_.graphs || !replayable) return true;
+    if (cpu_) cpu_->begin_step(v, ids, n, false);  // the host's part of the step: its routed experts
+    if (!opt_.graphs || !replayable || cpu_) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};
     if (graph_ && key == key_) {
       cu::graph_launch(graph_, stream_);
@@ -244,12 +251,14 @@ class CudaBackend final : public Backend {
     return true;
   }
   void end_step() override {
+    if (cpu_) cpu_->end_step();
     if (!capturing_) return;
     capturing_ = false;
     graph_ = cu::capture_end(stream_);
     cu::graph_launch(graph_, stream_);
   }
   void abort_step() noexcept override {
+    if (cpu_) cpu_->abort_step();
     if (!capturing_) return;
     capturing_ = false;
     try {
@@ -367,6 +376,7 @@ class CudaBackend final : public Backend {
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, bool onto) override {
     if (w.local_end >= 0 || onto) refuse_split();
+    if (cpu_) return routed_on_cpu(w, latent, situ, z, idx, wt, R, K, agg, source);
     if (source) return routed_from_source(w, latent, situ, z, idx, wt, R, K, agg, *source);
     if (w.stacked.gate.empty())
       fail("the routed experts were not uploaded to the GPU (--ram-budget): pass their expert source");
@@ -388,6 +398,21 @@ class CudaBackend final : public Backend {
       routed_grouped(w, latent, situ, z + run.r0 * latent, idx + run.r0 * K, wt + run.r0 * K, run.n, K,
                      agg + run.r0 * latent);
     }
+  }
+
+  // GpuOptions::experts_on_cpu: the rows' latent inputs and routing go to the host, the CPU backend
+  // sums their routed experts from the host views (or the source) exactly as a CPU-only run does,
+  // and the sum comes back. The stream waits meanwhile (the next op needs the sum).
+  void routed_on_cpu(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                     const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source) {
+    if (capturing_) fail("internal error: a recorded GPU step computes experts on the host");
+    float *zh = host_moe_, *aggh = host_moe_ + R * latent, *wth = aggh + R * latent;
+    auto* idxh = reinterpret_cast<int32_t*>(wth + R * K);
+    cu::d2h(idxh, idx, size_t(R * K) * 4, stream_);
+    cu::d2h(wth, wt, size_t(R * K) * 4, stream_);
+    cu::d2h(zh, z, size_t(R * latent) * 4, stream_);
+    cpu_->moe_routed(w, latent, situ, zh, idxh, wth, R, K, aggh, source, false);
+    cu::h2d(agg, aggh, size_t(R * latent) * 4, stream_);  // aggh is next written after the next d2h's sync
   }
 
   // Experts from a source (streamed from disk into host memory): the experts the step's rows
@@ -690,6 +715,8 @@ class CudaBackend final : public Backend {
   GraphKey key_;
   cu::EventMarks marks_;
   bool capturing_ = false;
+  std::unique_ptr<Backend> cpu_;  // experts_on_cpu: the CPU backend that computes the routed experts
+  float* host_moe_ = nullptr;     // its pinned buffers: z, agg [R, latent], weights [R, K], ids [R, K]
 };
 
 }  // namespace

@@ -104,7 +104,7 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
   for_each_weight(
       m.weights(),
       [&](const WeightMat& w, WeightRole role) {
-        if (o.experts_resident || role != WeightRole::RoutedExpert) bytes += weight_bytes(w);
+        if ((o.experts_resident && !o.experts_on_cpu) || role != WeightRole::RoutedExpert) bytes += weight_bytes(w);
       },
       [&](const FVec& v) { bytes += weight_bytes(v); });
   return gpu_memory_plan(m.config(), bytes, o, context);

@@ -37,6 +37,11 @@ struct GpuOptions {
   // false: routed experts stay in host memory and every step uploads the ones it selects from the
   // ForwardOptions::experts source (--ram-budget); only the trunk goes to the GPU.
   bool experts_resident = true;
+  // true: routed experts stay in host memory and the CPU cores compute them (the CPU backend's
+  // kernels; from the ForwardOptions::experts source when there is one): the GPU runs the trunk,
+  // and each MoE layer sends its [rows x latent] activations and routing to the host and the
+  // routed sum back (issue 20's hybrid placement; no CUDA-graph replay).
+  bool experts_on_cpu = false;
 };
 
 // GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).
