@@ -479,6 +479,7 @@ struct ModelInfo {
   std::string name;
   uint64_t bytes = 0;
   int64_t n_params = 0, n_active = 0;
+  k3::TrunkFp8Bytes fp8;  // --trunk-fp8: the trunk matrices, their stored bytes and their FP8 bytes
 };
 
 // Everything decided before the first probe: the tests in run order and what the header says.
@@ -542,9 +543,12 @@ ModelInfo model_info(const Flags& f, const k3::Model& model) {
   if (mi.name.empty()) mi.name = "model";
   mi.bytes = model.checkpoint().total_tensor_bytes();
   if (model.trunk_fp8()) {  // the weights as held: the trunk in FP8 instead of the tensors it replaced
+    const k3::TrunkFp8Bytes now = k3::trunk_fp8_bytes(model.weights());  // its "before" is the FP8 bytes
+    mi.fp8.matrices = now.matrices;
+    mi.fp8.after = now.before;
     for (const std::string& n : model.checkpoint().names())
-      if (model.replaced_by_trunk_fp8(n)) mi.bytes -= model.checkpoint().find(n)->nbytes;
-    mi.bytes += k3::trunk_fp8_bytes(model.weights()).before;
+      if (model.replaced_by_trunk_fp8(n)) mi.fp8.before += model.checkpoint().find(n)->nbytes;
+    mi.bytes = mi.bytes - mi.fp8.before + mi.fp8.after;
   }
   const k3::ArchParams ap = k3::compute_arch_params(model.config());
   mi.n_params = ap.total;
@@ -733,6 +737,9 @@ class Report {
                         {"warmup_runs", 1}};
     if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
     doc_["settings"]["trunk_fp8"] = f.trunk_fp8;
+    if (f.trunk_fp8)
+      doc_["settings"]["trunk_fp8_bytes"] = {
+          {"matrices", p.mi.fp8.matrices}, {"before", p.mi.fp8.before}, {"after", p.mi.fp8.after}};
     doc_["results"] = Json::array();
     size_t test_w = 4;
     for (const Test& t : p.tests) test_w = std::max(test_w, t.name().size());

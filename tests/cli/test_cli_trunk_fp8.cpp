@@ -92,6 +92,13 @@ TEST(CliTrunkFp8, EvalAndBench) {
   ASSERT_EQ(b.code, 0) << b.err;
   const auto doc = nlohmann::json::parse(k3test::slurp(j));
   EXPECT_EQ(doc["settings"]["trunk_fp8"], true);
+  EXPECT_EQ(doc["settings"]["trunk_fp8_bytes"]["matrices"], 98);
+  const uint64_t before = doc["settings"]["trunk_fp8_bytes"]["before"],
+                 after = doc["settings"]["trunk_fp8_bytes"]["after"];
+  // K3-nano's 98 trunk matrices: 7,858,560 weights, 15,717,120 B in bf16; in FP8 one byte each plus
+  // 736 fp32 block scales.
+  EXPECT_EQ(before, 15717120u);
+  EXPECT_EQ(after, 7858560u + 4 * 736u);
   ASSERT_FALSE(doc["results"].empty());
   EXPECT_EQ(doc["results"][0]["trunk_fp8"], true);
   // The weights as held: the checkpoint's 43.00 MiB less the 14.99 MiB replaced plus 7.50 MiB of FP8.
