@@ -29,6 +29,7 @@
 #include "common/num_util.h"
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "k3/engine.h"
 #include "model/model.h"
 #include "runtime/memory.h"
 
@@ -327,5 +328,30 @@ TEST(TrunkFp8, RefusesTwiceAndAfterSplit) {
   } catch (const k3::Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "--trunk-fp8: the model is already split over ranks (TP2); quantise the trunk before Model::split");
+  }
+}
+
+// The public API's EngineOptions::trunk_fp8: the engine's logits are the FP8 model's (exact numerics),
+// and with device=cuda it is the one-line refusal, in the API's names.
+TEST(TrunkFp8, EngineOptionRunsTheFp8Model) {
+  k3::EngineOptions eo;
+  eo.model_dir = dir_of("k3-nano");
+  eo.numerics = "exact";
+  eo.need_tokenizer = false;
+  eo.prefault = true;
+  eo.trunk_fp8 = true;
+  auto engine = k3::Engine::load(eo);
+  const auto ids = ids_of("k3-nano");
+  const int32_t seq = engine->new_sequence();
+  std::vector<float> logits;
+  engine->step({k3::StepInput{seq, ids.data(), int64_t(ids.size()), true}}, &logits, nullptr);
+  EXPECT_TRUE(same_bits(logits, k3test::full_pass(*fp8_model("k3-nano"), ids, with(Numerics::Exact))));
+  eo.device = "cuda";
+  eo.numerics = "fp32";  // (exact is refused on the GPU first)
+  try {
+    k3::Engine::load(eo);
+    FAIL() << "trunk_fp8 on the GPU was accepted";
+  } catch (const k3::Error& e) {
+    EXPECT_EQ(std::string(e.what()), "trunk_fp8 on the GPU: its FP8 kernels are not built yet");
   }
 }
