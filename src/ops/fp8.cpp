@@ -16,26 +16,32 @@ void quantize_fp8_block_row(const WeightMat& src, int64_t br, uint8_t* codes, fl
     fail(what + ": FP8 quantisation takes F32, F16 or BF16 weights, not " + wformat_name(src.fmt));
   const int64_t cols = src.cols, nbc = fp8_block_cols(cols);
   const int64_t r0 = br * kFp8Block, r1 = std::min(src.rows, r0 + kFp8Block);
-  std::vector<float> rows(size_t((r1 - r0) * cols));
-  for (int64_t r = r0; r < r1; ++r) dequant_row(src, r, rows.data() + (r - r0) * cols);
+  // Two passes over the block row's rows, one decoded row at a time (a buffer of one row, not of 128:
+  // a load quantises thousands of block rows on every thread): the blocks' max|w|, then the codes.
+  std::vector<float> row(static_cast<size_t>(cols));
+  std::vector<float> amax(static_cast<size_t>(nbc), 0.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    dequant_row(src, r, row.data());
+    for (int64_t c = 0; c < cols; ++c) {
+      const float w = row[size_t(c)];
+      if (!std::isfinite(w))
+        fail(what + ": weight [" + std::to_string(r) + ", " + std::to_string(c) + "] is " +
+             (std::isnan(w) ? "NaN" : "infinite") + "; FP8 (E4M3) holds finite values only");
+      float& m = amax[size_t(c / kFp8Block)];
+      m = std::max(m, std::fabs(w));
+    }
+  }
+  // max|w| maps to 448, the largest E4M3 value (DeepSeek-V3's recipe: per-block absmax scaling).
+  // A zero block keeps scale 1 (its codes are all +0); a block below 448 x FLT_MIN (1e-35, no real
+  // weight) gets FLT_MIN, so no scale is 0 or subnormal.
   for (int64_t b = 0; b < nbc; ++b) {
-    const int64_t c0 = b * kFp8Block, c1 = std::min(cols, c0 + kFp8Block);
-    float amax = 0.0f;
-    for (int64_t r = 0; r < r1 - r0; ++r)
-      for (int64_t c = c0; c < c1; ++c) {
-        const float w = rows[size_t(r * cols + c)];
-        if (!std::isfinite(w))
-          fail(what + ": weight [" + std::to_string(r0 + r) + ", " + std::to_string(c) + "] is " +
-               (std::isnan(w) ? "NaN" : "infinite") + "; FP8 (E4M3) holds finite values only");
-        amax = std::max(amax, std::fabs(w));
-      }
-    // max|w| maps to 448, the largest E4M3 value (DeepSeek-V3's recipe: per-block absmax scaling).
-    // A zero block keeps scale 1 (its codes are all +0); a block below 448 x FLT_MIN (1e-35, no real
-    // weight) gets FLT_MIN, so no scale is 0 or subnormal.
-    const float s = amax > 0.0f ? std::max(amax / 448.0f, std::numeric_limits<float>::min()) : 1.0f;
-    scales[b] = s;
-    for (int64_t r = 0; r < r1 - r0; ++r)
-      for (int64_t c = c0; c < c1; ++c) codes[r * cols + c] = f32_to_fp8_e4m3(rows[size_t(r * cols + c)] / s);
+    const float a = amax[size_t(b)];
+    scales[b] = a > 0.0f ? std::max(a / 448.0f, std::numeric_limits<float>::min()) : 1.0f;
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    dequant_row(src, r, row.data());
+    uint8_t* out = codes + (r - r0) * cols;
+    for (int64_t c = 0; c < cols; ++c) out[c] = f32_to_fp8_e4m3(row[size_t(c)] / scales[c / kFp8Block]);
   }
 }
 
