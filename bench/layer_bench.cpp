@@ -31,6 +31,7 @@
 #include "model/traffic.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
+#include "ops/synthetic_weights.h"
 #ifdef K3_HAVE_CUDA
 #include "ops/cuda/runtime.h"
 #endif
@@ -39,50 +40,9 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// Owns every weight buffer; hands out WeightMat views.
-struct Arena {
-  std::vector<std::unique_ptr<uint8_t[]>> bufs;
-  std::mt19937_64 rng{20261201};
-
-  uint8_t* alloc(size_t n) {
-    bufs.emplace_back(new uint8_t[n]);
-    return bufs.back().get();
-  }
-  // BF16 values with random sign/mantissa and exponents giving |w| in [2^-9, 2^-5): finite, non-zero.
-  k3::WeightMat bf16(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    auto* p = reinterpret_cast<uint16_t*>(alloc(2 * n));
-    for (size_t i = 0; i < n; i += 4) {
-      const uint64_t r = rng();
-      for (size_t j = 0; j < 4 && i + j < n; ++j) {
-        const uint16_t b = uint16_t(r >> (16 * j));
-        p[i + j] = uint16_t((b & 0x807f) | uint16_t((118 + (b >> 8) % 4) << 7));
-      }
-    }
-    return k3::WeightMat{k3::WFormat::BF16, rows, cols, p, nullptr};
-  }
-  k3::WeightMat mxfp4(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    uint8_t* p = alloc(n / 2);
-    uint8_t* s = alloc(n / 32);
-    for (size_t i = 0; i < n / 2; i += 8) {
-      const uint64_t r = rng();
-      std::memcpy(p + i, &r, std::min<size_t>(8, n / 2 - i));
-    }
-    for (size_t i = 0; i < n / 32; ++i) s[i] = uint8_t(118 + rng() % 4);
-    return k3::WeightMat{k3::WFormat::MXFP4, rows, cols, p, s};
-  }
-  std::vector<float> floats(int64_t n, float base, float spread) {
-    std::uniform_real_distribution<float> u(-spread, spread);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (auto& x : v) x = base + u(rng);
-    return v;
-  }
-  k3::FVec vec(int64_t n, float base, float spread) {
-    kept.push_back(floats(n, base, spread));
-    return k3::FVec{kept.back().data(), n};
-  }
-  std::deque<std::vector<float>> kept;  // the vectors the FVec views point at
+// Every weight buffer of the bench (ops/synthetic_weights.h).
+struct Arena : k3::SyntheticWeights {
+  Arena() : k3::SyntheticWeights(20261201) {}
 };
 
 void bind_moe(Arena& A, const k3::ModelDims& d, const k3::ModelConfig& c, const std::vector<k3::GluWeights>& pool,
@@ -317,9 +277,7 @@ int main(int argc, char** argv) {
         const double t0 = now_s();
         run.step_many(
             seqs, T,
-            [&](const k3::StepCtx& c) {
-              k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a, xn, y, opt);
-            },
+            [&](const k3::StepCtx& c) { k3::decoder_layer(c, d, L, w, run.pool, ds, spare.data(), a, xn, y, opt); },
             num, /*replayable=*/gpu);
         double dt = now_s() - t0;
         if (m0 >= 0) {
@@ -355,9 +313,10 @@ int main(int argc, char** argv) {
       return median(lt);
     };
     std::fprintf(stderr, "k3_layer_bench: timing on %s (%s)...\n", device.c_str(),
-                 gpu ? "CUDA graphs for decode" : (std::to_string(k3::par::max_threads()) + " threads, " +
-                                                   k3::ops::cpu_isa_name(k3::ops::cpu_isa()) + " kernels")
-                                                      .c_str());
+                 gpu ? "CUDA graphs for decode"
+                     : (std::to_string(k3::par::max_threads()) + " threads, " +
+                        k3::ops::cpu_isa_name(k3::ops::cpu_isa()) + " kernels")
+                           .c_str());
     struct DecodeRow {
       int64_t batch;
       double kda_s, mla_s, head_s;
@@ -446,11 +405,11 @@ int main(int argc, char** argv) {
                          {"decode_fraction_of_read_bw", double(total_b) / decode_s / (read_gbs * 1e9)},
                          {"prefill_s_per_token", prefill_s},
                          {"note", gpu ? "the GPU share of a full K3 step: every layer's weights resident on "
-                                         "the device (the whole model needs about 1.5 TB, several GPUs or host "
-                                         "RAM for the experts)"
-                                       : "all weights resident in RAM (the 1.45 TB of experts would have to come "
-                                         "from disk on a real machine of this size: add expert bytes / disk "
-                                         "bandwidth)"}};
+                                        "the device (the whole model needs about 1.5 TB, several GPUs or host "
+                                        "RAM for the experts)"
+                                      : "all weights resident in RAM (the 1.45 TB of experts would have to come "
+                                        "from disk on a real machine of this size: add expert bytes / disk "
+                                        "bandwidth)"}};
     j["peer_kimi_k3_in_c"] = {{"source",
                                "FareedKhan-dev/kimi-k3-in-c docs/data/speed-2026-08.md via "
                                "performance-anchors.md 6.3"},

@@ -47,6 +47,8 @@ void check_options(const EngineOptions& o) {
   if (o.threads < 0)
     fail("threads must be >= 0 (0 = leave the OpenMP setting as is), not " + std::to_string(o.threads));
   if (o.context < 0) fail("context must be >= 0 (0 = the model's, at most 32768), not " + std::to_string(o.context));
+  if (o.cpu_experts && o.device != "cuda")
+    fail("cpu_experts goes with device=cuda (on the CPU every routed expert is the CPU's already)");
   if (o.step_tokens < 1 || o.step_tokens > (int64_t(1) << 20))
     fail("step_tokens must be in 1..1048576, not " + std::to_string(o.step_tokens));
 }
@@ -122,7 +124,8 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   Model& m = *im->lc.model;
 
   if (cuda) {
-    m.use_gpu(gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0));
+    m.use_gpu(gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0,
+                              options.cpu_experts));
   } else {
     m.set_max_step_rows(options.step_tokens);
     if (options.prefault) prefault_weights(im->lc, options.load_progress);

@@ -91,6 +91,7 @@ void RunEngineFlags::add(CLI::App* app) {
   app->add_flag("--no-graphs", no_graphs, "with --device cuda: launch decode steps kernel by kernel (no CUDA graphs)");
   add_parallel_options(app, tp, ep);
   add_trunk_fp8_option(app, trunk_fp8);
+  add_cpu_experts_option(app, cpu_experts);
 }
 
 void add_trunk_fp8_option(CLI::App* app, bool& on) {
@@ -133,9 +134,11 @@ std::string gpu_fit_line(size_t need) {
 }
 
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who, bool experts_resident) {
+                    bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu) {
+  if (experts_on_cpu && device != "cuda")
+    fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   if (device != "cuda") return;
-  const GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident);
+  const GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu);
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {
@@ -145,8 +148,25 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
                  who.c_str(), human_bytes(p.weights).c_str(), human_bytes(p.workspace).c_str(),
                  human_bytes(p.state_fixed + p.state_per_token * size_t(p.context)).c_str(), (long long)p.context,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                 graphs ? ", decode in CUDA graphs" : "");
+                 experts_on_cpu ? ", routed experts in host RAM computed by the CPU (no CUDA graphs)"
+                 : graphs       ? ", decode in CUDA graphs"
+                                : "");
   }
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+void add_cpu_experts_option(CLI::App* app, bool& on) {
+  app->add_flag("--cpu-experts", on,
+                "with --device cuda: the routed experts stay in host RAM and the CPU cores compute them; the GPU holds "
+                "the trunk and the state (for models whose experts do not fit the GPU)");
 }
 
 ForwardOptions RunEngineFlags::forward() const {
@@ -313,6 +333,8 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   req.numerics = ops::parse_numerics(f.numerics);
   req.parallel = {f.tp, f.ep};
   req.trunk_fp8 = f.trunk_fp8;
+  if (f.cpu_experts && !req.cuda)
+    fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   LoadedCheckpoint lc = load_checkpoint(req);
   if (lc.trunk_fp8 && !f.quiet) std::fprintf(stderr, "%s: %s\n", who.c_str(), trunk_fp8_summary(lc.fp8).c_str());
   if (req.parallel.split() && !f.quiet)
@@ -322,8 +344,11 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   if (req.cuda) {
     // The upload reads every weight once; no prefault of the host mapping is needed.
     // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
-    move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0);
-  } else if (!f.no_prefault) {
+    // With --cpu-experts the CPU reads the routed experts from the mapping: read them in now.
+    move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0,
+                   f.cpu_experts);
+  }
+  if ((!req.cuda || (f.cpu_experts && !lc.ram_budget)) && !f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
     prefault_weights(lc, [&](uint64_t done, uint64_t total) {
       bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));

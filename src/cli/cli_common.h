@@ -32,6 +32,7 @@ struct RunEngineFlags {
   bool no_graphs = false;                  // cuda: run decode steps without CUDA-graph replay
   int tp = 1, ep = 1;                      // split over ranks in this process (CPU)
   bool trunk_fp8 = false;                  // hold the trunk in FP8 (quantised at load; CPU)
+  bool cpu_experts = false;                // cuda: routed experts in host RAM, computed by the CPU
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -53,6 +54,10 @@ struct SamplingFlags {
 void add_parallel_options(CLI::App* app, int& tp, int& ep);
 // --trunk-fp8 (Model::quantize_trunk_fp8), for every command that loads a model to run it.
 void add_trunk_fp8_option(CLI::App* app, bool& on);
+// The time now as ISO 8601 UTC ("2026-12-04T05:00:00Z"), for records.
+std::string utc_now();
+// --cpu-experts (GpuOptions::experts_on_cpu), for every command that can run on the GPU.
+void add_cpu_experts_option(CLI::App* app, bool& on);
 // Model::load, then with --trunk-fp8 the quantised trunk (its line on stderr unless quiet; a one-line
 // error with --device cuda): the id tools' and k3 bench's loading, which has no memory check.
 std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8, const std::string& device, bool quiet,
@@ -104,8 +109,10 @@ std::atomic<bool>& interrupt_flag();
 // the build has no CUDA backend, or the model does not fit) and reports it on stderr unless quiet.
 // experts_resident false (--ram-budget): only the trunk is uploaded; routed experts come from the
 // expert cache every step.
+// experts_on_cpu (--cpu-experts): the routed experts stay in host RAM and the CPU computes them (a
+// one-line error without --device cuda).
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who, bool experts_resident = true);
+                    bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".

@@ -102,6 +102,7 @@ struct Flags {
   std::string device = "cpu", graphs = "both";
   std::string depth_fill = "prefill";  // --depth-fill: how a depth context is made (prefill or random)
   bool trunk_fp8 = false;              // --trunk-fp8: the trunk quantised to FP8 at load
+  bool cpu_experts = false;            // --cpu-experts: routed experts on the host CPU (--device cuda)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
   bool batched() const {
@@ -203,6 +204,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   app.add_flag("--progress,!--no-progress", f.progress, "progress on stderr (default), or none")
       ->disable_flag_override();
   k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
+  k3::cli::add_cpu_experts_option(&app, f.cpu_experts);
   if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
   f.roofline = !no_roofline;
 
@@ -265,15 +267,6 @@ std::string compiler() {
 #else
   return "unknown";
 #endif
-}
-
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
 }
 
 using k3::human_bytes;
@@ -512,8 +505,9 @@ int64_t max_context(const Flags& f) {
 std::unique_ptr<k3::Model> load_model(const Flags& f) {
   if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
   auto model = k3::cli::load_model_for_run(f.model, f.trunk_fp8, f.device, !f.progress, "k3 bench");
-  if (f.device == "cuda")
-    k3::cli::move_to_device(*model, "cuda", f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench");
+  if (f.device == "cuda" || f.cpu_experts)
+    k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench",
+                            true, f.cpu_experts);
   return model;
 }
 
@@ -728,7 +722,7 @@ class Report {
                      {"compiler", compiler()},
                      {"cpu", p.cpu},
                      {"cpu_cores", par::hardware_threads()},
-                     {"date", utc_now()},
+                     {"date", k3::cli::utc_now()},
                      {"command", p.command}};
     if (p.cuda) doc_["build"]["gpu"] = p.gpu;
     doc_["settings"] = {{"kda", f.kda},         {"mla", f.mla},           {"kda_chunk", f.chunk},

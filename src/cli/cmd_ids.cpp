@@ -32,6 +32,7 @@ struct IdEngineFlags {
   std::string device = "cpu", numerics;
   bool no_graphs = false;
   int tp = 1, ep = 1;
+  bool cpu_experts = false;
   bool trunk_fp8 = false;
 
   void add(CLI::App* app) {
@@ -47,6 +48,7 @@ struct IdEngineFlags {
     app->add_flag("--no-graphs", no_graphs, "with --device cuda: no CUDA-graph replay of decode steps");
     add_parallel_options(app, tp, ep);
     add_trunk_fp8_option(app, trunk_fp8);
+    add_cpu_experts_option(app, cpu_experts);
   }
   std::unique_ptr<Model> load(const std::string& dir, const std::string& who) const {
     if (device == "cuda" && numerics == "exact")
@@ -61,7 +63,7 @@ struct IdEngineFlags {
       m->split(plan);
       std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());
     }
-    move_to_device(*m, device, !no_graphs, 512, 4096, true, who);
+    move_to_device(*m, device, !no_graphs, 512, 4096, true, who, true, cpu_experts);
     return m;
   }
   ForwardOptions options() const {

@@ -38,15 +38,6 @@ struct PlanFlags {
   int threads = 0;
 };
 
-std::string utc_now() {
-  const std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
 // /proc/loadavg's first three fields: a busy machine measures lower rates, so the file says how busy it was.
 std::string load_average() {
   std::ifstream f("/proc/loadavg");

@@ -86,6 +86,8 @@ int cmd_serve(int argc, char** argv) {
     server::check_scheduler_options(so);
     if (ho.threads == 0) ho.threads = so.parallel + so.max_queue + 8;
     const std::string dir = resolve_model_dir(ef.model);
+    if (ef.cpu_experts && ef.device != "cuda")  // before listening: a flag error is not a load failure
+      fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
 
     ::signal(SIGPIPE, SIG_IGN);
     struct sigaction sa {};
@@ -118,6 +120,7 @@ int cmd_serve(int argc, char** argv) {
     eo.step_tokens = std::max<int64_t>(ef.ubatch, so.batch_tokens);
     eo.prefault = !ef.no_prefault;
     eo.cuda_graphs = !ef.no_graphs;
+    eo.cpu_experts = ef.cpu_experts;
     eo.tp = ef.tp;
     eo.ep = ef.ep;
     eo.trunk_fp8 = ef.trunk_fp8;

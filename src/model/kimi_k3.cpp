@@ -22,7 +22,7 @@ ModelDims ModelDims::from_config(const ModelConfig& c) {
   d.eps = float(c.rms_norm_eps);
   // SiLU is the SiTU-GLU without caps (ops.h situ_glu).
   d.situ = c.activation == FfnActivation::SiLU ? SituParams{0.0f, 0.0f}
-                                                : SituParams{float(c.situ_beta), float(c.situ_linear_beta)};
+                                               : SituParams{float(c.situ_beta), float(c.situ_linear_beta)};
   // The unbounded decay gate is lower_bound 0 (ops.h kda_gate).
   d.kda = {c.hidden_size,
            c.kda_num_heads,
@@ -355,8 +355,8 @@ std::unique_ptr<Model> bind_kimi_k3(const std::string& dir) {
     if (w.dense_ffn) {
       // transformers' save_pretrained (5.25) writes a kimi_linear dense MLP under block_sparse_moe.
       // (docs/kimi-linear.md §2.1); Moonshot's release and K3 under mlp.
-      const bool tf_saved = !m->ckpt_->find(lp + "mlp.gate_proj.weight") &&
-                            m->ckpt_->find(lp + "block_sparse_moe.gate_proj.weight");
+      const bool tf_saved =
+          !m->ckpt_->find(lp + "mlp.gate_proj.weight") && m->ckpt_->find(lp + "block_sparse_moe.gate_proj.weight");
       w.dense = bind_glu(b, lp + (tf_saved ? "block_sparse_moe." : "mlp."), c.intermediate_size, H);
     } else {
       const MoeDims& e = d.moe;
@@ -399,6 +399,9 @@ uint64_t Model::fingerprint() const {
     mix(v);
   for (const auto& l : layers) mix(l.is_kda ? 1 : 2);
   mix(int64_t(ckpt_->total_tensor_bytes()));
+  // An FP8 trunk (--trunk-fp8) computes with other weights: its sessions are not the checkpoint's.
+  // (Mixed in only then, so the sessions of every other model keep their fingerprints.)
+  if (trunk_fp8_) mix(0x0F8);
   return h;
 }
 

@@ -20,6 +20,7 @@
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
 #include "ops/ops.h"
+#include "ops/synthetic_weights.h"
 #include "plan/calibrate.h"
 #include "plan/units.h"
 
@@ -34,47 +35,10 @@ constexpr int64_t kInter = 3072, kLatent = 3584, kTopK = 16;
 // K3's widest trunk projection (KDA q/k/v/g: [12288, 7168]) for the BF16 GEMV probe.
 constexpr int64_t kBf16Rows = 12288, kBf16Cols = 7168;
 
-struct Buffers {
-  std::vector<std::unique_ptr<uint8_t[]>> bufs;
-  std::mt19937_64 rng{20261205};
-  uint8_t* alloc(size_t n) {
-    bufs.emplace_back(new uint8_t[n]);
-    return bufs.back().get();
-  }
-  void fill(uint8_t* p, size_t n) {
-    for (size_t i = 0; i < n; i += 8) {
-      const uint64_t r = rng();
-      std::memcpy(p + i, &r, std::min<size_t>(8, n - i));
-    }
-  }
-  // MXFP4 with scales 2^-9..2^-6 (finite, non-zero), as the layer bench makes them.
-  WeightMat mxfp4(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    uint8_t* p = alloc(n / 2);
-    uint8_t* s = alloc(n / 32);
-    fill(p, n / 2);
-    for (size_t i = 0; i < n / 32; ++i) s[i] = uint8_t(118 + rng() % 4);
-    return WeightMat{WFormat::MXFP4, rows, cols, p, s};
-  }
-  // BF16 with |w| in [2^-9, 2^-5): finite, non-zero.
-  WeightMat bf16(int64_t rows, int64_t cols) {
-    const size_t n = size_t(rows * cols);
-    auto* p = reinterpret_cast<uint16_t*>(alloc(2 * n));
-    for (size_t i = 0; i < n; i += 4) {
-      const uint64_t r = rng();
-      for (size_t j = 0; j < 4 && i + j < n; ++j) {
-        const uint16_t b = uint16_t(r >> (16 * j));
-        p[i + j] = uint16_t((b & 0x807f) | uint16_t((118 + (b >> 8) % 4) << 7));
-      }
-    }
-    return WeightMat{WFormat::BF16, rows, cols, p, nullptr};
-  }
-  std::vector<float> floats(size_t n) {
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    std::vector<float> v(n);
-    for (auto& x : v) x = u(rng);
-    return v;
-  }
+// The measured matrices (ops/synthetic_weights.h); floats(n): n values in [-1, 1).
+struct Buffers : SyntheticWeights {
+  Buffers() : SyntheticWeights(20261205) {}
+  std::vector<float> floats(size_t n) { return SyntheticWeights::floats(int64_t(n), 0.0f, 1.0f); }
 };
 
 uint64_t mx_bytes(const WeightMat& w) {

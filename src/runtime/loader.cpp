@@ -140,10 +140,12 @@ std::string trunk_fp8_summary(const TrunkFp8Report& r) {
          " of mapped pages released, in " + secs;
 }
 
-GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident) {
+GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident,
+                           bool experts_on_cpu) {
   GpuOptions o;
   o.graphs = graphs;
   o.experts_resident = experts_resident;
+  o.experts_on_cpu = experts_on_cpu;
   o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
   o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
   return o;

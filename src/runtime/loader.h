@@ -84,7 +84,9 @@ void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint6
 // reach ctx_tokens (cache pages reserved up front: clamped to 16..32768; the cache grows).
 // experts_resident false (--ram-budget): only the trunk goes to the GPU; each step uploads the
 // routed experts it selects from the expert cache.
-GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident = true);
+// experts_on_cpu (--cpu-experts): the routed experts stay in host memory and the CPU computes them.
+GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident = true,
+                           bool experts_on_cpu = false);
 
 // End-of-sequence ids: config.json's eos_token_id and generation_config.json's eos_token_id (an int
 // or a list), those inside the model's vocabulary, without repeats, in that order.

@@ -94,3 +94,20 @@ TEST(CliParallel, SplitsThatCannotBeMadeAreOneLineErrors) {
   expect_error(run_k3("run " + nano + " -p hi -n 2 --ep 2 --ram-budget 1G"), "run",
                "--ram-budget is not supported yet");
 }
+
+// --cpu-experts (issue 20's hybrid placement: the GPU holds the trunk, the CPU computes the routed
+// experts from host RAM) goes with --device cuda; elsewhere it is a one-line error on every command
+// that has it. (Its GPU behaviour is tests/cuda: CudaModel.ExpertsOnTheCpuGiveTheSameTokens.)
+TEST(CliPlacement, CpuExpertsWithoutTheGpuIsAOneLineError) {
+  const std::string nano = model("models/k3-nano");
+  for (const std::string sub : {"run", "generate", "logits", "bench", "eval", "serve"}) {
+    std::string args = sub + " " + nano + " --cpu-experts";
+    if (sub == "run") args += " -p hi -n 2";
+    if (sub == "generate") args += " --ids 1,2 -n 2";
+    if (sub == "logits") args += " --ids 1,2 -o /dev/null";
+    if (sub == "bench") args += " -p 4 -n 2 -r 1";
+    if (sub == "eval") args += " -f " + quote(src("README.md").string());
+    if (sub == "serve") args += " --port 0";
+    expect_error(run_k3(args), sub, "--cpu-experts goes with --device cuda");
+  }
+}

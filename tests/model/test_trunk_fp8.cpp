@@ -22,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -339,6 +340,28 @@ TEST(TrunkFp8, RefusesTwiceAndAfterSplit) {
   } catch (const k3::Error& e) {
     EXPECT_EQ(std::string(e.what()),
               "--trunk-fp8: the model is already split over ranks (TP2); quantise the trunk before Model::split");
+  }
+}
+
+// A session of the FP8 model is not one of the checkpoint's: its file refuses to load into the
+// original model (and the other way round), while two FP8 loads of one checkpoint agree.
+TEST(TrunkFp8, SessionFilesDoNotCrossBetweenFp8AndOriginal) {
+  auto fp8 = fp8_model("tiny");
+  auto orig = k3::Model::load(dir_of("tiny"));
+  EXPECT_NE(fp8->fingerprint(), orig->fingerprint());
+  EXPECT_EQ(fp8->fingerprint(), fp8_model("tiny")->fingerprint());
+  const int32_t ids[] = {3, 1, 4, 1, 5};
+  std::vector<float> l(size_t(fp8->dims().vocab));
+  k3::Session s(*fp8);
+  fp8->forward(s, ids, 5, false, l.data());
+  std::stringstream file;
+  s.save(file);
+  k3::Session t(*orig);
+  try {
+    t.load(file);
+    FAIL() << "an FP8 session loaded into the original model";
+  } catch (const k3::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("different model"), std::string::npos) << e.what();
   }
 }
 
