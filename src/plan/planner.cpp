@@ -634,8 +634,8 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
                       ": k3's split (src/model/parallel.h) needs --tp == --ep today");
   if (q.trunk_fp8)
     p.notes.push_back(
-        "FP8 trunk: planned, not yet implemented (k3 run has no FP8 trunk at this commit; it is being "
-        "built separately)");
+        "FP8 trunk: k3 runs it on the CPU (--trunk-fp8, docs/fp8-trunk.md); on the GPU its FP8 kernels are not "
+        "built yet, so GPU placements with it are a prediction only");
   return p;
 }
 

@@ -30,7 +30,7 @@ struct PlanRequest {
   int64_t prompt = 4096;             // prefill length
   std::optional<double> expert_hit;  // --expert-hit: fraction of routed-expert reads the GPU cache serves
   int tp = 0, ep = 0;                // 0: the planner chooses
-  bool trunk_fp8 = false;            // plan the trunk in FP8 (issue 20; not yet implemented by k3 run)
+  bool trunk_fp8 = false;            // plan the trunk in FP8 (--trunk-fp8: CPU today, no GPU kernels yet)
   std::string placement = "auto";    // auto | gpu | hybrid | cpu
 };
 

@@ -239,8 +239,8 @@ std::string format_text(const ReportInput& in) {
        ", MLA cache " + human_dec_bytes(s.mla_bytes_per_token) + "/token\n";
   o += "          bytes: " + s.bytes_source + "\n";
   if (q.trunk_fp8)
-    o += "          FP8 trunk: planned, not yet implemented (trunk matrices at 1 B/weight + 128x128 block scales; "
-         "router, embedding, lm_head bf16)\n";
+    o += "          FP8 trunk (--trunk-fp8): trunk matrices at 1 B/weight + 128x128 block scales; router, "
+         "embedding, lm_head bf16 (k3 runs it on the CPU; its GPU kernels are not built yet)\n";
   o += "machine   " + m.description + "\n";
   if (m.gpu)
     o += "          " + std::to_string(m.nodes) + " node(s) x " + std::to_string(m.gpus_per_node) + " x " +

@@ -84,7 +84,7 @@ TEST(CliPlan, Fp8TrunkAndMultiGpu) {
   const k3test::CmdResult r =
       run_k3("plan --config " + quote(kK3) + " --gpus 1xH100-80G --ram 1.5T --cpu-bw 921.6G --cores 96 --trunk-fp8");
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.out.find("FP8 trunk: planned, not yet implemented"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("FP8 trunk (--trunk-fp8): trunk matrices at 1 B/weight"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("placement hybrid"), std::string::npos);
   const nlohmann::json j = plan_json("--config " + quote(kK3) +
                                      " --nodes 2 --gpus 8xH200 --tp 16 --ep 16 --calibration " + quote(kRecorded));
