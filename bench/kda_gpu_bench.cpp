@@ -294,6 +294,48 @@ Json run_case(const CaseDef& c, Gate gate, const Opts& op, cu::Stream s) {
     var["kda_single"] = stat_json(st, rows, 0);
     var["kda_single"]["what"] = "cuda::kda_chunked (one sequence, same block body)";
   }
+  // The tensor-core kernel of fast numerics (bf16 operands): timed, and its output set beside the
+  // fp32 kernel's on the same inputs (rel-L2; the fp32 kernel is held to the fp64 twin by the tests).
+  std::function<void()> kda_tc;
+  cu::DevBuf tc_work;
+  if (!c.decode) {
+    std::vector<int32_t> cu_host{0};
+    for (int64_t i = 0; i < c.seqs; ++i) cu_host.push_back(int32_t(cu_host.back() + c.T));
+    const int64_t all = cu::kda_tc_chunks(cu_host.data(), c.seqs);
+    int64_t cap = all;  // at most ~2 GB of records: longer calls run in windows
+    while (cap > 1 && cu::kda_tc_work_bytes(cap, H, kD) > (size_t(2) << 30)) cap = (cap + 1) / 2;
+    tc_work = cu::DevBuf(cu::kda_tc_work_bytes(cap, H, kD), "kda tc workspace");
+    kda_tc = [&, cu_host, cap] {
+      cu::kda_chunked_tc_varlen(q, k, v, g, beta, b.vd, cu_host.data(), H, kD, kD, Sp, o, tc_work.get(), cap, s);
+    };
+    const size_t no = size_t(rows * H * kD);
+    zero_state();
+    kda();
+    cu::sync(s);
+    std::vector<float> o32(no), otc(no);
+    cu::d2h(o32.data(), x.o.get(), no * 4);
+    zero_state();
+    kda_tc();
+    cu::sync(s);
+    cu::d2h(otc.data(), x.o.get(), no * 4);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < no; ++i) {
+      const double d = double(otc[i]) - double(o32[i]);
+      num += d * d;
+      den += double(o32[i]) * double(o32[i]);
+    }
+    const Stat st = time_on(s, op.warmup, op.reps, zero_state, kda_tc);
+    var["kda_tc"] = stat_json(st, rows, 0);
+    var["kda_tc"]["what"] = "cuda::kda_chunked_tc_varlen (the engine's prefill call in fast numerics: bf16 tensor cores)";
+    var["kda_tc"]["windows_of_chunks"] = cap;
+    var["kda_tc"]["rel_l2_vs_fp32_kernel"] = den > 0 ? std::sqrt(num / den) : 0.0;
+    const Stat both = time_on(s, op.warmup, op.reps, zero_state, [&] {
+      prepare(x, s);
+      kda_tc();
+    });
+    var["prep_kda_tc"] = stat_json(both, rows, 0);
+    var["prep_kda_tc"]["what"] = "prep + kda_tc: raw q, k, f, beta logits -> o on the tensor-core kernel";
+  }
   const Stat st_prep = time_on(s, op.warmup, op.reps, nothing, [&] { prepare(x, s); });
   var["prep"] = stat_json(st_prep, rows, 0);
   var["prep"]["what"] =

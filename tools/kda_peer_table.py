@@ -48,6 +48,9 @@ def merge(ours, peers):
         row["ratio_ours_over_best_peer"] = ratio(ms(v, "prep_kda"), fused.get(best)) if best else None
         row["ratio_kda_over_best_peer_fused"] = ratio(ms(v, "kda"), fused.get(best)) if best else None
         row["ratio_kda_over_fla_kernel"] = ratio(ms(v, "kda"), ms(pv, "fla.kernel"))
+        # The tensor-core kernel (fast numerics; bf16 operands like the peers'), same scopes.
+        row["ratio_tc_over_best_peer"] = ratio(ms(v, "prep_kda_tc"), fused.get(best)) if best else None
+        row["ratio_tc_over_fla_kernel"] = ratio(ms(v, "kda_tc"), ms(pv, "fla.kernel"))
         rows.append(row)
     meta_ours = {k: val for k, val in ours.items() if k != "cases"}
     meta_peers = {k: val for k, val in peers.items() if k not in ("cases", "correctness")}
@@ -62,6 +65,8 @@ def merge(ours, peers):
                                          "f, beta logits -> o); > 1: ours slower",
             "ratio_kda_over_best_peer_fused": "our KDA kernel alone / fastest peer fused call",
             "ratio_kda_over_fla_kernel": "our KDA kernel / fla on the same prepared inputs",
+            "ratio_tc_over_best_peer": "ours prep + tensor-core KDA / fastest peer fused call",
+            "ratio_tc_over_fla_kernel": "our tensor-core KDA kernel / fla on the same prepared inputs",
         },
         "rows": rows,
         "correctness": peers.get("correctness"),
@@ -106,10 +111,13 @@ def table(doc):
                "their call; *fla kernel* is fla on the same prepared inputs. Gates: *strong* is FlashKDA's own "
                "benchmark distribution (g about -3 per token: our chunks end early, see *chunk*), *mild* has g in "
                "about [-0.5, -0.01]. *ours/best* = ours prep+kda over the fastest peer's fused call "
-               "(above 1: ours slower).")
+               "(above 1: ours slower). *ours tc*: the tensor-core kernel of `fast` numerics "
+               "(`kda_chunked_tc_varlen`, bf16 operands as the peers', fp32 state); *tc vs fp32*: rel-L2 of its "
+               "output from the fp32 kernel's on the same inputs.")
     out.append("")
-    hdr = ["case", "gate", "ours kda", "ours prep+kda"] + [lbl for _, lbl in PEER_COLS] + \
-          ["ours/best", "kda/fla kernel", "chunk"]
+    hdr = ["case", "gate", "ours kda", "ours prep+kda", "ours tc kda", "ours tc prep+kda"] + \
+          [lbl for _, lbl in PEER_COLS] + ["ours/best", "kda/fla kernel", "tc/best", "tc/fla kernel", "tc vs fp32",
+                                           "chunk"]
     out.append("| " + " | ".join(hdr) + " |")
     out.append("|" + "|".join(["---"] * 2 + ["---:"] * (len(hdr) - 2)) + "|")
     for r in doc.get("rows", []):
@@ -122,12 +130,16 @@ def table(doc):
                 s += f" ({v['state_gbs']:.0f} GB/s)"
             return s
         pe = r.get("peer_errors") or {}
-        cells = [r["name"], r["gate"], cell(r["ours"], "kda"), cell(r["ours"], "prep_kda")]
+        cells = [r["name"], r["gate"], cell(r["ours"], "kda"), cell(r["ours"], "prep_kda"), cell(r["ours"], "kda_tc"),
+                 cell(r["ours"], "prep_kda_tc")]
         for key, _ in PEER_COLS:
             cells.append("error" if key in pe else cell(r["peers"], key))
         chunk = r.get("mean_chunk_len_est")
+        tc = (r.get("ours") or {}).get("kda_tc") or {}
+        tcerr = tc.get("rel_l2_vs_fp32_kernel")
         cells += [fr(r.get("ratio_ours_over_best_peer")), fr(r.get("ratio_kda_over_fla_kernel")),
-                  "-" if chunk is None else f"{chunk:.1f}"]
+                  fr(r.get("ratio_tc_over_best_peer")), fr(r.get("ratio_tc_over_fla_kernel")),
+                  "-" if tcerr is None else f"{tcerr:.1e}", "-" if chunk is None else f"{chunk:.1f}"]
         out.append("| " + " | ".join(cells) + " |")
     out.append("")
     out.append("Times in ms (median); decode rows add the fp32 state read + written per second. "

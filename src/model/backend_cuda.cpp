@@ -144,6 +144,10 @@ class CudaBackend final : public Backend {
       cpu_ = make_cpu_backend();
       host_moe_ = static_cast<float*>(cu::host_alloc_pinned(size_t(R * (2 * d.moe.latent + 2 * K)) * 4));
     }
+    if (d.kda_layers > 0 && d.kda.tc_supported()) {  // the bf16 chunked KDA of prefill steps
+      kda_work_chunks_ = d.kda.tc_work_chunks(R);
+      kda_work_ = cu::DevBuf(size_t(d.kda.tc_work_bytes(R)), "KDA tensor-core workspace");
+    }
     ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
     seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
     argmax_dev_ = cu::DevBuf(size_t(R) * 4, "greedy picks");
@@ -343,7 +347,11 @@ class CudaBackend final : public Backend {
   }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
            int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
-    if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)
+    if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1 && p_ == cu::Precision::BF16 && kda_work_chunks_ > 0 &&
+        cu::kda_tc_supported(Dk, Dv))  // fast numerics: bf16 tensor cores
+      cu::kda_chunked_tc_varlen(q, k, v, g, beta, vb_, view_cu_.data(), H, Dk, Dv, S_pool, o, kda_work_.get(),
+                                kda_work_chunks_, stream_);
+    else if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)
       cu::kda_chunked_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, chunk, S_pool, o, stream_);
     else
       cu::kda_recurrent_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, S_pool, o, stream_);
@@ -698,6 +706,8 @@ class CudaBackend final : public Backend {
   GpuOptions opt_;
   cu::Stream stream_ = nullptr;
   cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
+  cu::DevBuf kda_work_;  // kda_chunked_tc_varlen's records
+  int64_t kda_work_chunks_ = 0;
   int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, max_tiles_ = 0;
   uint64_t buffers_ = 0;
   int32_t *staging_ = nullptr, *table_pinned_ = nullptr, *rows_pinned_ = nullptr;

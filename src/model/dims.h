@@ -17,6 +17,19 @@ struct KdaDims {
   int64_t dim() const { return heads * head_dim; }
   int64_t state_floats() const { return heads * head_dim * head_dim; }  // S [H, Dk, Dv], per sequence
   int64_t conv_floats() const { return dim() * (conv_k - 1); }          // one of q/k/v conv history
+  // The GPU's tensor-core chunked KDA (ops/cuda/kda_tc.cu, bf16 prefill): whether it takes these
+  // heads, and its workspace for a step of `rows` tokens (one record per 64-token chunk and head:
+  // bf16 [2C x D] + [D x C] + [C x C] + [C x D], fp32 [D]; longer steps run in windows of these chunks).
+  bool tc_supported() const { return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128; }
+  static constexpr int64_t kTcChunk = 64;
+  int64_t tc_record_bytes() const {
+    const int64_t D = head_dim, C = kTcChunk;
+    return (2 * C * D + D * C + C * C + C * D) * 2 + D * 4;
+  }
+  int64_t tc_work_chunks(int64_t rows) const { return (rows + kTcChunk - 1) / kTcChunk + 8; }
+  uint64_t tc_work_bytes(int64_t rows) const {
+    return tc_supported() ? uint64_t(tc_work_chunks(rows)) * uint64_t(heads) * uint64_t(tc_record_bytes()) : 0;
+  }
 };
 
 // ---------------------------------------------------------------- gated MLA, NoPE (§3.6)

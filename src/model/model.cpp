@@ -95,6 +95,7 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
   p.state_fixed = d.kda_state_bytes();
   p.state_per_token = d.mla_bytes_per_token();
   p.workspace = size_t(forward_work_floats(d, o.tokens_per_call)) * 4;
+  if (d.kda_layers > 0) p.workspace += size_t(d.kda.tc_work_bytes(o.tokens_per_call));  // the bf16 chunked KDA
   p.context = context;
   return p;
 }

@@ -18,6 +18,11 @@ constexpr double kTolReduce = 1e-5;
 // KDA (recurrent kernel vs twin, chunked vs recurrence, with carried state; fp32 state and
 // factored decays in the SIMD versions): the brief's bound.
 constexpr double kTolKda = 1e-5;
+// KDA on the tensor cores (cuda::kda_chunked_tc_varlen, the bf16 prefill of `fast` numerics): every
+// matrix operand rounded to bf16 (2^-9 relative) with fp32 accumulation and an fp32 state; per-op
+// errors of ~3e-3 relative that the delta rule and the decay keep from growing along the sequence
+// (as fla's and FlashKDA's bf16 kernels). 2e-2 rel-L2 on outputs and final states.
+constexpr double kTolKdaBf16 = 2e-2;
 // MLA absorbed vs expanded: the same math re-associated through the latent, fp32 dots over up to
 // kv_lora = 512 terms and an fp32 online softmax; the fp32 reduction bound.
 constexpr double kTolMla = 1e-5;

@@ -24,6 +24,7 @@
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
 #include "core/error.h"
+#include "model/dims.h"
 #include "ops/cuda/cuda_ops.h"
 #include "ops/ops.h"
 
@@ -196,6 +197,111 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
       }
     }
   }
+}
+
+// The tensor-core chunked KDA (fast numerics' prefill) against the fp64 twin per sequence: head dims
+// 16..128, sequences across several 64-token chunks and of every small length, windows of 1..3
+// chunks (a sequence split over calls of the kernels, its state carried), strong decay (the
+// diagonal blocks computed directly) and untouched slots. The measured errors print.
+TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(405);
+  struct Shape {
+    int64_t H, D, max_chunk;
+    float gate_scale;  // g multiplied by this (3: up to -15 per token, sub-chunk spans past e^80)
+  };
+  double worst_o = 0, worst_s = 0;
+  for (const Shape sh : {Shape{3, 16, 150, 1.0f}, Shape{2, 32, 70, 1.0f}, Shape{5, 64, 200, 1.0f},
+                         Shape{4, 128, 300, 1.0f}, Shape{4, 128, 140, 3.0f}, Shape{2, 64, 90, 3.0f}}) {
+    for (int64_t N : {1, 3, 8}) {
+      const int64_t H = sh.H, D = sh.D, nS = H * D * D;
+      const Batch b = make_batch(rng, mixed_lengths(rng, N, sh.max_chunk), 2);
+      SCOPED_TRACE(batch_name(b) + " H=" + std::to_string(H) + " D=" + std::to_string(D) +
+                   " gate x" + std::to_string(sh.gate_scale));
+      auto in = k3test::make_kda(rng, b.rows, H, D, D);
+      for (float& g : in.g) g *= sh.gate_scale;
+      const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
+      auto pool_ref = pool0;
+      auto o_ref = nan_vec(size_t(b.rows * H * D));
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)];
+        if (T == 0) continue;
+        k3::ref::kda_recurrent(in.q.data() + r0 * H * D, in.k.data() + r0 * H * D, in.v.data() + r0 * H * D,
+                               in.g.data() + r0 * H * D, in.beta.data() + r0 * H, T, H, D, D,
+                               pool_ref.data() + b.slots[size_t(i)] * nS, o_ref.data() + r0 * H * D);
+      }
+      const DevBatch db = upload(b);
+      auto dq = up(in.q), dk = up(in.k), dv = up(in.v), dg = up(in.g), dbeta = up(in.beta);
+      const size_t nO = size_t(b.rows * H * D);
+      const int64_t all = cu::kda_tc_chunks(b.cu.data(), b.n());
+      for (int64_t cap : {all, int64_t(1), int64_t(3)}) {
+        SCOPED_TRACE("workspace of " + std::to_string(cap) + " chunks (the call has " + std::to_string(all) + ")");
+        cu::DevBuf work(cu::kda_tc_work_bytes(cap, H, D), "kda tc work");
+        auto pool = up(pool0), o = k3test::dev_nan(nO);
+        cu::kda_chunked_tc_varlen(dq.as<float>(), dk.as<float>(), dv.as<float>(), dg.as<float>(), dbeta.as<float>(),
+                                  db.v, b.cu.data(), H, D, D, pool.as<float>(), o.as<float>(), work.get(), cap,
+                                  nullptr);
+        const auto oh = down(o, nO), ph = down(pool, pool0.size());
+        ASSERT_EQ(count_nan(oh), 0u);
+        for (int64_t i = 0; i < N; ++i) {
+          const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)], sl = b.slots[size_t(i)];
+          SCOPED_TRACE("sequence " + std::to_string(i) + " T=" + std::to_string(T));
+          if (T > 0) {
+            const double eo = rel_l2(part(oh, r0 * H * D, T * H * D), part(o_ref, r0 * H * D, T * H * D));
+            const double es = rel_l2(part(ph, sl * nS, nS), part(pool_ref, sl * nS, nS));
+            worst_o = std::max(worst_o, eo);
+            worst_s = std::max(worst_s, es);
+            EXPECT_LT(eo, k3test::kTolKdaBf16);
+            EXPECT_LT(es, k3test::kTolKdaBf16);
+          } else {
+            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS));
+          }
+        }
+        for (int64_t sl = 0; sl < b.n_slots; ++sl)
+          if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end())
+            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
+      }
+    }
+  }
+  std::printf("[kda tc] worst rel-L2 vs fp64 twin: outputs %.3g, states %.3g (tolerance %.3g)\n", worst_o, worst_s,
+              k3test::kTolKdaBf16);
+}
+
+TEST(CudaVarlen, KdaTensorCoreBadArgumentsAndSizes) {
+  // The workspace formula the memory plan uses (model/dims.h) is the kernel's own (no GPU needed).
+  for (int64_t D : {16, 32, 64, 128}) {
+    k3::KdaDims kd;
+    kd.heads = 3;
+    kd.head_dim = D;
+    EXPECT_EQ(cu::kda_tc_work_bytes(5, 3, D), size_t(5 * 3 * kd.tc_record_bytes()));
+    EXPECT_TRUE(cu::kda_tc_supported(D, D));
+  }
+  EXPECT_FALSE(cu::kda_tc_supported(64, 32));
+  EXPECT_FALSE(cu::kda_tc_supported(48, 48));
+  const int32_t cu_host[2] = {0, 4};
+  cu::VarlenDev b{1, 4, cu_host, cu_host, 1};  // never dereferenced: the checks fail first
+  float* f = reinterpret_cast<float*>(16);
+  const auto msg = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const k3::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string dims = msg([&] {
+    cu::kda_chunked_tc_varlen(f, f, f, f, f, b, cu_host, 2, 48, 48, f, f, f, 4, nullptr);
+  });
+  EXPECT_NE(dims.find("head dims Dk=48"), std::string::npos) << dims;
+  EXPECT_EQ(dims.find('\n'), std::string::npos) << dims;
+  const std::string work = msg([&] {
+    cu::kda_chunked_tc_varlen(f, f, f, f, f, b, cu_host, 2, 64, 64, f, f, nullptr, 4, nullptr);
+  });
+  EXPECT_NE(work.find("no workspace"), std::string::npos) << work;
+  const std::string host = msg([&] {
+    cu::kda_chunked_tc_varlen(f, f, f, f, f, b, nullptr, 2, 64, 64, f, f, f, 4, nullptr);
+  });
+  EXPECT_NE(host.find("host copy"), std::string::npos) << host;
 }
 
 // ================================================================ short conv

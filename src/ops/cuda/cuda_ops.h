@@ -143,6 +143,18 @@ void kda_recurrent_varlen(const float* q, const float* k, const float* v, const 
 void kda_chunked_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
                         const VarlenDev& b, int64_t H, int64_t Dk, int64_t Dv, int64_t chunk, float* S_pool, float* o,
                         Stream s);
+// The same function on the tensor cores (kda_tc.cu): bf16 operands, fp32 accumulation and state, for
+// the `fast` numerics mode's prefill. Dk = Dv in {16, 32, 64, 128} (kda_tc_supported). Chunks of 64
+// tokens; `work` holds kda_tc_work_bytes(work_chunks, H, Dk) bytes (any number >= 1: a call with more
+// chunks runs in windows of that many, the state carried between them). cu_rows_host is the host copy
+// of b.cu_rows (it decides the windows; the kernels read the device one). Not for graph capture of
+// steps whose sequence lengths change.
+bool kda_tc_supported(int64_t Dk, int64_t Dv);
+size_t kda_tc_work_bytes(int64_t chunks, int64_t H, int64_t D);
+int64_t kda_tc_chunks(const int32_t* cu_rows_host, int64_t n_seqs);  // the chunks a call has (per head)
+void kda_chunked_tc_varlen(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                           const VarlenDev& b, const int32_t* cu_rows_host, int64_t H, int64_t Dk, int64_t Dv,
+                           float* S_pool, float* o, void* work, int64_t work_chunks, Stream s);
 // Depthwise causal conv + SiLU per sequence with its own carried inputs: state_pool [n_slots, C, K-1]
 // (same layout as short_conv_silu's state), sequence i uses state_pool + slots[i]*C*(K-1). x,out [rows,C].
 // Same bits as short_conv_silu on each sequence alone.

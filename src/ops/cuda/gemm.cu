@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "ops/cuda/act.cuh"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/cuda/mma.cuh"
 #include "ops/cuda/launch.cuh"
 
 namespace k3::cuda {
@@ -669,19 +670,6 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const uint8_t* 
 // next k-step's global loads are in flight during the current step's MMAs.
 constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8,
               kMmaThreads = 256;  // ld 40: conflict-free fragments
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  return uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(lo))) |
-         (uint32_t(__bfloat16_as_ushort(__float2bfloat16_rn(hi))) << 16);
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
 
 // One block's tile: weight rows [r0, r0 + 128) x tokens [t0, t0 + 64) of Y[T, rows] = X[T, cols] · Wᵀ.
 // Shared by the plain and the grouped (per-expert tile list) kernels, so both compute the same bits.
