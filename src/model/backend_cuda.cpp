@@ -240,7 +240,11 @@ class CudaBackend final : public Backend {
     vb_ = cu::VarlenDev{N, R, sd, sd + N + 1, v.n_slots};
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
-    if (cpu_) cpu_->begin_step(v, ids, n, false);  // the host's part of the step: its routed experts
+    // The host's part of the step: its routed experts. In fp32 activations whatever the mode: the
+    // CPU's fast numerics quantise a lone row's activations to 8 bits (q8 MXFP4 GEMV), which the
+    // GPU never does, and the placement must not change the tokens (issue 20: greedy ids equal to
+    // all on the GPU). Decode is bound by the expert weights' bytes, so this costs no speed there.
+    if (cpu_) cpu_->begin_step(v, ids, n == StepNumerics::Fast ? StepNumerics::F32 : n, false);
     if (!opt_.graphs || !replayable || cpu_) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};
     if (graph_ && key == key_) {
@@ -347,8 +351,10 @@ class CudaBackend final : public Backend {
   }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
            int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
+    // Fast numerics: bf16 tensor cores. Its grid comes from the host's cu_rows, so never inside a
+    // recorded graph (only decode steps are recorded, and they take the recurrent kernel).
     if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1 && p_ == cu::Precision::BF16 && kda_work_chunks_ > 0 &&
-        cu::kda_tc_supported(Dk, Dv))  // fast numerics: bf16 tensor cores
+        cu::kda_tc_supported(Dk, Dv) && !capturing_)
       cu::kda_chunked_tc_varlen(q, k, v, g, beta, vb_, view_cu_.data(), H, Dk, Dv, S_pool, o, kda_work_.get(),
                                 kda_work_chunks_, stream_);
     else if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <string>
+#include <vector>
 
 #include "common/batch_run.h"
 #include "common/cuda_util.h"
@@ -120,22 +122,45 @@ TEST(CudaBatchGreedy, K3NanoBf16SameIdsAsAlone) {
     for (int64_t i = 0; i < N; ++i) batch[size_t(i)] = {batch[size_t(i)].slot, &feed[size_t(i)], 1, false};
     m->step(*pool, batch, o, nullptr, pick.data());
   }
+  // Batched rows are not bitwise the rows alone (fp32 parity above: ~2e-7), and bf16 rounding can
+  // turn that into a different pick where the top two logits nearly tie. So: every prompt identical
+  // to alone, except at most kBf16Diverging whose first difference is such a tie in the alone run
+  // (top logit minus the batched pick's logit below kBf16TieMargin; the margin is printed).
+  constexpr int kBf16Diverging = 1;
+  constexpr float kBf16TieMargin = 0.05f;
+  const size_t V = size_t(m->dims().vocab);
   int same = 0;
+  std::string ties;
   for (int64_t i = 0; i < N; ++i) {
+    const auto& prompt = prompts[size_t(i)];
     k3::Session s(*m);
     int32_t tok = -1;
     k3::ForwardOptions so = o;
     so.argmax_out = &tok;
-    m->forward(s, prompts[size_t(i)].data(), int64_t(prompts[size_t(i)].size()), false, nullptr, so);
+    m->forward(s, prompt.data(), int64_t(prompt.size()), false, nullptr, so);
     std::vector<int32_t> alone;
     for (int64_t g = 0; g < n_gen; ++g) {
       alone.push_back(tok);
       m->forward(s, &alone.back(), 1, false, nullptr, so);
     }
-    EXPECT_EQ(got[size_t(i)], alone) << "prompt " << i;
-    same += got[size_t(i)] == alone;
+    if (got[size_t(i)] == alone) {
+      ++same;
+      continue;
+    }
+    size_t p = 0;
+    while (got[size_t(i)][p] == alone[p]) ++p;
+    k3::Session s2(*m);  // alone again, to the step that picks token p: its logits
+    std::vector<float> lg(V);
+    m->forward(s2, prompt.data(), int64_t(prompt.size()), false, p == 0 ? lg.data() : nullptr, p == 0 ? o : so);
+    for (size_t t = 0; t < p; ++t)
+      m->forward(s2, &alone[t], 1, false, t + 1 == p ? lg.data() : nullptr, t + 1 == p ? o : so);
+    const float margin = lg[size_t(alone[p])] - lg[size_t(got[size_t(i)][p])];
+    ties += " prompt " + std::to_string(i) + " at " + std::to_string(p) + " (margin " + std::to_string(margin) + ")";
+    EXPECT_LT(margin, kBf16TieMargin) << "prompt " << i << " differs at " << p << " where alone is not a near tie";
   }
-  std::printf("[gate] GPU batch K3-nano bf16 greedy: %d of %lld prompts identical to alone\n", same, (long long)N);
+  std::printf("[gate] GPU batch K3-nano bf16 greedy: %d of %lld prompts identical to alone%s%s\n", same,
+              (long long)N, ties.empty() ? "" : "; first differences at near ties:", ties.c_str());
+  EXPECT_GE(same, int(N) - kBf16Diverging);
 }
 
 }  // namespace

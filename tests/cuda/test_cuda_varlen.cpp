@@ -260,6 +260,33 @@ TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
         for (int64_t sl = 0; sl < b.n_slots; ++sl)
           if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end())
             EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
+        // Batched == alone, bitwise: each sequence run as a call of its own (its rows at offset 0,
+        // the same slot) gives the same outputs and state (no row of another sequence, no batch-
+        // dependent grid shape, enters a sequence's numbers).
+        if (cap != all || N == 1) continue;
+        for (int64_t i = 0; i < N; ++i) {
+          const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)], sl = b.slots[size_t(i)];
+          if (T == 0) continue;
+          SCOPED_TRACE("sequence " + std::to_string(i) + " alone, T=" + std::to_string(T));
+          Batch one;
+          one.len = {T};
+          one.cu = {0, int32_t(T)};
+          one.slots = {int32_t(sl)};
+          one.rows = T;
+          one.n_slots = b.n_slots;
+          const DevBatch d1 = upload(one);
+          const int64_t n1 = T * H * D;
+          auto q1 = up(part(in.q, r0 * H * D, n1)), k1 = up(part(in.k, r0 * H * D, n1)),
+               v1 = up(part(in.v, r0 * H * D, n1)), g1 = up(part(in.g, r0 * H * D, n1)),
+               b1 = up(part(in.beta, r0 * H, T * H));
+          auto pool1 = up(pool0), o1 = k3test::dev_nan(size_t(n1));
+          cu::DevBuf w1(cu::kda_tc_work_bytes(cu::kda_tc_chunks(one.cu.data(), 1), H, D), "kda tc work");
+          cu::kda_chunked_tc_varlen(q1.as<float>(), k1.as<float>(), v1.as<float>(), g1.as<float>(), b1.as<float>(),
+                                    d1.v, one.cu.data(), H, D, D, pool1.as<float>(), o1.as<float>(), w1.get(),
+                                    cu::kda_tc_chunks(one.cu.data(), 1), nullptr);
+          EXPECT_EQ(down(o1, size_t(n1)), part(oh, r0 * H * D, n1)) << "outputs: batched != alone";
+          EXPECT_EQ(part(down(pool1, pool0.size()), sl * nS, nS), part(ph, sl * nS, nS)) << "state: batched != alone";
+        }
       }
     }
   }

@@ -44,6 +44,18 @@ std::string unavailable_reason() {
   return n == 0 ? "no CUDA device found" : "";
 }
 
+int sm_count() {
+  static const int n = [] {
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess || v <= 0) {
+      (void)cudaGetLastError();
+      v = 132;
+    }
+    return v;
+  }();
+  return n;
+}
+
 DeviceInfo device_info() {
   if (device_count() == 0) fail("CUDA: no usable GPU: " + unavailable_reason());
   DeviceInfo d;

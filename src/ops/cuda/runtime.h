@@ -30,6 +30,9 @@ struct DeviceInfo {
 int device_count();
 // The device the process uses (0), with its free memory read now. k3::Error if none.
 DeviceInfo device_info();
+// Multiprocessors of the current device (cached on first use; 132, an H200's, when the query fails):
+// what kernels size their grids by. Never throws.
+int sm_count();
 // Why no device is usable (driver/runtime message), for one-line errors and test skips.
 std::string unavailable_reason();
 // Opens cuBLAS (dlopen, once; ops/cuda/cublas_lazy.cpp): the binary does not link it, so processes
