@@ -124,6 +124,25 @@ std::string batch_name(const Batch& b) {
   return s;
 }
 
+// The fp64-twin reference of a KDA call per sequence, each from its own slot of pool0: the final
+// pool and the outputs (NaN where no sequence writes).
+struct KdaRef {
+  std::vector<float> pool, o;
+};
+KdaRef kda_reference(const k3test::KdaInputs& in, const Batch& b, int64_t H, int64_t Dk, int64_t Dv,
+                     const std::vector<float>& pool0) {
+  KdaRef r{pool0, nan_vec(size_t(b.rows * H * Dv))};
+  const int64_t nS = H * Dk * Dv;
+  for (int64_t i = 0; i < b.n(); ++i) {
+    const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)];
+    if (T == 0) continue;
+    k3::ref::kda_recurrent(in.q.data() + r0 * H * Dk, in.k.data() + r0 * H * Dk, in.v.data() + r0 * H * Dv,
+                           in.g.data() + r0 * H * Dk, in.beta.data() + r0 * H, T, H, Dk, Dv,
+                           r.pool.data() + b.slots[size_t(i)] * nS, r.o.data() + r0 * H * Dv);
+  }
+  return r;
+}
+
 // ================================================================ KDA
 TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
   K3_REQUIRE_GPU();
@@ -141,15 +160,7 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
       const auto in = k3test::make_kda(rng, b.rows, H, Dk, Dv);
       const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
       // Reference, per sequence, from its own slot.
-      auto pool_ref = pool0;
-      auto o_ref = nan_vec(size_t(b.rows * H * Dv));
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)];
-        if (T == 0) continue;
-        k3::ref::kda_recurrent(in.q.data() + r0 * H * Dk, in.k.data() + r0 * H * Dk, in.v.data() + r0 * H * Dv,
-                               in.g.data() + r0 * H * Dk, in.beta.data() + r0 * H, T, H, Dk, Dv,
-                               pool_ref.data() + b.slots[size_t(i)] * nS, o_ref.data() + r0 * H * Dv);
-      }
+      const auto [pool_ref, o_ref] = kda_reference(in, b, H, Dk, Dv, pool0);
       const DevBatch db = upload(b);
       auto dq = up(in.q), dk = up(in.k), dv = up(in.v), dg = up(in.g), dbeta = up(in.beta);
       const size_t nO = size_t(b.rows * H * Dv);
@@ -221,15 +232,7 @@ TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
       auto in = k3test::make_kda(rng, b.rows, H, D, D);
       for (float& g : in.g) g *= sh.gate_scale;
       const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
-      auto pool_ref = pool0;
-      auto o_ref = nan_vec(size_t(b.rows * H * D));
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)];
-        if (T == 0) continue;
-        k3::ref::kda_recurrent(in.q.data() + r0 * H * D, in.k.data() + r0 * H * D, in.v.data() + r0 * H * D,
-                               in.g.data() + r0 * H * D, in.beta.data() + r0 * H, T, H, D, D,
-                               pool_ref.data() + b.slots[size_t(i)] * nS, o_ref.data() + r0 * H * D);
-      }
+      const auto [pool_ref, o_ref] = kda_reference(in, b, H, D, D, pool0);
       const DevBatch db = upload(b);
       auto dq = up(in.q), dk = up(in.k), dv = up(in.v), dg = up(in.g), dbeta = up(in.beta);
       const size_t nO = size_t(b.rows * H * D);

@@ -452,20 +452,26 @@ __global__ void __launch_bounds__(kT)
       St[(c + 1) * L::ldD + d + 8] = to_bf16_bits(S[u][nt][3]);
     }
   };
+  // Each accumulator element's place in the fp32 state: f(element, index into Sh).
+  auto each_state = [&](auto&& f) {
 #pragma unroll
-  for (int u = 0; u < KTW; ++u) {
-    if (warp + 8 * u >= KT) continue;
-    const int d = 16 * (warp + 8 * u) + gq;
+    for (int u = 0; u < KTW; ++u) {
+      if (warp + 8 * u >= KT) continue;
+      const int d = 16 * (warp + 8 * u) + gq;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int c = c0 + 8 * nt + 2 * tq;
-      S[u][nt][0] = Sh[d * D + c];
-      S[u][nt][1] = Sh[d * D + c + 1];
-      S[u][nt][2] = Sh[(d + 8) * D + c];
-      S[u][nt][3] = Sh[(d + 8) * D + c + 1];
+      for (int nt = 0; nt < NT; ++nt) {
+        const int c = c0 + 8 * nt + 2 * tq;
+        f(S[u][nt][0], d * D + c);
+        f(S[u][nt][1], d * D + c + 1);
+        f(S[u][nt][2], (d + 8) * D + c);
+        f(S[u][nt][3], (d + 8) * D + c + 1);
+      }
     }
-    put_st(u);
-  }
+  };
+  each_state([&](float& x, int i) { x = Sh[i]; });
+#pragma unroll
+  for (int u = 0; u < KTW; ++u)
+    if (warp + 8 * u < KT) put_st(u);
   auto rec_of = [&](int64_t ci) { return work + ((base + ci) * H + h) * Rec<D>::bytes; };
   auto load_stage = [&](int64_t ci, int buf) {
     const uint16_t* gWQ = reinterpret_cast<const uint16_t*>(rec_of(ci));
@@ -596,19 +602,7 @@ __global__ void __launch_bounds__(kT)
       put_st(u);
     }
   }
-#pragma unroll
-  for (int u = 0; u < KTW; ++u) {
-    if (warp + 8 * u >= KT) continue;
-    const int d = 16 * (warp + 8 * u) + gq;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int c = c0 + 8 * nt + 2 * tq;
-      Sh[d * D + c] = S[u][nt][0];
-      Sh[d * D + c + 1] = S[u][nt][1];
-      Sh[(d + 8) * D + c] = S[u][nt][2];
-      Sh[(d + 8) * D + c + 1] = S[u][nt][3];
-    }
-  }
+  each_state([&](float& x, int i) { Sh[i] = x; });
 }
 
 // ---------------------------------------------------------------- host
