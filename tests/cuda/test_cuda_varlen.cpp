@@ -260,9 +260,11 @@ TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
             EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS));
           }
         }
-        for (int64_t sl = 0; sl < b.n_slots; ++sl)
-          if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end())
+        for (int64_t sl = 0; sl < b.n_slots; ++sl) {
+          if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end()) {
             EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
+          }
+        }
         // Batched == alone, bitwise: each sequence run as a call of its own (its rows at offset 0,
         // the same slot) gives the same outputs and state (no row of another sequence, no batch-
         // dependent grid shape, enters a sequence's numbers).
