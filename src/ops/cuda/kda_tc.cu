@@ -10,7 +10,7 @@
 //   O = (Q ⊙ e^Γ)·S0 + Aqk·δ,  Aqk[i,j] = Σ_d q_id k_jd e^{Γ_id − Γ_jd} (j <= i)
 //   S = Diag(e^{Γ_last})·S0 + (K ⊙ e^{Γ_last − Γ})ᵀ·δ
 // Two kernels. `prep` (one block per chunk and head, all chunks in parallel) computes Aqk, T, W, U,
-// Q ⊙ e^Γ, (K ⊙ e^{Γ_last − Γ})ᵀ and e^{Γ_last} into the workspace; `scan` (one block per head,
+// Q ⊙ e^Γ, K ⊙ e^{Γ_last − Γ} and e^{Γ_last} into the workspace; `scan` (one block per head,
 // value-column slice and sequence) walks the chunks in order with the state slice in registers
 // (MMA accumulators), its bf16 copy in shared memory as the operand, and the next chunk's operands
 // arriving by cp.async while the current one computes.
@@ -49,7 +49,8 @@ constexpr float kSafeSpan = 80.0f;  // e^80 ≈ 5.5e34: a factor that stays fini
 constexpr int kPairs = (kC / kSub) * (kC / kSub + 1) / 2;  // sub-chunk pairs (I >= J): 10
 
 // One chunk and head's record in the workspace: bf16 [WQ: 2C × D (W rows, then Q ⊙ e^Γ rows)]
-// [KSt: D × C] [Aqk: C × C] [U: C × D], then fp32 [decay: D]. 16-byte aligned (cp.async).
+// [KS = K ⊙ e^{Γ_last − Γ}: C × D] [Aqk: C × C] [U: C × D], then fp32 [decay: D]. 16-byte aligned
+// (cp.async); token-major throughout (the scan reads KS transposed with ldmatrix).
 template <int D>
 struct Rec {
   static constexpr int64_t wq = 2 * kC * D, ks = int64_t(D) * kC, aq = kC * kC, u = int64_t(kC) * D;
@@ -77,9 +78,9 @@ __device__ __forceinline__ int64_t win_chunks(const int32_t* cu, const Win& w, i
 // Shared memory in phases, small enough that two blocks share a multiprocessor (one block alone
 // waits on its loads and barriers with nothing to overlap them):
 //   R1  fp32 Γ [C][D+4]                        then T fp32 [C][C+1] and its block-row scratch
-//   R2  bf16 k, q, K ⊙ e^{Γ_r − Γ} [C][D+8]    then (β ⊙ K ⊙ e^Γ)ᵀ, (β ⊙ V)ᵀ [D][C+8], T bf16 [C][C+8]
-//       (the first of those is written from k and Γ, so it starts where q was)
-//       (the decay tables of the factored products sit where T's bf16 copy goes last)
+//   R2  bf16 Ks, Qs, Kr [C][D+8] (k, q, k ⊙ e^{Γ_r − Γ}), then β ⊙ K ⊙ e^Γ (in place of Ks) and
+//       β ⊙ V (where Qs was), token-major (step 7 reads them transposed with ldmatrix); past them
+//       the decay tables of the factored products, later T's bf16 copy [C][C+8]
 //   R3  fp32 L = Diag(β)·A [C][C+1] (Γ's partial sums before it), β, flags
 template <int D>
 struct PrepSmem {
@@ -87,10 +88,8 @@ struct PrepSmem {
   static constexpr int t_floats = kC * ldL + 3 * kSub * kSub;
   static constexpr int r1 = (kC * ldF > t_floats ? kC * ldF : t_floats) * 4;  // bytes
   static constexpr int hQ = kC * ldD, hKr = 2 * kC * ldD;                      // bf16 offsets in R2
-  static constexpr int hKG = hQ, hV = hKG + D * kLdC;
-  static constexpr int hT = hV + D * kLdC > 3 * kC * ldD ? hV + D * kLdC : 3 * kC * ldD;  // past Kr: the tables
-                                                                                          // live through phase A
-  static constexpr int r2h = 3 * kC * ldD > hT + kC * kLdC ? 3 * kC * ldD : hT + kC * kLdC;
+  static constexpr int hT = 3 * kC * ldD;  // past Kr: the tables live through phase A
+  static constexpr int r2h = hT + kC * kLdC;
   static constexpr int oR2 = r1, oR3 = oR2 + (r2h * 2 + 15) / 16 * 16;
   static constexpr int oBeta = oR3 + kC * ldL * 4, oFlag = oBeta + kC * 4;
   static constexpr int bytes = oFlag + 16;
@@ -110,7 +109,7 @@ __global__ void __launch_bounds__(kT, 2)
   uint8_t* sb = reinterpret_cast<uint8_t*>(smem4);
   float *G = reinterpret_cast<float*>(sb), *Tf = G, *Xs = G + kC * L::ldL;
   uint16_t* r2 = reinterpret_cast<uint16_t*>(sb + L::oR2);
-  uint16_t *Kb = r2, *Qb = r2 + L::hQ, *Kr = r2 + L::hKr, *KGt = r2 + L::hKG, *Vt = r2 + L::hV, *Tb = r2 + L::hT;
+  uint16_t *Kb = r2, *Qb = r2 + L::hQ, *Kr = r2 + L::hKr, *KG = Kb, *Vb = Qb, *Tb = r2 + L::hT;
   float* tab = reinterpret_cast<float*>(Tb);  // until T's bf16 copy: the decay tables
   float *cPair = tab + L::kPairTab, *eStart = tab + L::kStartTab, *eLast = tab + L::kLastTab;
   float *Lm = reinterpret_cast<float*>(sb + L::oR3), *tot = Lm, *bt = reinterpret_cast<float*>(sb + L::oBeta);
@@ -209,26 +208,20 @@ __global__ void __launch_bounds__(kT, 2)
   }
   __syncthreads();
   auto bf = [](const uint16_t* p) { return __uint_as_float(uint32_t(*p) << 16); };
-  // 3. KSt = (K ⊙ e^{Γ_last − Γ})ᵀ out; then in place k -> Ks = K ⊙ e^{Γ − Γ_s}, q -> Qs = Q ⊙ e^{Γ − Γ_s}
-  // (each row scaled to its sub-chunk's start), Kr = K ⊙ e^{Γ_r − Γ} (to its end); Q ⊙ e^Γ = Qs ⊙ eStart
-  // and the decay out.
-  for (int idx = tid; idx < kC * D; idx += kT) {
-    const int d = idx / kC, i = idx % kC;
-    gKS[d * kC + i] =
-        to_bf16_bits(bf(Kb + i * L::ldD + d) * __expf(G[(kC - 1) * L::ldF + d] - G[i * L::ldF + d]));
-  }
+  // 3. In place k -> Ks = K ⊙ e^{Γ − Γ_s}, q -> Qs = Q ⊙ e^{Γ − Γ_s} (each row scaled to its sub-chunk's
+  // start), Kr = K ⊙ e^{Γ_r − Γ} (to its end); out: Q ⊙ e^Γ = Qs ⊙ eStart, KS = Kr ⊙ eLast, the decay.
   if (tid < D) gDec[tid] = __expf(G[(kC - 1) * L::ldF + tid]);
   for (int idx = tid; idx < kC * kC; idx += kT) {
     const int r = idx / kC, c = idx % kC;
     if (c / kSub > r / kSub) gAq[idx] = 0;  // blocks above the diagonal
   }
-  __syncthreads();
   for (int idx = tid; idx < kC * D / 2; idx += kT) {
     const int i = idx / (D / 2), d = 2 * (idx % (D / 2)), I = i / kSub;
     const float2 Gi = *reinterpret_cast<const float2*>(G + i * L::ldF + d);
     const float2 gr = *reinterpret_cast<const float2*>(G + (I * kSub + kSub - 1) * L::ldF + d);
     const float2 gs = I == 0 ? make_float2(0.0f, 0.0f) : *reinterpret_cast<const float2*>(G + (I * kSub - 1) * L::ldF + d);
     const float2 es = *reinterpret_cast<const float2*>(eStart + I * D + d);
+    const float2 el = *reinterpret_cast<const float2*>(eLast + I * D + d);
     const float f0 = __expf(Gi.x - gs.x), f1 = __expf(Gi.y - gs.y);
     const float fr0 = __expf(gr.x - Gi.x), fr1 = __expf(gr.y - Gi.y);
     uint32_t* kp = reinterpret_cast<uint32_t*>(Kb + i * L::ldD + d);
@@ -239,6 +232,8 @@ __global__ void __launch_bounds__(kT, 2)
     *reinterpret_cast<uint32_t*>(Kr + i * L::ldD + d) = pack_bf16x2(bf16_lo(kk) * fr0, bf16_hi(kk) * fr1);
     *reinterpret_cast<uint32_t*>(gWQ + (kC + i) * D + d) =
         pack_bf16x2(bf16_lo(qq) * f0 * es.x, bf16_hi(qq) * f1 * es.y);
+    *reinterpret_cast<uint32_t*>(gKS + i * D + d) =
+        pack_bf16x2(bf16_lo(kk) * fr0 * el.x, bf16_hi(kk) * fr1 * el.y);
   }
   __syncthreads();
   // 4. The blocks (I >= J) of A (into L = β·A, strictly lower) and of Aqk (lower with the diagonal)
@@ -304,10 +299,14 @@ __global__ void __launch_bounds__(kT, 2)
     }
   }
   __syncthreads();
-  // 5. The right-hand sides, where q and Kr were: (β ⊙ K ⊙ e^Γ)ᵀ = β ⊙ Ks ⊙ eStart, (β ⊙ V)ᵀ from v.
-  for (int idx = tid; idx < kC * D; idx += kT) {
-    const int i = idx / D, d = idx % D;
-    KGt[d * kLdC + i] = to_bf16_bits(bt[i] * bf(Kb + i * L::ldD + d) * eStart[(i / kSub) * D + d]);
+  // 5. The right-hand sides, token-major: β ⊙ K ⊙ e^Γ = β ⊙ Ks ⊙ eStart in place of Ks, β ⊙ V where
+  // Qs was.
+  for (int idx = tid; idx < kC * D / 2; idx += kT) {
+    const int i = idx / (D / 2), d = 2 * (idx % (D / 2));
+    const float2 es = *reinterpret_cast<const float2*>(eStart + (i / kSub) * D + d);
+    uint32_t* kp = reinterpret_cast<uint32_t*>(KG + i * L::ldD + d);
+    const uint32_t kk = *kp;
+    *kp = pack_bf16x2(bt[i] * bf16_lo(kk) * es.x, bt[i] * bf16_hi(kk) * es.y);
   }
   {
     float4 vv[PER];
@@ -315,13 +314,10 @@ __global__ void __launch_bounds__(kT, 2)
     for (int u = 0; u < PER; ++u) vv[u] = load4(v, tid + u * kT);
 #pragma unroll
     for (int u = 0; u < PER; ++u) {
-      const int idx = tid + u * kT, i = idx / V4, d = 4 * (idx % V4);
+      const int idx = tid + u * kT;
       if (idx >= N4) continue;
-      const float b = bt[i];
-      Vt[(d + 0) * kLdC + i] = to_bf16_bits(b * vv[u].x);
-      Vt[(d + 1) * kLdC + i] = to_bf16_bits(b * vv[u].y);
-      Vt[(d + 2) * kLdC + i] = to_bf16_bits(b * vv[u].z);
-      Vt[(d + 3) * kLdC + i] = to_bf16_bits(b * vv[u].w);
+      const float b = bt[idx / V4];
+      store_bf16x4(Vb, idx, make_float4(b * vv[u].x, b * vv[u].y, b * vv[u].z, b * vv[u].w));
     }
   }
   __syncthreads();  // Γ is dead from here: T takes its space
@@ -370,21 +366,22 @@ __global__ void __launch_bounds__(kT, 2)
   {
     const bool isU = warp >= 4;
     const int m0 = (warp & 3) * 16;
-    const uint16_t* B = isU ? Vt : KGt;
+    const uint16_t* B = isU ? Vb : KG;
     uint16_t* out = isU ? gU : gWQ;
-    constexpr int NTH = D / 16;  // n-tiles per half
+    constexpr int HALVES = D >= 32 ? 2 : 1, NTH = D / 8 / HALVES;  // n-tiles per half (even)
 #pragma unroll 1
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < HALVES; ++half) {
       float acc[NTH][4] = {};
 #pragma unroll
       for (int ks = 0; ks < kC / 16; ++ks) {
         uint32_t a[4];
         frag_a(a, Tb, kLdC, m0, ks * 16, lane);
 #pragma unroll
-        for (int nt = 0; nt < NTH; ++nt) {
-          uint32_t b[2];
-          frag_b(b, B, kLdC, (half * NTH + nt) * 8, ks * 16, lane);
-          mma_bf16(acc[nt], a, b);
+        for (int nt = 0; nt < NTH; nt += 2) {
+          uint32_t b0[2], b1[2];
+          frag_b2_kmajor(b0, b1, B, L::ldD, (half * NTH + nt) * 8, ks * 16, lane);
+          mma_bf16(acc[nt], a, b0);
+          mma_bf16(acc[nt + 1], a, b1);
         }
       }
 #pragma unroll
@@ -398,16 +395,17 @@ __global__ void __launch_bounds__(kT, 2)
 }
 
 // ---------------------------------------------------------------- scan
-// A stage (bf16 elements): [W; Q ⊙ e^Γ] (2C × D), KSt (D × C), Aqk (C × C), this block's columns of U
+// A stage (bf16 elements): [W; Q ⊙ e^Γ] (2C × D), KS (C × D), Aqk (C × C), this block's columns of U
 // (C × NS), then the decay (D fp32). kStages of them: chunk i + 2 arrives while chunk i computes.
 constexpr int kStages = 3;
 template <int D, int NS>
 struct ScanSmem {
   static constexpr int ldD = D + 8, ldU = NS + 8;
-  static constexpr int oKS = 2 * kC * ldD, oAq = oKS + D * kLdC, oU = oAq + kC * kLdC, oDec = oU + kC * ldU;
+  static constexpr int oKS = 2 * kC * ldD, oAq = oKS + kC * ldD, oU = oAq + kC * kLdC, oDec = oU + kC * ldU;
   static constexpr int stage = oDec + 2 * D;
-  static constexpr int oSt = kStages * stage, oDt = oSt + NS * ldD;
-  static constexpr int bytes = (oDt + NS * kLdC) * 2;
+  // Then the state's bf16 copy St [D][NS+8] and δ [C][NS+8], both k-major B operands (ldmatrix .trans).
+  static constexpr int oSt = kStages * stage, oDt = oSt + D * ldU;
+  static constexpr int bytes = (oDt + kC * ldU) * 2;
   static_assert(oU % 8 == 0 && oDec % 8 == 0 && stage % 8 == 0 && ldU % 8 == 0, "cp.async needs 16-byte rows");
 };
 
@@ -420,7 +418,7 @@ __global__ void __launch_bounds__(kT)
   constexpr int KT = D / 16, KTW = (KT + 7) / 8, NT = NS / 8;
   extern __shared__ float4 smem4[];
   uint16_t* sh = reinterpret_cast<uint16_t*>(smem4);
-  uint16_t *St = sh + L::oSt, *Dt = sh + L::oDt;
+  uint16_t *St = sh + L::oSt, *Ds = sh + L::oDt;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int64_t h = blockIdx.y;
   const int c0 = blockIdx.x * NS, y = w.z0 + int(blockIdx.z);
@@ -441,15 +439,13 @@ __global__ void __launch_bounds__(kT)
 
   // The state slice S[d][c0 + c]: warp w holds key rows of tiles w, w + 8, ... as MMA accumulators.
   float S[KTW][NT][4];
-  auto put_st = [&](int u) {  // its bf16 copy, transposed (St[c][d]: the B operand of W·S and Q·S)
+  auto put_st = [&](int u) {  // its bf16 copy St[d][c]: the B operand of W·S and Q·S
     const int d = 16 * (warp + 8 * u) + gq;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int c = 8 * nt + 2 * tq;
-      St[c * L::ldD + d] = to_bf16_bits(S[u][nt][0]);
-      St[(c + 1) * L::ldD + d] = to_bf16_bits(S[u][nt][1]);
-      St[c * L::ldD + d + 8] = to_bf16_bits(S[u][nt][2]);
-      St[(c + 1) * L::ldD + d + 8] = to_bf16_bits(S[u][nt][3]);
+      *reinterpret_cast<uint32_t*>(St + d * L::ldU + c) = pack_bf16x2(S[u][nt][0], S[u][nt][1]);
+      *reinterpret_cast<uint32_t*>(St + (d + 8) * L::ldU + c) = pack_bf16x2(S[u][nt][2], S[u][nt][3]);
     }
   };
   // Each accumulator element's place in the fp32 state: f(element, index into Sh).
@@ -475,20 +471,17 @@ __global__ void __launch_bounds__(kT)
   auto rec_of = [&](int64_t ci) { return work + ((base + ci) * H + h) * Rec<D>::bytes; };
   auto load_stage = [&](int64_t ci, int buf) {
     const uint16_t* gWQ = reinterpret_cast<const uint16_t*>(rec_of(ci));
-    const uint16_t *gKS = gWQ + Rec<D>::wq, *gAq = gKS + Rec<D>::ks, *gU = gAq + Rec<D>::aq, *gDec = gU + Rec<D>::u;
+    const uint16_t *gAq = gWQ + Rec<D>::wq + Rec<D>::ks, *gU = gAq + Rec<D>::aq, *gDec = gU + Rec<D>::u;
     uint16_t* s0 = sh + buf * L::stage;
+    static_assert(L::oKS == 2 * kC * L::ldD && Rec<D>::wq == 2 * kC * D, "KS follows W and Q rows");
     for (int e = tid; e < kC * (NS / 8); e += kT) {
       const int r = e / (NS / 8), cc = e % (NS / 8);
       cp_async16(s0 + L::oU + r * L::ldU + cc * 8, gU + r * D + c0 + cc * 8);
     }
     for (int e = tid; e < D / 4; e += kT) cp_async16(s0 + L::oDec + 8 * e, gDec + 8 * e);
-    for (int e = tid; e < 2 * kC * (D / 8); e += kT) {
+    for (int e = tid; e < 3 * kC * (D / 8); e += kT) {  // W, Q ⊙ e^Γ and KS: 3C rows of D, adjacent in both
       const int r = e / (D / 8), cc = e % (D / 8);
       cp_async16(s0 + r * L::ldD + cc * 8, gWQ + r * D + cc * 8);
-    }
-    for (int e = tid; e < D * (kC / 8); e += kT) {
-      const int r = e / (kC / 8), cc = e % (kC / 8);
-      cp_async16(s0 + L::oKS + r * kLdC + cc * 8, gKS + r * kC + cc * 8);
     }
     for (int e = tid; e < kC * (kC / 8); e += kT) {
       const int r = e / (kC / 8), cc = e % (kC / 8);
@@ -535,22 +528,23 @@ __global__ void __launch_bounds__(kT)
       uint32_t a[4];
       frag_a(a, WQs, L::ldD, 16 * warp, 16 * ks, lane);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t b[2];
-        frag_b(b, St, L::ldD, 8 * nt, 16 * ks, lane);
-        mma_bf16(P[nt], a, b);
+      for (int nt = 0; nt < NT; nt += 2) {
+        uint32_t b0[2], b1[2];
+        frag_b2_kmajor(b0, b1, St, L::ldU, 8 * nt, 16 * ks, lane);
+        mma_bf16(P[nt], a, b0);
+        mma_bf16(P[nt + 1], a, b1);
       }
     }
-    // (b) δ = U − W·S0 (warps 0-3), stored transposed in bf16: Dt[c][i].
+    // (b) δ = U − W·S0 (warps 0-3), in bf16: Ds[i][c].
     if (warp < 4) {
       const int i = 16 * warp + gq;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int c = 8 * nt + 2 * tq;
-        Dt[c * kLdC + i] = to_bf16_bits(bf16_lo(ur[nt][0]) - P[nt][0]);
-        Dt[(c + 1) * kLdC + i] = to_bf16_bits(bf16_hi(ur[nt][0]) - P[nt][1]);
-        Dt[c * kLdC + i + 8] = to_bf16_bits(bf16_lo(ur[nt][1]) - P[nt][2]);
-        Dt[(c + 1) * kLdC + i + 8] = to_bf16_bits(bf16_hi(ur[nt][1]) - P[nt][3]);
+        *reinterpret_cast<uint32_t*>(Ds + i * L::ldU + c) =
+            pack_bf16x2(bf16_lo(ur[nt][0]) - P[nt][0], bf16_hi(ur[nt][0]) - P[nt][1]);
+        *reinterpret_cast<uint32_t*>(Ds + (i + 8) * L::ldU + c) =
+            pack_bf16x2(bf16_lo(ur[nt][1]) - P[nt][2], bf16_hi(ur[nt][1]) - P[nt][3]);
       }
     }
     __syncthreads();
@@ -562,10 +556,11 @@ __global__ void __launch_bounds__(kT)
         uint32_t a[4];
         frag_a(a, Aqs, kLdC, m0, 16 * ks, lane);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, Dt, kLdC, 8 * nt, 16 * ks, lane);
-          mma_bf16(P[nt], a, b);
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t b0[2], b1[2];
+          frag_b2_kmajor(b0, b1, Ds, L::ldU, 8 * nt, 16 * ks, lane);
+          mma_bf16(P[nt], a, b0);
+          mma_bf16(P[nt + 1], a, b1);
         }
       }
       const int i = m0 + gq;
@@ -577,7 +572,7 @@ __global__ void __launch_bounds__(kT)
           *reinterpret_cast<float2*>(o + ((row0 + i + 8) * H + h) * D + c) = make_float2(P[nt][2], P[nt][3]);
       }
     }
-    // (d) S = Diag(e^{Γ_last})·S0 + KStᵀ... i.e. (K ⊙ e^{Γ_last − Γ})ᵀ·δ, then its bf16 copy.
+    // (d) S = Diag(e^{Γ_last})·S0 + KSᵀ·δ (KS = K ⊙ e^{Γ_last − Γ}), then its bf16 copy.
 #pragma unroll
     for (int u = 0; u < KTW; ++u) {
       if (warp + 8 * u >= KT) continue;
@@ -591,12 +586,13 @@ __global__ void __launch_bounds__(kT)
 #pragma unroll
       for (int ks = 0; ks < kC / 16; ++ks) {
         uint32_t a[4];
-        frag_a(a, KSs, kLdC, 16 * (warp + 8 * u), 16 * ks, lane);
+        frag_a_kmajor(a, KSs, L::ldD, 16 * (warp + 8 * u), 16 * ks, lane);  // KSᵀ: m = key row, k = token
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, Dt, kLdC, 8 * nt, 16 * ks, lane);
-          mma_bf16(S[u][nt], a, b);
+        for (int nt = 0; nt < NT; nt += 2) {
+          uint32_t b0[2], b1[2];
+          frag_b2_kmajor(b0, b1, Ds, L::ldU, 8 * nt, 16 * ks, lane);
+          mma_bf16(S[u][nt], a, b0);
+          mma_bf16(S[u][nt + 1], a, b1);
         }
       }
       put_st(u);

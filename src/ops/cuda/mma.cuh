@@ -48,6 +48,35 @@ __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* base, i
   b[1] = *reinterpret_cast<const uint32_t*>(p + 8);
 }
 
+// Four 8 × 8 bf16 matrices from shared memory, transposed (ldmatrix .trans): lanes 8j..8j+7 give
+// the 16-byte row addresses of matrix j, and register j receives that matrix's (rows 2t, 2t+1;
+// column g) pair. Rows 16-byte aligned.
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+// The A fragment of the 16×16 tile at (m0, k0) of a matrix stored k-major: base[k·ld + m]
+// (ld·2 bytes and m0 multiples of 16 bytes / 8 elements).
+__device__ __forceinline__ void frag_a_kmajor(uint32_t (&a)[4], const uint16_t* base, int ld, int m0, int k0,
+                                              int lane) {
+  const int j = lane >> 3, r = lane & 7;
+  ldsm_x4_trans(a, base + (k0 + r + ((j >> 1) << 3)) * ld + m0 + ((j & 1) << 3));
+}
+// The B fragments of the two 16×8 (k × n) tiles at (k0, n0) and (k0, n0 + 8) of a matrix stored
+// k-major: base[k·ld + n].
+__device__ __forceinline__ void frag_b2_kmajor(uint32_t (&b0)[2], uint32_t (&b1)[2], const uint16_t* base, int ld,
+                                               int n0, int k0, int lane) {
+  const int j = lane >> 3, r = lane & 7;
+  uint32_t t[4];
+  ldsm_x4_trans(t, base + (k0 + r + ((j & 1) << 3)) * ld + n0 + ((j >> 1) << 3));
+  b0[0] = t[0];
+  b0[1] = t[1];
+  b1[0] = t[2];
+  b1[1] = t[3];
+}
+
 // 16 bytes global -> shared without passing through registers (both 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
