@@ -334,6 +334,12 @@ TEST(CudaVarlen, KdaTensorCoreBadArgumentsAndSizes) {
     cu::kda_chunked_tc_varlen(f, f, f, f, f, b, nullptr, 2, 64, 64, f, f, f, 4, nullptr);
   });
   EXPECT_NE(host.find("host copy"), std::string::npos) << host;
+  float* odd = reinterpret_cast<float*>(20);  // 4-byte aligned, not 16: the float4 loads refuse it
+  const std::string align = msg([&] {
+    cu::kda_chunked_tc_varlen(f, odd, f, f, f, b, cu_host, 2, 64, 64, f, f, f, 4, nullptr);
+  });
+  EXPECT_NE(align.find("16-byte aligned"), std::string::npos) << align;
+  EXPECT_EQ(align.find('\n'), std::string::npos) << align;
 }
 
 // ================================================================ short conv
