@@ -143,6 +143,34 @@ KdaRef kda_reference(const k3test::KdaInputs& in, const Batch& b, int64_t H, int
   return r;
 }
 
+// Each sequence's outputs and state from a KDA call against the reference (rel-L2 below tol; a
+// sequence of no rows and every slot of no sequence keep pool0's state exactly). The worst errors.
+std::pair<double, double> expect_per_sequence(const Batch& b, const std::vector<float>& oh, const std::vector<float>& ph,
+                                              const KdaRef& ref, const std::vector<float>& pool0, int64_t H, int64_t Dv,
+                                              int64_t nS, double tol) {
+  double worst_o = 0, worst_s = 0;
+  for (int64_t i = 0; i < b.n(); ++i) {
+    const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)], sl = b.slots[size_t(i)];
+    SCOPED_TRACE("sequence " + std::to_string(i) + " T=" + std::to_string(T));
+    if (T > 0) {
+      const double eo = rel_l2(part(oh, r0 * H * Dv, T * H * Dv), part(ref.o, r0 * H * Dv, T * H * Dv));
+      const double es = rel_l2(part(ph, sl * nS, nS), part(ref.pool, sl * nS, nS));
+      worst_o = std::max(worst_o, eo);
+      worst_s = std::max(worst_s, es);
+      EXPECT_LT(eo, tol);
+      EXPECT_LT(es, tol);
+    } else {
+      EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS));  // no rows: state as it was
+    }
+  }
+  for (int64_t sl = 0; sl < b.n_slots; ++sl) {
+    if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end()) {
+      EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
+    }
+  }
+  return {worst_o, worst_s};
+}
+
 // ================================================================ KDA
 TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
   K3_REQUIRE_GPU();
@@ -160,7 +188,7 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
       const auto in = k3test::make_kda(rng, b.rows, H, Dk, Dv);
       const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
       // Reference, per sequence, from its own slot.
-      const auto [pool_ref, o_ref] = kda_reference(in, b, H, Dk, Dv, pool0);
+      const KdaRef ref = kda_reference(in, b, H, Dk, Dv, pool0);
       const DevBatch db = upload(b);
       auto dq = up(in.q), dk = up(in.k), dv = up(in.v), dg = up(in.g), dbeta = up(in.beta);
       const size_t nO = size_t(b.rows * H * Dv);
@@ -175,21 +203,7 @@ TEST(CudaVarlen, KdaRecurrentAndChunkedPerSequence) {
                                    db.v, H, Dk, Dv, pool.as<float>(), o.as<float>(), nullptr);
         const auto oh = down(o, nO), ph = down(pool, pool0.size());
         ASSERT_EQ(count_nan(oh), 0u);
-        for (int64_t i = 0; i < N; ++i) {
-          const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)], sl = b.slots[size_t(i)];
-          SCOPED_TRACE("sequence " + std::to_string(i) + " T=" + std::to_string(T));
-          if (T > 0) {
-            EXPECT_LT(rel_l2(part(oh, r0 * H * Dv, T * H * Dv), part(o_ref, r0 * H * Dv, T * H * Dv)), kTolKda);
-            EXPECT_LT(rel_l2(part(ph, sl * nS, nS), part(pool_ref, sl * nS, nS)), kTolKda);
-          } else {
-            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS));  // no rows: state as it was
-          }
-        }
-        for (int64_t sl = 0; sl < b.n_slots; ++sl) {
-          if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end()) {
-            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
-          }
-        }
+        expect_per_sequence(b, oh, ph, ref, pool0, H, Dv, nS, kTolKda);
         // The single-sequence kernel on each sequence alone: the same bits.
         auto pool1 = up(pool0), o1 = k3test::dev_nan(nO);
         for (int64_t i = 0; i < N; ++i) {
@@ -232,7 +246,7 @@ TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
       auto in = k3test::make_kda(rng, b.rows, H, D, D);
       for (float& g : in.g) g *= sh.gate_scale;
       const auto pool0 = rand_vec(rng, size_t(b.n_slots * nS), 0.01f, 0.5f);
-      const auto [pool_ref, o_ref] = kda_reference(in, b, H, D, D, pool0);
+      const KdaRef ref = kda_reference(in, b, H, D, D, pool0);
       const DevBatch db = upload(b);
       auto dq = up(in.q), dk = up(in.k), dv = up(in.v), dg = up(in.g), dbeta = up(in.beta);
       const size_t nO = size_t(b.rows * H * D);
@@ -246,25 +260,9 @@ TEST(CudaVarlen, KdaTensorCoreChunkedPerSequence) {
                                   nullptr);
         const auto oh = down(o, nO), ph = down(pool, pool0.size());
         ASSERT_EQ(count_nan(oh), 0u);
-        for (int64_t i = 0; i < N; ++i) {
-          const int64_t r0 = b.cu[size_t(i)], T = b.len[size_t(i)], sl = b.slots[size_t(i)];
-          SCOPED_TRACE("sequence " + std::to_string(i) + " T=" + std::to_string(T));
-          if (T > 0) {
-            const double eo = rel_l2(part(oh, r0 * H * D, T * H * D), part(o_ref, r0 * H * D, T * H * D));
-            const double es = rel_l2(part(ph, sl * nS, nS), part(pool_ref, sl * nS, nS));
-            worst_o = std::max(worst_o, eo);
-            worst_s = std::max(worst_s, es);
-            EXPECT_LT(eo, k3test::kTolKdaBf16);
-            EXPECT_LT(es, k3test::kTolKdaBf16);
-          } else {
-            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS));
-          }
-        }
-        for (int64_t sl = 0; sl < b.n_slots; ++sl) {
-          if (std::find(b.slots.begin(), b.slots.end(), int32_t(sl)) == b.slots.end()) {
-            EXPECT_EQ(part(ph, sl * nS, nS), part(pool0, sl * nS, nS)) << "slot " << sl << " is in no sequence";
-          }
-        }
+        const auto [eo, es] = expect_per_sequence(b, oh, ph, ref, pool0, H, D, nS, k3test::kTolKdaBf16);
+        worst_o = std::max(worst_o, eo);
+        worst_s = std::max(worst_s, es);
         // Batched == alone, bitwise: each sequence run as a call of its own (its rows at offset 0,
         // the same slot) gives the same outputs and state (no row of another sequence, no batch-
         // dependent grid shape, enters a sequence's numbers).

@@ -376,13 +376,7 @@ __global__ void __launch_bounds__(kT, 2)
       for (int ks = 0; ks < kC / 16; ++ks) {
         uint32_t a[4];
         frag_a(a, Tb, kLdC, m0, ks * 16, lane);
-#pragma unroll
-        for (int nt = 0; nt < NTH; nt += 2) {
-          uint32_t b0[2], b1[2];
-          frag_b2_kmajor(b0, b1, B, L::ldD, (half * NTH + nt) * 8, ks * 16, lane);
-          mma_bf16(acc[nt], a, b0);
-          mma_bf16(acc[nt + 1], a, b1);
-        }
+        mma_row_kmajor(acc, a, B, L::ldD, half * NTH * 8, ks * 16, lane);
       }
 #pragma unroll
       for (int nt = 0; nt < NTH; ++nt) {
@@ -527,13 +521,7 @@ __global__ void __launch_bounds__(kT)
     for (int ks = 0; ks < D / 16; ++ks) {
       uint32_t a[4];
       frag_a(a, WQs, L::ldD, 16 * warp, 16 * ks, lane);
-#pragma unroll
-      for (int nt = 0; nt < NT; nt += 2) {
-        uint32_t b0[2], b1[2];
-        frag_b2_kmajor(b0, b1, St, L::ldU, 8 * nt, 16 * ks, lane);
-        mma_bf16(P[nt], a, b0);
-        mma_bf16(P[nt + 1], a, b1);
-      }
+      mma_row_kmajor(P, a, St, L::ldU, 0, 16 * ks, lane);
     }
     // (b) δ = U − W·S0 (warps 0-3), in bf16: Ds[i][c].
     if (warp < 4) {
@@ -555,13 +543,7 @@ __global__ void __launch_bounds__(kT)
       for (int ks = 0; ks < kC / 16; ++ks) {
         uint32_t a[4];
         frag_a(a, Aqs, kLdC, m0, 16 * ks, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-          uint32_t b0[2], b1[2];
-          frag_b2_kmajor(b0, b1, Ds, L::ldU, 8 * nt, 16 * ks, lane);
-          mma_bf16(P[nt], a, b0);
-          mma_bf16(P[nt + 1], a, b1);
-        }
+        mma_row_kmajor(P, a, Ds, L::ldU, 0, 16 * ks, lane);
       }
       const int i = m0 + gq;
 #pragma unroll
@@ -587,13 +569,7 @@ __global__ void __launch_bounds__(kT)
       for (int ks = 0; ks < kC / 16; ++ks) {
         uint32_t a[4];
         frag_a_kmajor(a, KSs, L::ldD, 16 * (warp + 8 * u), 16 * ks, lane);  // KSᵀ: m = key row, k = token
-#pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
-          uint32_t b0[2], b1[2];
-          frag_b2_kmajor(b0, b1, Ds, L::ldU, 8 * nt, 16 * ks, lane);
-          mma_bf16(S[u][nt], a, b0);
-          mma_bf16(S[u][nt + 1], a, b1);
-        }
+        mma_row_kmajor(S[u], a, Ds, L::ldU, 0, 16 * ks, lane);
       }
       put_st(u);
     }

@@ -77,6 +77,21 @@ __device__ __forceinline__ void frag_b2_kmajor(uint32_t (&b0)[2], uint32_t (&b1)
   b1[1] = t[3];
 }
 
+// acc[nt] += a · B[k0..k0+15][n0 + 8nt ..] for the NT (even) n-tiles of one row block, B stored
+// k-major (base[k·ld + n]).
+template <int NT>
+__device__ __forceinline__ void mma_row_kmajor(float (&acc)[NT][4], const uint32_t (&a)[4], const uint16_t* base,
+                                               int ld, int n0, int k0, int lane) {
+  static_assert(NT % 2 == 0, "n-tiles in pairs");
+#pragma unroll
+  for (int nt = 0; nt < NT; nt += 2) {
+    uint32_t b0[2], b1[2];
+    frag_b2_kmajor(b0, b1, base, ld, n0 + 8 * nt, k0, lane);
+    mma_bf16(acc[nt], a, b0);
+    mma_bf16(acc[nt + 1], a, b1);
+  }
+}
+
 // 16 bytes global -> shared without passing through registers (both 16-byte aligned).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
