@@ -351,16 +351,15 @@ class CudaBackend final : public Backend {
   }
   void kda(const float* q, const float* k, const float* v, const float* g, const float* beta, const StepView& s,
            int64_t H, int64_t Dk, int64_t Dv, KdaAlgo algo, int64_t chunk, float* S_pool, float* o) override {
-    // Fast numerics: bf16 tensor cores. Its grid comes from the host's cu_rows, so never inside a
-    // recorded graph (only decode steps are recorded, and they take the recurrent kernel).
-    if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1 && p_ == cu::Precision::BF16 && kda_work_chunks_ > 0 &&
-        cu::kda_tc_supported(Dk, Dv) && !capturing_)
+    // Chunked prefill in fast numerics: bf16 tensor cores. Its grid comes from the host's cu_rows,
+    // so never inside a recorded graph (only decode steps are recorded: they take the recurrent kernel).
+    if (algo != KdaAlgo::Chunked || s.max_rows_per_seq <= 1)
+      cu::kda_recurrent_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, S_pool, o, stream_);
+    else if (p_ == cu::Precision::BF16 && kda_work_chunks_ > 0 && cu::kda_tc_supported(Dk, Dv) && !capturing_)
       cu::kda_chunked_tc_varlen(q, k, v, g, beta, vb_, view_cu_.data(), H, Dk, Dv, S_pool, o, kda_work_.get(),
                                 kda_work_chunks_, stream_);
-    else if (algo == KdaAlgo::Chunked && s.max_rows_per_seq > 1)
-      cu::kda_chunked_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, chunk, S_pool, o, stream_);
     else
-      cu::kda_recurrent_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, S_pool, o, stream_);
+      cu::kda_chunked_varlen(q, k, v, g, beta, vb_, H, Dk, Dv, chunk, S_pool, o, stream_);
   }
   void mla_append(const float* ckv, const StepView&, int64_t L, int64_t rope, const float* norm_w, float eps,
                   const MlaPages& pages) override {

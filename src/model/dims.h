@@ -19,7 +19,8 @@ struct KdaDims {
   int64_t conv_floats() const { return dim() * (conv_k - 1); }          // one of q/k/v conv history
   // The GPU's tensor-core chunked KDA (ops/cuda/kda_tc.cu, bf16 prefill): whether it takes these
   // heads, and its workspace for a step of `rows` tokens (one record per 64-token chunk and head:
-  // bf16 [2C x D] + [D x C] + [C x C] + [C x D], fp32 [D]; longer steps run in windows of these chunks).
+  // bf16 W and Q rows [2C x D], KS [C x D], Aqk [C x C], U [C x D], fp32 decay [D]; longer steps run in
+  // windows of these chunks).
   bool tc_supported() const { return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128; }
   static constexpr int64_t kTcChunk = 64;
   int64_t tc_record_bytes() const {

@@ -20,8 +20,8 @@
 #include "core/error.h"
 #include "ops/cuda/act.cuh"
 #include "ops/cuda/cuda_ops.h"
-#include "ops/cuda/mma.cuh"
 #include "ops/cuda/launch.cuh"
+#include "ops/cuda/mma.cuh"
 
 namespace k3::cuda {
 

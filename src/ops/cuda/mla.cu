@@ -782,7 +782,6 @@ __global__ void __launch_bounds__(kPlanThreads)
   for (int64_t w = base + threadIdx.x; w < slots; w += kPlanThreads) p.slot_row[w] = -1;
 }
 
-
 // Key splits by T: decode needs them to spread a long cache over the GPU (one wave of two blocks
 // per SM: 44 splits for 96 heads on 132 SMs), prefill has T·heads/16 blocks already. A function of
 // T and the head count only (1..64), so the workspace size and the grid are fixed per T.
