@@ -161,9 +161,9 @@ TEST_P(NoAllocDecode, HundredStepsAllocateNothing) {
     const int32_t a = pool->alloc();
     const k3::SeqStep pre{a, chunk.data(), int64_t(chunk.size()), false};
     // Warm-ups: a loop closes when its ranges are done, so on a busy machine a worker that wakes
-    // late misses it (and the per-thread buffers its setup sizes) even under FixedThreads; under
-    // 2-core VM with two other busy processes, 2 warm-ups left such a worker for the counted run 14 times in
-    // 30, 8 warm-ups 0 times in 30. The counted run must still allocate nothing.
+    // late misses it (and the per-thread buffers its setup sizes) even under FixedThreads. On a
+    // 2-core VM with two other busy processes, 2 warm-ups left such a worker for the counted run 14
+    // times in 30, 8 warm-ups 0 times in 30. The counted run must still allocate nothing.
     for (int warm = 0; warm < 8; ++warm) {
       m->step(*pool, std::span(&pre, 1), o, logits.data());
       pool->reset(a);
