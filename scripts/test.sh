@@ -13,6 +13,8 @@ bash scripts/install_deps.sh
 if [[ "${K3_TEST_NO_BROWSER:-0}" != 1 ]]; then
   bash scripts/install_deps.sh scripts/test-deps.txt || echo "test.sh: warning: the browser packages did not install; tests/server/test_browser.py will skip" >&2
 fi
+# Open MPI: the multi-process tests (mpirun -np N k3 ... --tp N; tests/cli/test_cli_mpi.cpp).
+bash scripts/install_deps.sh scripts/mpi-deps.txt
 jobs=$(nproc)
 
 echo "== tokenizer vocabulary (Kimi ranks rebuilt from splintr-rs; tiktoken is the reference)"
@@ -69,11 +71,13 @@ cmake --build build -j"$jobs"
 if [[ "${K3_TEST_NO_SANITIZE:-0}" != 1 ]]; then
   echo "== ASan + UBSan build"
   # K3_CUDA=OFF here: the sanitizers cover host code, and this build also checks that the engine
-  # builds and refuses --device cuda cleanly without the CUDA backend. -O1 -g1 (line tables, enough
+  # builds and refuses --device cuda cleanly without the CUDA backend. K3_MPI=OFF likewise: Open MPI's
+  # own allocations would be leak reports, the control protocol of ranks as processes is covered by
+  # test_parallel_remote over the in-process communicator, and the build checks the stub's refusal. -O1 -g1 (line tables, enough
   # for the sanitizers' stack traces) compiles about 2.5x faster than RelWithDebInfo's -O2 -g; the
   # benchmark programs (no test runs them) are left out.
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-    -DK3_SANITIZE=ON -DK3_CUDA=OFF -DK3_BUILD_BENCH=OFF \
+    -DK3_SANITIZE=ON -DK3_CUDA=OFF -DK3_MPI=OFF -DK3_BUILD_BENCH=OFF \
     -DK3_TOKENIZER_DATA="$root/build/tokenizer-data" -DK3_SERVER_VENV="$root/build/servevenv" >/dev/null
   cmake --build build-asan -j"$jobs"
   # Left out of the sanitizer pass (the release pass runs them): evaluations that run code the

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "model/remote.h"
 #include "ops/cpu/isa.h"
 #include "runtime/loader.h"
 #include "runtime/memory.h"
@@ -254,6 +255,8 @@ std::optional<int> parse_flags(CLI::App& app, int argc, char** argv) {
 int run_guarded(const char* who, const std::function<int()>& body) {
   try {
     return body();
+  } catch (const FollowerDone&) {
+    return 0;  // a rank > 0 of an MPI launch: rank 0 did the job and closed the group (model/remote.h)
   } catch (const Error& e) {
     print_error(who, e.what());
     return e.exit_code();

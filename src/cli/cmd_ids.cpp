@@ -59,10 +59,8 @@ struct IdEngineFlags {
           "--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet; "
           "on the CPU the ranks run in this process");
     auto m = load_model_for_run(dir, trunk_fp8, device, false, who);  // before the split
-    if (plan.split()) {
-      m->split(plan);
-      std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());
-    }
+    m->split(plan);  // also with one rank: under an MPI launch it checks the plan against the processes
+    if (plan.split()) std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());
     move_to_device(*m, device, !no_graphs, 512, 4096, true, who, true, cpu_experts);
     return m;
   }

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "cli/cli_common.h"
+#include "core/comm.h"
 #include "core/error.h"
 #include "runtime/memory.h"
 #include "server/http_server.h"
@@ -89,23 +90,6 @@ int cmd_serve(int argc, char** argv) {
     if (ef.cpu_experts && ef.device != "cuda")  // before listening: a flag error is not a load failure
       fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
 
-    ::signal(SIGPIPE, SIG_IGN);
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, nullptr);
-    sigaction(SIGTERM, &sa, nullptr);
-
-    server::Metrics metrics;
-    server::HttpServer http(ho, metrics);
-    const int port = http.bind();
-    std::thread http_thread([&] { http.serve(); });
-    const std::string host = ho.host.find(':') != std::string::npos ? "[" + ho.host + "]" : ho.host;
-    const std::string url = "http://" + host + ":" + std::to_string(port);
-    std::printf("k3 serve: listening on %s (loading %s; /health answers 503 until it is ready)\n", url.c_str(),
-                dir.c_str());
-    std::fflush(stdout);
-
     EngineOptions eo;
     eo.model_dir = dir;
     eo.tokenizer_dir = ef.tokenizer;
@@ -124,6 +108,30 @@ int cmd_serve(int argc, char** argv) {
     eo.tp = ef.tp;
     eo.ep = ef.ep;
     eo.trunk_fp8 = ef.trunk_fp8;
+    if (const Communicator* procs = process_group(); procs && procs->rank() != 0) {
+      // A rank > 0 of an MPI launch serves no HTTP: it loads its part of the model and follows rank 0's
+      // steps (Model::split throws FollowerDone when rank 0 closes the group).
+      Engine::load(eo);
+      fail("internal error: a follower rank's engine returned from loading");
+    }
+
+    ::signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, nullptr);
+    sigaction(SIGTERM, &sa, nullptr);
+
+    server::Metrics metrics;
+    server::HttpServer http(ho, metrics);
+    const int port = http.bind();
+    std::thread http_thread([&] { http.serve(); });
+    const std::string host = ho.host.find(':') != std::string::npos ? "[" + ho.host + "]" : ho.host;
+    const std::string url = "http://" + host + ":" + std::to_string(port);
+    std::printf("k3 serve: listening on %s (loading %s; /health answers 503 until it is ready)\n", url.c_str(),
+                dir.c_str());
+    std::fflush(stdout);
+
     eo.load_progress = [&](uint64_t d, uint64_t t) { http.set_load_progress(d, t); };
     std::unique_ptr<Engine> engine;
     try {
@@ -138,7 +146,8 @@ int cmd_serve(int argc, char** argv) {
             so.cache_bytes ? human_bytes(so.cache_bytes).c_str() : "off");
       const ParallelPlan plan{ef.tp, ef.ep};
       if (plan.split() && !ef.quiet)
-        std::fprintf(stderr, "k3 serve: split %s over %d ranks in this process\n", plan.str().c_str(), plan.world());
+        std::fprintf(stderr, "k3 serve: split %s over %d ranks %s\n", plan.str().c_str(), plan.world(),
+                     process_group() ? "(one process each)" : "in this process");
     } catch (...) {
       http.stop();
       http_thread.join();

@@ -6,6 +6,7 @@
 #include "core/comm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -28,6 +29,7 @@ struct Shared {
   bool aborted = false;
   std::string why;
   std::vector<const float*> ptrs;  // each rank's published buffer for the current collective
+  const std::vector<uint8_t>* bytes = nullptr;  // the root's message of broadcast_bytes
 
   // Waits until every rank has arrived (or the group was aborted: k3::Error).
   void wait_all() {
@@ -107,6 +109,16 @@ class LocalComm final : public Communicator {
   }
 
   void barrier() override { s_->wait_all(); }
+
+  void broadcast_bytes(std::vector<uint8_t>& buf, int root) override {
+    if (root < 0 || root >= s_->size)
+      fail("broadcast_bytes: root " + std::to_string(root) + " of a group of " + std::to_string(s_->size));
+    if (rank_ == root) s_->bytes = &buf;  // written before the barrier's lock, read after it
+    s_->wait_all();
+    if (rank_ != root) buf = *s_->bytes;
+    s_->wait_all();  // the root's buffer stays as it is until every rank has copied it
+  }
+
   void abort(const std::string& why) override { s_->abort("rank " + std::to_string(rank_) + ": " + why); }
 
  private:
@@ -124,7 +136,12 @@ class LocalComm final : public Communicator {
   std::vector<float> scratch_;
 };
 
+std::atomic<Communicator*> g_process_group{nullptr};
+
 }  // namespace
+
+Communicator* process_group() { return g_process_group.load(); }
+void set_process_group(Communicator* group) { g_process_group.store(group); }
 
 std::vector<std::unique_ptr<Communicator>> make_local_group(int size) {
   if (size < 1 || size > 1024) fail("in-process communicator: " + std::to_string(size) + " ranks (1..1024)");

@@ -34,6 +34,10 @@ class Communicator {
   // buf[0 .. n) <- rank root's buf[0 .. n) on every rank (0 <= root < size, else k3::Error).
   virtual void broadcast(float* buf, int64_t n, int root) = 0;
   virtual void barrier() = 0;
+  // Control messages between processes (a split model's rank 0 tells the other ranks what to do,
+  // model/remote.h): root's buf arrives in every rank's buf (resized to it). A rank waiting here
+  // for the next message idles (no busy spinning for longer than a moment).
+  virtual void broadcast_bytes(std::vector<uint8_t>& buf, int root) = 0;
   // This rank gives up: the others' collectives throw (with `why`) instead of waiting for it.
   virtual void abort(const std::string& why) = 0;
 };
@@ -46,5 +50,11 @@ std::vector<std::unique_ptr<Communicator>> make_local_group(int size);
 // aborts the group (so no other rank waits for it forever); the first error is rethrown here after
 // every thread has ended.
 void run_ranks(const std::vector<std::unique_ptr<Communicator>>& group, const std::function<void(Communicator&)>& fn);
+
+// The processes of this launch (`mpirun -np N k3 ...`, core/comm_mpi.h), one rank each: null when
+// k3 runs as one process. main() sets it before any subcommand runs; a model split with
+// --tp/--ep then puts one rank in each process (Model::split).
+Communicator* process_group();
+void set_process_group(Communicator* group);  // not owned
 
 }  // namespace k3

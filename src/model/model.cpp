@@ -19,6 +19,7 @@
 #include "model/backend_profile.h"
 #include "model/backends.h"
 #include "model/model.h"
+#include "model/remote.h"
 #include "ops/fp8.h"
 #include "ops/ops.h"
 
@@ -46,6 +47,7 @@ std::unique_ptr<StatePool> Model::new_pool(const StatePoolOptions& o) const {
   if (split_) {  // rank 0's pool, holding every other rank's
     auto p = split_->ranks[0]->new_pool(o);
     for (size_t r = 1; r < split_->ranks.size(); ++r) p->add_shard(split_->ranks[r]->new_pool(o));
+    if (split_->remote) p->attach_remote(split_->remote, split_->remote->new_pool(o));
     return p;
   }
   std::vector<bool> kda;

@@ -170,7 +170,15 @@ class Model {
   // and sessions then run on every rank; logits are rank 0's. One-line k3::Error when the model
   // cannot be cut so, or is on the GPU. Sessions created before refuse to run. A plan of one rank
   // changes nothing.
+  // Under an MPI launch (process_group(), core/comm.h) the ranks are the launch's processes instead:
+  // split_across(p, *process_group()), and on ranks > 0 it throws FollowerDone when rank 0 is done.
   void split(const ParallelPlan& p);
+  // Splits over ranks in other processes (model/remote.h): this process is rank comm.rank() of
+  // comm.size() == p.world() (a one-line k3::Error otherwise). Rank 0 returns true with a split model
+  // that drives the others (steps, pools and sessions as with split()); ranks > 0 follow rank 0's
+  // steps until it closes the group (its model is destroyed), then return false. Every rank must
+  // load the same checkpoint with the same options and call this with the same plan.
+  bool split_across(const ParallelPlan& p, Communicator& comm);
   ParallelPlan parallel() const;  // how the model is split (one rank: tp = ep = 1)
 
   // --trunk-fp8: quantises every trunk matrix (trunk_fp8_bytes) from its stored format into FP8
@@ -218,6 +226,7 @@ class Model {
   void step_split(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
                   int32_t* argmax) const;
   // Rank r of `full` split by p (model/parallel.cpp), talking to the others through comm.
+  void check_can_split(const ParallelPlan& p) const;
   static std::unique_ptr<Model> make_rank(const Model& full, const ParallelPlan& p, int r, Communicator* comm);
   ModelConfig cfg_;
   ModelDims dims_;

@@ -7,6 +7,7 @@
 #include "core/comm.h"
 #include "core/error.h"
 #include "model/model.h"
+#include "model/remote.h"
 
 namespace k3 {
 
@@ -81,7 +82,8 @@ void check_parallel_plan(const ModelDims& d, const ParallelPlan& p) {
 
 std::string split_description(const ModelDims& d, const ParallelPlan& p) {
   if (!p.split()) return "1 rank";
-  std::string s = p.str() + " (" + std::to_string(p.world()) + " ranks in this process): ";
+  std::string s = p.str() + " (" + std::to_string(p.world()) +
+                  (process_group() ? " processes, one rank each): " : " ranks in this process): ");
   if (p.tp > 1) {
     s += "heads";
     if (d.kda_layers) s += " KDA " + std::to_string(d.kda.heads);
@@ -168,7 +170,9 @@ ModelWeights rank_weights(const ModelDims& d, const ModelWeights& w, const Paral
 }
 
 SplitGroup::SplitGroup() = default;
-SplitGroup::~SplitGroup() = default;
+SplitGroup::~SplitGroup() {
+  if (remote) remote->close();  // the followers' loops end (before this process's rank model goes)
+}
 
 std::unique_ptr<Model> Model::make_rank(const Model& full, const ParallelPlan& p, int r, Communicator* comm) {
   std::unique_ptr<Model> m(new Model());
@@ -184,7 +188,7 @@ std::unique_ptr<Model> Model::make_rank(const Model& full, const ParallelPlan& p
   return m;
 }
 
-void Model::split(const ParallelPlan& p) {
+void Model::check_can_split(const ParallelPlan& p) const {
   if (split_) fail("the model is already split (" + split_->plan.str() + ")");
   if (role_.comm) fail("a rank of a split model cannot be split again");
   if (on_gpu())
@@ -192,7 +196,18 @@ void Model::split(const ParallelPlan& p) {
         "--tp/--ep: a model split over ranks runs on the CPU backend only (the NCCL communicator for GPUs is not "
         "built yet)");
   check_parallel_plan(dims_, p);
-  if (!p.split()) return;
+}
+
+void Model::split(const ParallelPlan& p) {
+  if (Communicator* procs = process_group()) {
+    if (!split_across(p, *procs)) throw FollowerDone{};
+    return;
+  }
+  if (!p.split()) {  // one rank: nothing to cut (the plan's own range checks still apply)
+    check_parallel_plan(dims_, p);
+    return;
+  }
+  check_can_split(p);
   auto g = std::make_unique<SplitGroup>();
   g->plan = p;
   g->comms = make_local_group(p.world());
@@ -203,6 +218,32 @@ void Model::split(const ParallelPlan& p) {
   ++backend_generation_;  // sessions made before hold no slots in the ranks' pools
 }
 
+bool Model::split_across(const ParallelPlan& p, Communicator& comm) {
+  if (comm.size() != p.world())
+    fail("k3 runs as " + std::to_string(comm.size()) + " processes (" + comm.name() + "), but " +
+         (p.split() ? "--tp " + std::to_string(p.tp) + " --ep " + std::to_string(p.ep) + " ask for " +
+                          std::to_string(p.world()) + " ranks"
+                    : std::string("the model is not split (give --tp or --ep with the number of processes)")) +
+         ": one rank per process");
+  check_can_split(p);
+  const int r = comm.rank();
+  auto g = std::make_unique<SplitGroup>();
+  g->plan = p;
+  g->ranks.push_back(make_rank(*this, p, r, &comm));
+  if (r == 0) {
+    hello_send(comm, p.tp, p.ep, fingerprint());
+    g->remote = std::make_shared<RemoteLink>(comm);
+    sessions_.reset();
+    work_.reset();
+    split_ = std::move(g);
+    ++backend_generation_;
+    return true;
+  }
+  hello_check(comm, p.tp, p.ep, fingerprint());
+  follow(*g->ranks[0], comm);  // until rank 0 closes the group (or it fails: rethrown)
+  return false;
+}
+
 ParallelPlan Model::parallel() const { return split_ ? split_->plan : ParallelPlan{}; }
 
 void Model::step_split(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,
@@ -210,6 +251,18 @@ void Model::step_split(StatePool& pool, std::span<const SeqStep> seqs, const For
   SplitGroup& g = *split_;
   if (opt.experts)
     fail("routed experts from an expert source (--ram-budget) are not supported with --tp/--ep (" + g.plan.str() + ")");
+  if (g.remote) {  // the other ranks are processes: they get the step, then this rank runs its part
+    if (pool.remote() != g.remote.get())
+      fail("step: the state pool was not made by this split model (" + g.plan.str() + "): use its new_pool()");
+    g.remote->step(pool.remote_id(), seqs, opt, g.ranks[0]->max_rows_);
+    try {
+      g.ranks[0]->step(pool, seqs, opt, logits, argmax);
+    } catch (const std::exception& e) {
+      g.remote->fail_group(e.what());  // the other ranks may be waiting in a collective of this step
+      throw;
+    }
+    return;
+  }
   if (pool.ranks() != int64_t(g.ranks.size()))
     fail("step: the state pool was not made by this split model (" + g.plan.str() + "): use its new_pool()");
   try {

@@ -34,6 +34,7 @@ namespace k3 {
 
 class Communicator;
 class Model;
+class RemoteLink;
 
 struct ParallelPlan {
   int tp = 1, ep = 1;
@@ -62,11 +63,14 @@ ModelDims rank_dims(const ModelDims& d, const ParallelPlan& p, int r);
 RankRole rank_role(const ModelDims& d, const ParallelPlan& p, int r);
 ModelWeights rank_weights(const ModelDims& d, const ModelWeights& w, const ParallelPlan& p, int r);
 
-// The rank models of a split model and their communicators (Model::split makes it).
+// The rank models of a split model and their communicators (Model::split makes it). Ranks as
+// threads: every rank model and communicator is here. Ranks as processes (Model::split_across):
+// this process's rank model alone, and on rank 0 the link that drives the others (model/remote.h).
 struct SplitGroup {
   ParallelPlan plan;
   std::vector<std::unique_ptr<Model>> ranks;
   std::vector<std::unique_ptr<Communicator>> comms;
+  std::shared_ptr<RemoteLink> remote;  // rank 0 of ranks as processes; closed when the group goes
   SplitGroup();
   ~SplitGroup();
 };

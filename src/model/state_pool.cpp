@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/remote.h"
 
 namespace k3 {
 
@@ -25,6 +26,7 @@ StatePool::StatePool(Backend& be, const ModelDims& d, std::vector<bool> is_kda, 
 }
 
 StatePool::~StatePool() {
+  if (remote_) remote_->drop_pool(remote_id_);
   for (KdaPool& p : kda_) {
     be_.release(p.S);
     for (float* c : p.conv) be_.release(c);
@@ -194,6 +196,7 @@ void StatePool::reserve_append_here(int32_t slot, int64_t n) {
 void StatePool::advance(int32_t slot, int64_t n) {
   advance_local(slot, n);
   for (auto& sh : shards_) sh->advance(slot, n);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::Advance, slot, n);
 }
 
 void StatePool::advance_local(int32_t slot, int64_t n) {
@@ -232,12 +235,14 @@ StatePool::Snapshot StatePool::snapshot(int32_t slot) const {
     }
   }
   for (const auto& sh : shards_) sn.shard_kda.push_back(sh->snapshot(slot).kda);
+  if (remote_) sn.remote = remote_->snapshot(remote_id_, slot);
   return sn;
 }
 
 void StatePool::restore(int32_t slot, const Snapshot& sn) {
   check_live(slot);
-  if (sn.shard_kda.size() != shards_.size()) fail("session rollback: the mark is not an earlier point of this session");
+  if (sn.shard_kda.size() != shards_.size() || (remote_ && (!sn.remote || sn.remote->link.get() != remote_.get())))
+    fail("session rollback: the mark is not an earlier point of this session");
   // Every rank's part is checked before any is changed.
   for (int64_t r = 0; r < ranks(); ++r) {
     const StatePool& p = rank(r);
@@ -248,6 +253,7 @@ void StatePool::restore(int32_t slot, const Snapshot& sn) {
   }
   restore_here(slot, sn.pos, sn.kda);
   for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->restore_here(slot, sn.pos, sn.shard_kda[i]);
+  if (remote_) remote_->restore(remote_id_, slot, *sn.remote);
 }
 
 void StatePool::restore_here(int32_t slot, int64_t pos, const std::vector<float>& kda) {
@@ -336,6 +342,7 @@ void StatePool::set_position(int32_t slot, int64_t pos) {
   check_live(slot);
   set_position_here(slot, pos);
   for (auto& sh : shards_) sh->set_position(slot, pos);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::SetPosition, slot, pos);
 }
 
 void StatePool::set_position_here(int32_t slot, int64_t pos) {
@@ -361,6 +368,7 @@ void StatePool::fill_random(int32_t slot, int64_t pos, uint64_t seed) {
   check_live(slot);
   fill_random_here(slot, pos, seed);
   for (auto& sh : shards_) sh->fill_random(slot, pos, seed);  // each rank its own heads' values
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::FillRandom, slot, pos, seed);
 }
 
 void StatePool::fill_random_here(int32_t slot, int64_t pos, uint64_t seed) {
@@ -429,8 +437,15 @@ StatePool& StatePool::rank(int64_t r) {
   return r == 0 ? *this : *shards_[size_t(r - 1)];
 }
 
+void StatePool::attach_remote(std::shared_ptr<RemoteLink> link, uint32_t id) {
+  if (!link || remote_ || !shards_.empty() || live_slots() != 0)
+    fail("state pool: a remote link goes on an empty pool without shards, once");
+  remote_ = std::move(link);
+  remote_id_ = id;
+}
+
 void StatePool::refuse_split(const char* what) const {
-  if (!shards_.empty())
+  if (!shards_.empty() || remote_)
     fail(std::string("state pool: ") + what +
          " reads one rank's heads of a split model (--tp/--ep); session files of split models are not supported");
 }
@@ -440,27 +455,32 @@ int32_t StatePool::alloc() {
   const int32_t s = alloc_here();
   for (auto& sh : shards_)
     if (sh->alloc() != s) fail("internal error: the state pools of a split model are out of step");
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::Alloc, s);
   return s;
 }
 
 void StatePool::free(int32_t slot) {
   free_here(slot);
   for (auto& sh : shards_) sh->free(slot);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::Free, slot);
 }
 
 void StatePool::reset(int32_t slot) {
   reset_here(slot);
   for (auto& sh : shards_) sh->reset(slot);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::Reset, slot);
 }
 
 void StatePool::copy_into(int32_t dst, int32_t src) {
   copy_into_here(dst, src);
   for (auto& sh : shards_) sh->copy_into(dst, src);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::CopyInto, dst, src);
 }
 
 void StatePool::reserve_append(int32_t slot, int64_t n) {
   reserve_append_here(slot, n);
   for (auto& sh : shards_) sh->reserve_append(slot, n);
+  if (remote_) remote_->pool_op(remote_id_, PoolOp::ReserveAppend, slot, n);
 }
 
 }  // namespace k3

@@ -17,6 +17,9 @@
 
 namespace k3 {
 
+class RemoteLink;
+struct RemoteSnapshot;
+
 struct StatePoolOptions {
   int64_t page_tokens = 64;   // tokens per MLA cache page (a multiple of the CPU attention block, 64)
   int64_t initial_slots = 1;  // grows by doubling
@@ -65,6 +68,7 @@ class StatePool {
     int64_t pos = 0;
     std::vector<float> kda;                     // per KDA layer: S, conv q, conv k, conv v
     std::vector<std::vector<float>> shard_kda;  // the same of every shard (a split model's other ranks)
+    std::shared_ptr<const RemoteSnapshot> remote;  // the other processes' parts (model/remote.h)
   };
   Snapshot snapshot(int32_t slot) const;
   void restore(int32_t slot, const Snapshot& s);  // k3::Error if the slot no longer extends it
@@ -89,6 +93,11 @@ class StatePool {
   void add_shard(std::unique_ptr<StatePool> shard);
   int64_t ranks() const { return 1 + int64_t(shards_.size()); }
   StatePool& rank(int64_t r);  // 0: this pool
+  // Rank 0's pool of a split model whose other ranks are processes (model/remote.h): from then on
+  // every operation above is also sent to them (under pool id `id`), with the next step.
+  void attach_remote(std::shared_ptr<RemoteLink> link, uint32_t id);
+  const RemoteLink* remote() const { return remote_.get(); }
+  uint32_t remote_id() const { return remote_id_; }
 
   int64_t live_slots() const;
   int64_t live_pages() const;  // pages referenced by some slot
@@ -132,6 +141,8 @@ class StatePool {
   std::vector<int32_t> free_pages_;
   uint64_t epoch_ = 0;
   std::vector<std::unique_ptr<StatePool>> shards_;
+  std::shared_ptr<RemoteLink> remote_;
+  uint32_t remote_id_ = 0;
 };
 
 }  // namespace k3

@@ -117,7 +117,8 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
   } else if (budget) {
     lc.experts = make_budget_expert_cache(*lc.model, budget, r.direct_io);
   }
-  if (r.parallel.split()) lc.model->split(r.parallel);
+  // Also with one rank: under an MPI launch split() refuses a plan that does not match the processes.
+  lc.model->split(r.parallel);
   lc.bind_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return lc;
 }
