@@ -32,6 +32,7 @@
 
 #include "cli/cli_common.h"
 #include "config/arch_stats.h"
+#include "core/comm.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "io/safetensors.h"
@@ -103,6 +104,7 @@ struct Flags {
   std::string depth_fill = "prefill";  // --depth-fill: how a depth context is made (prefill or random)
   bool trunk_fp8 = false;              // --trunk-fp8: the trunk quantised to FP8 at load
   bool cpu_experts = false;            // --cpu-experts: routed experts on the host CPU (--device cuda)
+  int tp = 1, ep = 1;                  // --tp/--ep: the model split over ranks (threads, or MPI processes)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
   bool batched() const {
@@ -205,6 +207,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->disable_flag_override();
   k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
   k3::cli::add_cpu_experts_option(&app, f.cpu_experts);
+  k3::cli::add_parallel_options(&app, f.tp, f.ep);
   if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
   f.roofline = !no_roofline;
 
@@ -237,6 +240,11 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
     throw Error("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
   if (f.device == "cuda" && f.trunk_fp8) throw Error("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
+  const k3::ParallelPlan split{f.tp, f.ep};
+  if (split.split() && f.device == "cuda")
+    throw Error("--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet");
+  if (split.split() && f.profile)
+    throw Error("--profile times one backend's ops; with --tp/--ep each rank has its own (not supported together)");
   if (std::all_of(f.n_prompt.begin(), f.n_prompt.end(), [](int64_t v) { return v == 0; }) &&
       std::all_of(f.n_gen.begin(), f.n_gen.end(), [](int64_t v) { return v == 0; }))
     throw Error("nothing to run: every -p and -n value is 0");
@@ -505,6 +513,10 @@ int64_t max_context(const Flags& f) {
 std::unique_ptr<k3::Model> load_model(const Flags& f) {
   if (!f.cpu_isa.empty()) k3::ops::set_cpu_isa(k3::ops::parse_cpu_isa(f.cpu_isa));
   auto model = k3::cli::load_model_for_run(f.model, f.trunk_fp8, f.device, !f.progress, "k3 bench");
+  const k3::ParallelPlan split{f.tp, f.ep};
+  model->split(split);  // also with one rank: under an MPI launch it checks the plan against the processes
+  if (split.split() && f.progress)
+    std::fprintf(stderr, "k3 bench: split %s\n", k3::split_description(model->dims(), split).c_str());
   if (f.device == "cuda" || f.cpu_experts)
     k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench",
                             true, f.cpu_experts);
@@ -731,6 +743,9 @@ class Report {
                         {"warmup_runs", 1}};
     if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
     doc_["settings"]["trunk_fp8"] = f.trunk_fp8;
+    doc_["settings"]["tp"] = f.tp;
+    doc_["settings"]["ep"] = f.ep;
+    doc_["settings"]["processes"] = k3::process_group() ? k3::process_group()->size() : 1;
     if (f.trunk_fp8)
       doc_["settings"]["trunk_fp8_bytes"] = {
           {"matrices", p.mi.fp8.matrices}, {"before", p.mi.fp8.before}, {"after", p.mi.fp8.after}};

@@ -7,6 +7,7 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "model/model.h"
 
 namespace k3 {
@@ -125,6 +126,7 @@ void RemoteLink::step(uint32_t pool, std::span<const SeqStep> seqs, const Forwar
   put(msg, Msg::Step);
   put(msg, pool);
   put(msg, max_rows);
+  put(msg, int32_t(par::max_threads()));  // rank 0's CPU threads now (k3 bench -t 1,2 changes them)
   put(msg, opt.kda_algo);
   put(msg, opt.kda_chunk);
   put(msg, opt.mla_algo);
@@ -280,6 +282,7 @@ void follow(Model& rank, Communicator& comm) {
           case Msg::Step: {
             StatePool& p = pool_of(rd.get<uint32_t>());
             const auto max_rows = rd.get<int64_t>();
+            const auto threads = rd.get<int32_t>();
             ForwardOptions opt;
             opt.kda_algo = rd.get<KdaAlgo>();
             opt.kda_chunk = rd.get<int64_t>();
@@ -299,6 +302,7 @@ void follow(Model& rank, Communicator& comm) {
               s.ids = ids[i].data();
             }
             if (rank.max_step_rows() != max_rows) rank.set_max_step_rows(max_rows);
+            if (par::max_threads() != threads) par::set_max_threads(threads);
             rank.step(p, seqs, opt, nullptr, nullptr);
             break;
           }

@@ -6,7 +6,7 @@
 // broadcast_bytes): the state-pool operations rank 0 made since the last message (pool creation,
 // alloc/free/fork/reset/set_position/fill_random/snapshot/restore, ...) in the order it made them,
 // then the step itself (pool, sequences: slot, ids, all_logits; the forward options; rows per
-// piece). A follower replays the operations on its own pools (so slot and page ids agree on every
+// piece; rank 0's CPU thread count). A follower replays the operations on its own pools (so slot and page ids agree on every
 // rank, as the in-process shards of StatePool do) and runs the same step on its rank model, whose
 // collectives meet rank 0's. Activations never go through this channel.
 // Snapshots (Session::mark, the server's prefix cache): each rank keeps its own part, under a key

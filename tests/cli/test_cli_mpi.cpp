@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
@@ -106,6 +107,23 @@ TEST(CliMpi, GenerateRunAndEvalAreOneProcessOutputs) {
   const auto e2 = run_mpi(2, eval + sp);
   EXPECT_EQ(e2.code, 0) << e2.err;
   EXPECT_EQ(without_speed(trimmed(e2.out)), without_speed(trimmed(e1.out)));
+}
+
+// k3 bench as two processes (TP2 x EP2, a depth filled with random values on every rank): rank 0
+// writes the report, the settings say how it was split and run.
+TEST(CliMpi, BenchRunsAsProcesses) {
+  NEED_MPI();
+  const auto r = run_mpi(2, "bench " + model("models/k3-nano") +
+                                " -p 16 -n 4 -d 0,64 --depth-fill random -r 1 -t 1 -o json --no-progress --no-roofline"
+                                " --tp 2 --ep 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << r.out;
+  EXPECT_EQ(j["settings"]["tp"], 2);
+  EXPECT_EQ(j["settings"]["ep"], 2);
+  EXPECT_EQ(j["settings"]["processes"], 2);
+  ASSERT_EQ(j["results"].size(), 4u);
+  for (const auto& res : j["results"]) EXPECT_GT(res["avg_ts"].get<double>(), 0.0) << res.dump();
 }
 
 // k3 serve as two processes: rank 0 listens and schedules, rank 1 follows; a greedy completion is the

@@ -111,3 +111,19 @@ TEST(CliPlacement, CpuExpertsWithoutTheGpuIsAOneLineError) {
     expect_error(run_k3(args), sub, "--cpu-experts goes with --device cuda");
   }
 }
+
+// k3 bench --tp/--ep: the ranks as threads; the json says how it was split; --profile (one
+// backend's ops) and the GPU are refused with it in one line.
+TEST(CliParallel, BenchSplitsAndSaysSo) {
+  const auto r = run_k3("bench " + model("tests/fixtures/tiny") +
+                        " -p 8 -n 4 -r 1 -t 1 -o json --no-progress --no-roofline --tp 2 --ep 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"tp\": 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"processes\": 1"), std::string::npos) << r.out;
+  expect_error(run_k3("bench " + model("tests/fixtures/tiny") + " -p 8 -n 0 --tp 2 --profile"), "bench",
+               "--profile times one backend's ops");
+  expect_error(run_k3("bench " + model("tests/fixtures/tiny") + " -p 8 -n 0 --ep 2 --device cuda"), "bench",
+               "--tp/--ep with --device cuda");
+  expect_error(run_k3("bench " + model("tests/fixtures/tiny-flat") + " -p 8 -n 0 --tp 3"), "bench",
+               "--tp 3: the model has 2 KDA heads");
+}
