@@ -39,7 +39,8 @@ const char* const kMpiexec = "";
 // shared-memory transport without the cross-process copy that containers may forbid, and the MPI
 // progress loop yielding when idle (2 cores shared by the ranks).
 std::string mpirun(int n) {
-  return std::string("OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mpi_yield_when_idle=1 ") + kMpiexec +
+  return std::string("OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_rtc=^hwloc ") +
+         kMpiexec +
          " --allow-run-as-root --oversubscribe -np " + std::to_string(n) + " ";
 }
 k3test::CmdResult run_mpi(int n, const std::string& args) { return run_shell(mpirun(n) + K3_BIN + " " + args); }
