@@ -83,6 +83,21 @@ class LocalComm final : public Communicator {
     if (n) std::memcpy(out, scratch_.data(), scratch_.size() * sizeof(float));
   }
 
+  void all_gather_v(const float* send, int64_t n, float* out, const int64_t* counts) override {
+    check_n(n, "all_gather_v");
+    if (n != counts[rank_]) fail("all_gather_v: this rank sends " + std::to_string(n) + " floats, counts say " +
+                                 std::to_string(counts[rank_]));
+    publish(send);
+    // Straight into out: no rank's send overlaps any rank's out (the contract), so nothing read is
+    // written before every rank is done reading.
+    int64_t at = 0;
+    for (int r = 0; r < s_->size; ++r) {
+      if (counts[r]) std::memcpy(out + at, s_->ptrs[size_t(r)], size_t(counts[r]) * sizeof(float));
+      at += counts[r];
+    }
+    s_->wait_all();  // the others are done reading this rank's send
+  }
+
   void reduce_scatter_sum(const float* send, int64_t n, float* out) override {
     check_n(n, "reduce_scatter_sum");
     publish(send);

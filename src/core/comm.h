@@ -28,6 +28,9 @@ class Communicator {
   virtual void all_reduce_sum(float* buf, int64_t n) = 0;
   // out[r*n .. (r+1)*n) <- send_r[0 .. n): every rank's n floats, in rank order.
   virtual void all_gather(const float* send, int64_t n, float* out) = 0;
+  // out <- rank 0's counts[0] floats, then rank 1's counts[1], ...: parts of different sizes (counts
+  // the same on every rank, n == counts[rank]; send must not overlap out).
+  virtual void all_gather_v(const float* send, int64_t n, float* out, const int64_t* counts) = 0;
   // out[0 .. n) <- sum over ranks of send_r[rank*n .. (rank+1)*n), rank order: this rank's slice of
   // the element-wise sum of every rank's size*n floats.
   virtual void reduce_scatter_sum(const float* send, int64_t n, float* out) = 0;

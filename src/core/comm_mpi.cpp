@@ -67,6 +67,22 @@ class MpiComm final : public Communicator {
     check(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, c, MPI_FLOAT, comm_), "Allgather");
   }
 
+  void all_gather_v(const float* send, int64_t n, float* out, const int64_t* counts) override {
+    if (n != counts[rank_]) fail("all_gather_v: this rank sends " + std::to_string(n) + " floats, counts say " +
+                                 std::to_string(counts[rank_]));
+    counts_.resize(size_t(size_));
+    displs_.resize(size_t(size_));
+    int64_t at = 0;
+    for (int r = 0; r < size_; ++r) {
+      counts_[size_t(r)] = count_of(counts[r], "all_gather_v");
+      displs_[size_t(r)] = count_of(at, "all_gather_v");
+      at += counts[r];
+    }
+    check(MPI_Allgatherv(send, count_of(n, "all_gather_v"), MPI_FLOAT, out, counts_.data(), displs_.data(),
+                         MPI_FLOAT, comm_),
+          "Allgatherv");
+  }
+
   void reduce_scatter_sum(const float* send, int64_t n, float* out) override {
     gathered(send, n * size_, "reduce_scatter_sum");
     const int64_t all = n * size_, off = int64_t(rank_) * n;
@@ -129,6 +145,7 @@ class MpiComm final : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
   std::vector<float> scratch_;
+  std::vector<int> counts_, displs_;
 };
 
 }  // namespace

@@ -175,19 +175,27 @@ class Backend {
   // Per row: σ(logits), top-k of σ + bias, weights from the unbiased σ (ops.h router_topk). idx/w [R, k].
   virtual void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm,
                            float scale, int32_t* idx, float* w) = 0;
-  // agg[R, latent] = Σ_j w[r, j] · GLU_{idx[r, j]}(z[r]) over the routed experts (j ascending), from the
-  // placed weights or, when `source` is set, from it. Only the experts w.is_local() holds are summed;
-  // `onto`: added onto agg's contents, in the same order, instead of a zero start (the ranks of an
-  // expert-parallel split take turns, model/layers.cpp).
+  // agg[R, latent] = Σ_j w[r, j] · GLU_{idx[r, j]}(z[r]) over the routed experts in ascending expert
+  // id, from the placed weights or, when `source` is set, from it.
+  // terms set (a rank of an expert-parallel split, model/layers.cpp): no sum; terms[(r * top_k + j) *
+  // latent ..] = GLU_{idx[r, j]}(z[r]) for the experts w.is_local() holds (the other slots are left
+  // as they are), each the same bits the sum would add; agg is not touched.
   virtual void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
                           const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
-                          ExpertSource* source, bool onto) = 0;
+                          ExpertSource* source, float* terms = nullptr) = 0;
+  // agg[r] = Σ_j w[r, j] · terms[r, j] in ascending expert id idx[r, j], from zero: the additions
+  // moe_routed makes, so the sum of an expert-parallel split's gathered terms is one rank's sum.
+  // (Default: a one-line error; backends that run expert-parallel splits implement it.)
+  virtual void moe_combine(const float* terms, const int32_t* idx, const float* wt, int64_t R, int64_t top_k,
+                           int64_t latent, float* agg);
 
   // ---- collectives (a model split over ranks, model/parallel.h), on this backend's memory
   // Defaults: the communicator's own calls after this backend's queued work, right for backends
   // whose memory is host RAM; a device backend overrides them (NCCL) or refuses in one line.
   // out[r*n .. (r+1)*n) <- rank r's send[0 .. n).
   virtual void all_gather(Communicator& comm, const float* send, int64_t n, float* out);
+  // out <- every rank's part, rank order; counts[r] floats from rank r (the same array on every rank).
+  virtual void all_gather_v(Communicator& comm, const float* send, int64_t n, float* out, const int64_t* counts);
   // buf[0 .. n) <- rank root's.
   virtual void broadcast(Communicator& comm, float* buf, int64_t n, int root);
 

@@ -178,8 +178,12 @@ class CpuBackend final : public Backend {
       ops::router_topk(ex_, logits + t * E, bias, E, k, renorm, scale, idx + t * k, w + t * k);
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, bool onto) override {
-    onto_ = onto;
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, float* terms) override {
+    // Terms mode runs the very same paths (same row groupings, so the same bits per expert output),
+    // storing each output in its slot instead of adding it; agg then only steers pointer arithmetic.
+    terms_ = terms;
+    top_k_ = top_k;
+    if (terms) agg = terms;
     // Under fast numerics an expert's GEMM rounds its rows when it has >= 4 of them, so each
     // sequence's rows go through the experts as they would alone; otherwise every row of the step
     // at once (each selected expert read once).
@@ -193,14 +197,47 @@ class CpuBackend final : public Backend {
         moe_.decode_rows.push_back(int32_t(r0));
         continue;
       }
+      if (terms) terms_ = terms + r0 * top_k * latent;  // moe_rows counts rows from the sequence's first
       moe_rows(w, latent, situ, z + r0 * latent, idx + r0 * top_k, wt + r0 * top_k, n, top_k, agg + r0 * latent,
                source);
     }
+    terms_ = terms;
     if (!moe_.decode_rows.empty()) moe_decode_rows(w, latent, situ, z, idx, wt, top_k, agg);
   }
   void moe_decode_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                        const float* wt, int64_t top_k, float* agg);
-  bool onto_ = false;  // moe_routed's `onto`: agg starts from its contents (else from zero)
+  // moe_routed's `terms` (null: sum into agg) and top_k: an expert output of (row, j) goes to
+  // terms_[(row * top_k_ + j) * latent ..] instead of being added.
+  float* terms_ = nullptr;
+  int64_t top_k_ = 0;
+  // One expert's output y for (row, j, weight): added into the row's sum, or stored as its term.
+  void put_expert(float* agg, int64_t row, int64_t j, float w, const float* y, int64_t latent) {
+    if (terms_)
+      std::memcpy(terms_ + (row * top_k_ + j) * latent, y, size_t(latent) * sizeof(float));
+    else
+      add_scaled(agg + row * latent, w, y, latent);
+  }
+  void moe_combine(const float* terms, const int32_t* idx, const float* wt, int64_t R, int64_t top_k, int64_t latent,
+                   float* agg) override {
+    for (int64_t r = 0; r < R; ++r) {
+      float* a = agg + r * latent;
+      std::fill(a, a + latent, 0.0f);
+      // the row's experts in ascending id (top-k ids are distinct): moe_routed's order of additions
+      int64_t done = 0;
+      int32_t last = -1;
+      while (done < top_k) {
+        int64_t best = -1;
+        for (int64_t j = 0; j < top_k; ++j) {
+          const int32_t e = idx[r * top_k + j];
+          if (e > last && (best < 0 || e < idx[r * top_k + best])) best = j;
+        }
+        if (best < 0) fail("MoE: a row's routed experts are not distinct");
+        last = idx[r * top_k + best];
+        add_scaled(a, wt[r * top_k + best], terms + (r * top_k + best) * latent, latent);
+        ++done;
+      }
+    }
+  }
   void moe_rows(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                 const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source);
 
@@ -322,9 +359,9 @@ class CpuBackend final : public Backend {
   struct MoeScratch {
     std::vector<int64_t> start, fill, rows, ro, io;
     std::vector<float> wts, zin, ye, g, u;
-    std::vector<int32_t> selected, decode_rows;
+    std::vector<int32_t> selected, decode_rows, js;  // js: each of rows' place j among its row's top-k
     struct Pair {
-      int32_t e, row;
+      int32_t e, row, j;
       float w;
     };
     std::vector<Pair> pairs;
@@ -346,11 +383,11 @@ void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const Situ
   const int64_t E = int64_t(w.experts.size());
   m.pairs.clear();
   for (int32_t r : m.decode_rows) {
-    if (!onto_) std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
+    if (!terms_) std::fill(agg + r * latent, agg + (r + 1) * latent, 0.0f);
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = idx[r * top_k + j];
       check_expert(e, E);
-      if (w.is_local(e)) m.pairs.push_back({e, r, wt[r * top_k + j]});
+      if (w.is_local(e)) m.pairs.push_back({e, r, int32_t(j), wt[r * top_k + j]});
     }
   }
   std::sort(m.pairs.begin(), m.pairs.end(), [](const MoeScratch::Pair& a, const MoeScratch::Pair& b) {
@@ -382,7 +419,7 @@ void CpuBackend::moe_decode_rows(const MoeWeights& w, int64_t latent, const Situ
   ops::matmul_many(ex_, m.wv.data(), m.xv.data(), P, 1, m.yv.data());
   for (int64_t p = 0; p < P; ++p) {  // ascending expert: each row's order alone
     const auto& pr = m.pairs[size_t(p)];
-    add_scaled(agg + int64_t(pr.row) * latent, pr.w, m.ye.data() + p * latent, latent);
+    put_expert(agg, pr.row, pr.j, pr.w, m.ye.data() + p * latent, latent);
   }
 }
 
@@ -391,7 +428,7 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
                           ExpertSource* source) {
   MoeScratch& m = moe_;
   const int64_t E = int64_t(w.experts.size()), RK = R * top_k;
-  if (!onto_) std::fill(agg, agg + R * latent, 0.0f);
+  if (!terms_) std::fill(agg, agg + R * latent, 0.0f);
   // Per selected expert (ascending id): the rows routed to it (ascending) and their weights, as
   // runs of one flat array (a counting sort of the step's R * top_k choices).
   m.start.assign(size_t(E + 1), 0);
@@ -407,12 +444,14 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
   }
   m.fill.assign(m.start.begin(), m.start.end() - 1);
   m.rows.resize(size_t(RK));
+  m.js.resize(size_t(RK));
   m.wts.resize(size_t(RK));
   for (int64_t t = 0; t < R; ++t)
     for (int64_t j = 0; j < top_k; ++j) {
       const int32_t e = idx[t * top_k + j];
       const int64_t at = m.fill[size_t(e)]++;
       m.rows[size_t(at)] = t;
+      m.js[size_t(at)] = int32_t(j);
       m.wts[size_t(at)] = wt[t * top_k + j];
     }
   const auto n_rows = [&](int32_t e) { return m.start[size_t(e) + 1] - m.start[size_t(e)]; };
@@ -446,9 +485,8 @@ void CpuBackend::moe_rows(const MoeWeights& w, int64_t latent, const SituParams&
   const auto add_expert = [&](int64_t i, int32_t e) {
     const int64_t n = n_rows(e), s0 = m.start[size_t(e)];
     const float* ye = m.ye.data() + m.ro[size_t(i)] * latent;
-    for (int64_t k = 0; k < n; ++k) {
-      add_scaled(agg + m.rows[size_t(s0 + k)] * latent, m.wts[size_t(s0 + k)], ye + k * latent, latent);
-    }
+    for (int64_t k = 0; k < n; ++k)
+      put_expert(agg, m.rows[size_t(s0 + k)], m.js[size_t(s0 + k)], m.wts[size_t(s0 + k)], ye + k * latent, latent);
   };
   // One row: every selected expert reads the same z, so the gate/up products of all of them are
   // one shared-input GEMV region and their down products one more (each on its own activation).

@@ -381,14 +381,18 @@ class CudaBackend final : public Backend {
   }
   void all_gather(Communicator&, const float*, int64_t, float*) override { refuse_split(); }
   void broadcast(Communicator&, float*, int64_t, int) override { refuse_split(); }
+  void all_gather_v(Communicator&, const float*, int64_t, float*, const int64_t*) override { refuse_split(); }
+  void moe_combine(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, float*) override {
+    refuse_split();
+  }
   [[noreturn]] static void refuse_split() {
     fail(
         "a model split over ranks (--tp/--ep) runs on the CPU backend only: the NCCL communicator for GPUs "
         "is not built yet");
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, bool onto) override {
-    if (w.local_end >= 0 || onto) refuse_split();
+                  const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, float* terms) override {
+    if (w.local_end >= 0 || terms) refuse_split();
     if (cpu_) return routed_on_cpu(w, latent, situ, z, idx, wt, R, K, agg, source);
     if (source) return routed_from_source(w, latent, situ, z, idx, wt, R, K, agg, *source);
     if (w.stacked.gate.empty())
@@ -424,7 +428,7 @@ class CudaBackend final : public Backend {
     cu::d2h(idxh, idx, size_t(R * K) * 4, stream_);
     cu::d2h(wth, wt, size_t(R * K) * 4, stream_);
     cu::d2h(zh, z, size_t(R * latent) * 4, stream_);
-    cpu_->moe_routed(w, latent, situ, zh, idxh, wth, R, K, aggh, source, false);
+    cpu_->moe_routed(w, latent, situ, zh, idxh, wth, R, K, aggh, source);
     cu::h2d(agg, aggh, size_t(R * latent) * 4, stream_);  // aggh is next written after the next d2h's sync
   }
 

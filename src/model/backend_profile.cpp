@@ -115,11 +115,18 @@ class ProfilingBackend final : public Backend {
     timed("router_topk", [&] { in_->router_topk(logits, bias, R, E, k, renorm, scale, idx, w); });
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
-                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, bool onto) override {
-    timed("moe_routed", [&] { in_->moe_routed(w, latent, situ, z, idx, wt, R, top_k, agg, source, onto); });
+                  const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, float* terms) override {
+    timed("moe_routed", [&] { in_->moe_routed(w, latent, situ, z, idx, wt, R, top_k, agg, source, terms); });
+  }
+  void moe_combine(const float* terms, const int32_t* idx, const float* wt, int64_t R, int64_t top_k, int64_t latent,
+                   float* agg) override {
+    timed("moe_combine", [&] { in_->moe_combine(terms, idx, wt, R, top_k, latent, agg); });
   }
   void all_gather(Communicator& comm, const float* send, int64_t n, float* out) override {
     timed("all_gather", [&] { in_->all_gather(comm, send, n, out); });
+  }
+  void all_gather_v(Communicator& comm, const float* send, int64_t n, float* out, const int64_t* counts) override {
+    timed("all_gather_v", [&] { in_->all_gather_v(comm, send, n, out, counts); });
   }
   void broadcast(Communicator& comm, float* buf, int64_t n, int root) override {
     timed("broadcast", [&] { in_->broadcast(comm, buf, n, root); });

@@ -10,7 +10,10 @@ namespace k3 {
 
 // ---------------------------------------------------------------- split models
 int64_t RankRole::gather_floats(int64_t R) const {
-  if (!heads_split) return 0;
+  const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
+  // moe_routed_expert_parallel: the terms, this rank's packed, everyone's gathered; two index arrays.
+  const int64_t ep = experts_split ? 3 * g(R * moe_top_k * moe_latent) : 0;
+  if (!heads_split) return ep;
   // project_out: the gathered input, this rank's output rows, and a gather's send and receive
   // buffers (each rank's part padded to the widest), for the widest cut.
   int64_t widest = 0, part = 0;
@@ -19,8 +22,8 @@ int64_t RankRole::gather_floats(int64_t R) const {
     for (int64_t w : p) sum += w, part = std::max(part, w);
     widest = std::max(widest, sum);
   }
-  const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
-  return g(R * widest) + g(R * part) + g(R * part) + g(int64_t(ranks) * R * part);
+  // (the MoE and the output projections run one after the other: the larger of the two)
+  return std::max(ep, g(R * widest) + g(R * part) + g(R * part) + g(int64_t(ranks) * R * part));
 }
 
 namespace {
@@ -41,6 +44,53 @@ void gather_columns(const StepCtx& c, const float* x, const std::vector<int64_t>
       c.be.copy(out + r * total + off, recv + (int64_t(q) * R + r) * wide, size_t(parts[q]) * 4);
     off += parts[q];
   }
+}
+}  // namespace
+
+namespace {
+// Expert parallel routed experts: each rank computes its experts' outputs for the rows routed to
+// them (moe_routed's terms), the ranks gather every term (each (row, j) from the rank that holds its
+// expert), and every rank sums each row's terms in ascending expert id (moe_combine): the additions
+// of one rank, so the same bits, with the experts of the ranks computed at the same time.
+void moe_routed_expert_parallel(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* z,
+                                const int32_t* idx, const float* wt, float* agg, ExpertSource* experts) {
+  const RankRole& role = *c.role;
+  Backend& be = c.be;
+  const int64_t R = c.R, K = d.top_k, L = d.latent, RK = R * K;
+  const WorkScope scope(c.work);
+  float *terms = c.work.take(RK * L), *send = c.work.take(RK * L), *recv = c.work.take(RK * L);
+  // Host-side plan (kept per thread: a rank is one thread, and a steady step allocates nothing):
+  // who holds each (row, j), this rank's slots in (row, j) order, and where each slot arrives.
+  thread_local std::vector<int32_t> ids, mine, from, seen;
+  thread_local std::vector<int64_t> first, counts;
+  const auto Q = int64_t(role.expert_parts.size());
+  first.assign(size_t(Q + 1), 0);
+  for (int64_t q = 0; q < Q; ++q) first[size_t(q + 1)] = first[size_t(q)] + role.expert_parts[size_t(q)];
+  ids.resize(size_t(RK));
+  be.download(ids.data(), idx, size_t(RK) * sizeof(int32_t));
+  const auto owner = [&](int32_t e) {
+    const auto it = std::upper_bound(first.begin(), first.end(), int64_t(e));
+    if (e < 0 || it == first.end()) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(first.back()));
+    return int64_t(it - first.begin()) - 1;
+  };
+  counts.assign(size_t(Q), 0);
+  mine.clear();
+  from.resize(size_t(RK));
+  for (int64_t s = 0; s < RK; ++s) {
+    const int64_t q = owner(ids[size_t(s)]);
+    from[size_t(s)] = int32_t(counts[size_t(q)]);  // its place among rank q's, made absolute below
+    ++counts[size_t(q)];
+    if (q == role.rank) mine.push_back(int32_t(s));
+  }
+  seen.assign(size_t(Q), 0);
+  for (int64_t q = 1; q < Q; ++q) seen[size_t(q)] = seen[size_t(q - 1)] + int32_t(counts[size_t(q - 1)]);
+  for (int64_t s = 0; s < RK; ++s) from[size_t(s)] += seen[size_t(owner(ids[size_t(s)]))];
+  for (int64_t& n : counts) n *= L;
+  be.moe_routed(w, L, d.situ, z, idx, wt, R, K, agg, experts, terms);
+  be.gather_rows(terms, mine.data(), int64_t(mine.size()), L, send);
+  be.all_gather_v(*role.comm, send, int64_t(mine.size()) * L, recv, counts.data());
+  be.gather_rows(recv, from.data(), RK, L, terms);
+  be.moe_combine(terms, idx, wt, R, K, L, agg);
 }
 }  // namespace
 
@@ -233,17 +283,11 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
   be.router_topk(logits, w.bias.empty() ? nullptr : w.bias.data(), R, d.experts, d.top_k, d.renormalize, d.routed_scale,
                  idx, wt);
   // Routed experts in the latent space (the backend's strategy: grouped by expert, streamed, ...).
-  // Split by expert over ranks (each holding an ascending range of ids): the ranks take turns, each
-  // adding its experts onto the sum so far, which is then everyone's; the additions are the one
-  // rank's, in its order, so the sum is the same bits.
-  if (!c.experts_split()) {
-    be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts, false);
-  } else {
-    for (int r = 0; r < c.role->ranks; ++r) {
-      if (r == c.role->rank) be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts, r > 0);
-      be.broadcast(*c.role->comm, agg, R * d.latent, r);
-    }
-  }
+  // Split by expert over ranks: moe_routed_expert_parallel (the same bits as one rank).
+  if (!c.experts_split())
+    be.moe_routed(w, d.latent, d.situ, z, idx, wt, R, d.top_k, agg, experts);
+  else
+    moe_routed_expert_parallel(c, d, w, z, idx, wt, agg, experts);
   const int64_t n = R * d.hidden;
   // RMSNorm on the aggregate, then up to full width; the shared experts' down-projection on the
   // full-width input alongside, added unweighted.

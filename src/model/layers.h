@@ -54,12 +54,16 @@ struct RankRole {
   Communicator* comm = nullptr;  // the group of ranks; null on one rank
   int rank = 0, ranks = 1;
   bool heads_split = false;    // tensor parallel: heads, dense FFN and shared experts cut, gathered
-  bool experts_split = false;  // expert parallel: each rank sums its own routed experts, in turn
+  // expert parallel: each rank computes its own routed experts' outputs, the ranks gather them, and
+  // every rank sums each row's in ascending expert id (the one rank's additions)
+  bool experts_split = false;
   // How wide each rank's part is (one entry per rank) of what the ranks gather: the KDA and MLA
   // heads' outputs (heads x head_dim, heads x v), the dense FFN's and shared experts' intermediate,
   // and the rows of the output projections (hidden).
   enum Cut { KdaCols, MlaCols, DenseInter, SharedInter, Hidden, kCuts };
   std::vector<int64_t> parts[kCuts];
+  std::vector<int64_t> expert_parts;  // routed experts per rank (ascending id ranges), under experts_split
+  int64_t moe_top_k = 0, moe_latent = 0;  // the routed terms of a row: top_k x latent floats
   int64_t gather_floats(int64_t R) const;  // workspace a step of R rows needs for its gathers
 };
 

@@ -16,6 +16,15 @@ void Backend::all_gather(Communicator& comm, const float* send, int64_t n, float
   comm.all_gather(send, n, out);
 }
 
+void Backend::all_gather_v(Communicator& comm, const float* send, int64_t n, float* out, const int64_t* counts) {
+  sync();
+  comm.all_gather_v(send, n, out, counts);
+}
+
+void Backend::moe_combine(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, float*) {
+  fail(std::string("expert parallel (--ep) is not supported on the ") + name() + " backend");
+}
+
 void Backend::broadcast(Communicator& comm, float* buf, int64_t n, int root) {
   sync();
   comm.broadcast(buf, n, root);
@@ -114,6 +123,11 @@ RankRole rank_role(const ModelDims& d, const ParallelPlan& p, int r) {
   role.ranks = p.world();
   role.heads_split = p.tp > 1;
   role.experts_split = p.ep > 1;
+  if (p.ep > 1) {
+    role.expert_parts = part_sizes(d.moe.experts, p.ep);
+    role.moe_top_k = d.moe.top_k;
+    role.moe_latent = d.moe.latent;
+  }
   if (p.tp > 1) {
     role.parts[RankRole::KdaCols] = part_sizes(d.kda.heads, p.tp, d.kda.head_dim);
     role.parts[RankRole::MlaCols] = part_sizes(d.mla.heads, p.tp, d.mla.v);

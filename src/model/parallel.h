@@ -14,12 +14,14 @@
 //     is computed by one rank exactly as one rank alone computes it. The MLA latent cache (one
 //     latent per token for all heads), the router, the latent projections, the norms and the
 //     embedding are whole on every rank; the routed experts too unless ep > 1.
-//   - ep > 1: an ascending range of routed expert ids (balanced); the ranks take turns adding their
-//     experts onto the routed sum in ascending id, which is the one rank's order of additions.
+//   - ep > 1: an ascending range of routed expert ids (balanced); each rank computes its experts'
+//     outputs for the rows routed to them, the ranks gather them all, and every rank adds each row's
+//     in ascending expert id, which is the one rank's order of additions.
 //   - Only rank 0 computes the logits.
 // So a split model's logits are bitwise those of the model on one rank, in every numerics (CPU).
-// The collectives trade bandwidth for that (two all-gathers per output projection, one broadcast
-// per rank per MoE layer); a GPU path over NCCL would sum partial products instead.
+// The collectives trade bandwidth for that (two all-gathers per output projection; per MoE layer an
+// all-gather of every routed expert output, top_k x latent floats a row, instead of one sum); a GPU
+// path over NCCL may sum partial products instead.
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -66,6 +66,40 @@ TEST(LocalComm, AllReduceAllGatherReduceScatter) {
 
 // broadcast: every rank ends with the root's values, for every root, also back to back with the
 // root changing each time (the chain a split model's expert-parallel MoE runs); a bad root is an error.
+// Parts of different sizes (one rank sends nothing), in rank order; and the byte broadcast of the
+// control channel (model/remote.h) from every root, the others' buffers resized to the root's.
+TEST(LocalComm, AllGatherVAndByteBroadcast) {
+  const int size = 3;
+  auto group = k3::make_local_group(size);
+  const std::vector<int64_t> counts{5, 0, 7};
+  std::vector<std::vector<float>> got(size);
+  std::vector<std::vector<std::vector<uint8_t>>> msgs(size);
+  k3::run_ranks(group, [&](k3::Communicator& c) {
+    const int r = c.rank();
+    std::vector<float> mine(static_cast<size_t>(counts[size_t(r)]));
+    for (size_t i = 0; i < mine.size(); ++i) mine[i] = val(r, int64_t(i));
+    std::vector<float> out(12, -1.0f);
+    c.all_gather_v(mine.data(), int64_t(mine.size()), out.data(), counts.data());
+    got[size_t(r)] = out;
+    for (int root = 0; root < size; ++root) {
+      std::vector<uint8_t> m(static_cast<size_t>(r + 2), uint8_t(0xee));  // non-roots: a wrong size and contents to be replaced
+      if (r == root) m.assign(size_t(10 + root), uint8_t(root + 1));
+      c.broadcast_bytes(m, root);
+      msgs[size_t(r)].push_back(m);
+    }
+    EXPECT_THROW(c.all_gather_v(mine.data(), int64_t(mine.size()) + 1, out.data(), counts.data()), k3::Error);
+  });
+  std::vector<float> want;
+  for (int r = 0; r < size; ++r)
+    for (int64_t i = 0; i < counts[size_t(r)]; ++i) want.push_back(val(r, i));
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(got[size_t(r)], want) << "rank " << r;
+    for (int root = 0; root < size; ++root)
+      EXPECT_EQ(msgs[size_t(r)][size_t(root)], std::vector<uint8_t>(size_t(10 + root), uint8_t(root + 1)))
+          << "rank " << r << " root " << root;
+  }
+}
+
 TEST(LocalComm, BroadcastFromEveryRoot) {
   for (int size : {1, 2, 3, 4}) {
     SCOPED_TRACE("size " + std::to_string(size));
