@@ -39,6 +39,7 @@
 #include "k3/version.h"
 #include "model/backend_profile.h"
 #include "model/model.h"
+#include "runtime/loader.h"
 #include "model/traffic.h"
 #include "ops/cpu/isa.h"
 #include "ops/cpu/roofline.h"
@@ -1005,12 +1006,11 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
   // Read every weight page in once, so no timed run pays for page faults of experts that the
   // warm-up happened not to route to.
   // (Not the tensors the FP8 trunk replaced: their pages were released and are never read again.)
-  if (!p.cuda)
-    model.checkpoint().prefault(
-        [&](uint64_t done, uint64_t total) {
-          prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
-        },
-        [&](std::string_view n) { return model.replaced_by_trunk_fp8(n); });
+  const auto read_progress = [&](uint64_t done, uint64_t total) {
+    prog.say("reading weights " + std::to_string(done * 100 / std::max<uint64_t>(total, 1)) + "%");
+  };
+  if (!p.cuda && !k3::prefault_process_rank(model, read_progress))  // (one rank of a split: its part)
+    model.checkpoint().prefault(read_progress, [&](std::string_view n) { return model.replaced_by_trunk_fp8(n); });
   Bench bench(model, f, p.pool);
   // Depth contexts are prefixes of one id stream: a deeper context extends the previous one
   // (so -d 0,1024,2048 prefills 2048 tokens, not 3072); a shallower one starts over.

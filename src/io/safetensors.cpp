@@ -551,14 +551,26 @@ uint64_t Checkpoint::mapped_bytes() const {
   return n;
 }
 
+namespace {
+// Sorted, merged, non-empty ranges (a page shared by neighbours is then counted and touched once).
+std::vector<std::pair<uint64_t, uint64_t>> merged_ranges(std::vector<std::pair<uint64_t, uint64_t>> r) {
+  std::sort(r.begin(), r.end());
+  std::vector<std::pair<uint64_t, uint64_t>> merged;
+  for (const auto& [b, e] : r) {
+    if (b >= e) continue;
+    if (!merged.empty() && b <= merged.back().second)
+      merged.back().second = std::max(merged.back().second, e);
+    else
+      merged.emplace_back(b, e);
+  }
+  return merged;
+}
+}  // namespace
+
 void Checkpoint::prefault(const std::function<void(uint64_t, uint64_t)>& progress,
                           const std::function<bool(std::string_view)>& skip) const {
-  constexpr uint64_t kStep = uint64_t(64) << 20;
-  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
-  // Per file, the byte ranges to read in: everything, or the header plus the kept tensors
-  // (sorted and merged, so a page shared by neighbours is counted and touched once).
+  // Per file, the byte ranges to read in: everything, or the header plus the kept tensors.
   std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges(files_.size());
-  uint64_t total = 0;
   for (size_t i = 0; i < files_.size(); ++i) {
     const auto& f = files_[i];
     const uint64_t n = f->file_size();
@@ -566,26 +578,42 @@ void Checkpoint::prefault(const std::function<void(uint64_t, uint64_t)>& progres
     auto& r = ranges[i];
     if (!skip) {
       r.emplace_back(0, n);
-    } else {
-      const uint8_t* base = f->mapped_data();
-      uint64_t data_start = n;
-      for (const TensorView& t : f->tensors()) data_start = std::min<uint64_t>(data_start, uint64_t(t.data - base));
-      r.emplace_back(0, data_start);
-      for (const TensorView& t : f->tensors())
-        if (t.nbytes > 0 && !skip(t.name)) r.emplace_back(uint64_t(t.data - base), uint64_t(t.data - base) + t.nbytes);
-      std::sort(r.begin(), r.end());
-      std::vector<std::pair<uint64_t, uint64_t>> merged;
-      for (const auto& [b, e] : r) {
-        if (b >= e) continue;
-        if (!merged.empty() && b <= merged.back().second)
-          merged.back().second = std::max(merged.back().second, e);
-        else
-          merged.emplace_back(b, e);
-      }
-      r = std::move(merged);
+      continue;
     }
-    for (const auto& [b, e] : r) total += e - b;
+    const uint8_t* base = f->mapped_data();
+    uint64_t data_start = n;
+    for (const TensorView& t : f->tensors()) data_start = std::min<uint64_t>(data_start, uint64_t(t.data - base));
+    r.emplace_back(0, data_start);
+    for (const TensorView& t : f->tensors())
+      if (t.nbytes > 0 && !skip(t.name)) r.emplace_back(uint64_t(t.data - base), uint64_t(t.data - base) + t.nbytes);
+    r = merged_ranges(std::move(r));
   }
+  touch(ranges, progress);
+}
+
+void Checkpoint::prefault_spans(const std::vector<std::pair<const uint8_t*, uint64_t>>& spans,
+                                const std::function<void(uint64_t, uint64_t)>& progress) const {
+  std::vector<std::vector<std::pair<uint64_t, uint64_t>>> ranges(files_.size());
+  for (const auto& [p, n] : spans)
+    for (size_t i = 0; i < files_.size(); ++i) {
+      const uint8_t* base = files_[i]->mapped_data();
+      const uint64_t size = files_[i]->file_size();
+      if (!base || !p || p < base || p >= base + size) continue;
+      const uint64_t off = uint64_t(p - base);
+      ranges[i].emplace_back(off, off + std::min(n, size - off));
+      break;
+    }
+  for (auto& r : ranges) r = merged_ranges(std::move(r));
+  touch(ranges, progress);
+}
+
+void Checkpoint::touch(const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& ranges,
+                       const std::function<void(uint64_t, uint64_t)>& progress) const {
+  constexpr uint64_t kStep = uint64_t(64) << 20;
+  const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  uint64_t total = 0;
+  for (const auto& r : ranges)
+    for (const auto& [b, e] : r) total += e - b;
   uint64_t done = 0, since = 0;
   volatile uint8_t sink = 0;  // keeps the touches from being optimised away
   for (size_t i = 0; i < files_.size(); ++i) {

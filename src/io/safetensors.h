@@ -101,6 +101,10 @@ class Checkpoint {
   // and the other tensors are read in, and the byte counts cover only those.
   void prefault(const std::function<void(uint64_t, uint64_t)>& progress,
                 const std::function<bool(std::string_view)>& skip = {}) const;
+  // The same for the given byte spans of the mapping only (e.g. the rows and experts one rank of a
+  // split model reads); spans outside every shard's mapping are ignored.
+  void prefault_spans(const std::vector<std::pair<const uint8_t*, uint64_t>>& spans,
+                      const std::function<void(uint64_t, uint64_t)>& progress) const;
   // The shard file, absolute offset and size of a tensor (open() checkpoints only; nullopt when
   // absent). The address form locates bytes of a view's mapping, e.g. WeightMat::data.
   std::optional<TensorLocation> locate(std::string_view name) const;
@@ -108,6 +112,9 @@ class Checkpoint {
   uint64_t mapped_bytes() const;  // sum of shard file sizes
 
  private:
+  // Reads in ranges[file] (sorted, merged byte ranges of each shard), with progress.
+  void touch(const std::vector<std::vector<std::pair<uint64_t, uint64_t>>>& ranges,
+             const std::function<void(uint64_t, uint64_t)>& progress) const;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::vector<std::string> shard_paths_, missing_shards_;
   std::unordered_map<std::string, TensorView> views_;

@@ -180,6 +180,10 @@ class Model {
   // load the same checkpoint with the same options and call this with the same plan.
   bool split_across(const ParallelPlan& p, Communicator& comm);
   ParallelPlan parallel() const;  // how the model is split (one rank: tp = ep = 1)
+  // The weights this process reads when it holds one rank of a model split over processes
+  // (split_across): that rank's views (row slices, its experts); null otherwise (this process reads
+  // every weight it holds). Loading reads in only these (prefault_weights).
+  const ModelWeights* process_rank_weights() const;
 
   // --trunk-fp8: quantises every trunk matrix (trunk_fp8_bytes) from its stored format into FP8
   // (E4M3, one fp32 scale per 128 x 128 block: ops/fp8.h) held by this model, in parallel on the

@@ -258,6 +258,10 @@ bool Model::split_across(const ParallelPlan& p, Communicator& comm) {
   return false;
 }
 
+const ModelWeights* Model::process_rank_weights() const {
+  return split_ && split_->remote ? &split_->ranks[0]->host_ : nullptr;
+}
+
 ParallelPlan Model::parallel() const { return split_ ? split_->plan : ParallelPlan{}; }
 
 void Model::step_split(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, float* logits,

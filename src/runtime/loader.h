@@ -77,8 +77,12 @@ std::string trunk_fp8_summary(const TrunkFp8Report& r);
 LoadedCheckpoint load_checkpoint(const LoadRequest& r);
 
 // Reads the resident weights in (the trunk only under a RAM budget; never the tensors the FP8 trunk
-// replaced, whose pages it released): progress(done, total) bytes.
+// replaced, whose pages it released; one rank of a model split over processes: that rank's rows and
+// experts only): progress(done, total) bytes.
 void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint64_t, uint64_t)>& progress);
+// The last case alone: true (after reading them in) when m holds one rank of a model split over
+// processes (Model::process_rank_weights), false (nothing read) otherwise.
+bool prefault_process_rank(const Model& m, const std::function<void(uint64_t, uint64_t)>& progress);
 
 // GPU options for steps of up to tokens_per_call rows (clamped to 1..512) and sequences expected to
 // reach ctx_tokens (cache pages reserved up front: clamped to 16..32768; the cache grows).

@@ -110,6 +110,31 @@ TEST(CliMpi, GenerateRunAndEvalAreOneProcessOutputs) {
   EXPECT_EQ(without_speed(trimmed(e2.out)), without_speed(trimmed(e1.out)));
 }
 
+// Loading reads in what the process's rank reads, not the whole checkpoint: rank 0 of TP2 x EP2 on
+// K3-nano reads its heads' rows, half the routed experts and the replicated parts (embedding,
+// lm_head, router, norms), less than one process reads; the ids are still one process's.
+TEST(CliMpi, EachProcessReadsInItsRanksWeightsOnly) {
+  NEED_MPI();
+  // "k3 run: loading: 100% 43.21 MiB / 43.21 MiB" -> 43.21
+  const auto loaded_mib = [](const std::string& err) {
+    const auto at = err.find("loading: 100% ");
+    if (at == std::string::npos) return -1.0;
+    const auto slash = err.find(" / ", at);
+    return std::stod(err.substr(slash + 3));
+  };
+  const std::string args = "run " + model("models/k3-nano") + " -p 'The engine reads' -n 8 --temp 0 -t 1";
+  const auto one = run_k3(args);
+  const auto two = run_mpi(2, args + " --tp 2 --ep 2");
+  ASSERT_EQ(one.code, 0) << one.err;
+  ASSERT_EQ(two.code, 0) << two.err;
+  const double a = loaded_mib(one.err), b = loaded_mib(two.err);
+  std::printf("loaded: one process %.2f MiB, rank 0 of TP2 x EP2 %.2f MiB\n", a, b);
+  EXPECT_GT(a, 0) << one.err;
+  EXPECT_GT(b, 0.3 * a) << two.err;
+  EXPECT_LT(b, 0.8 * a) << two.err;
+  EXPECT_EQ(trimmed(two.out), trimmed(one.out));
+}
+
 // k3 bench as two processes (TP2 x EP2, a depth filled with random values on every rank): rank 0
 // writes the report, the settings say how it was split and run.
 TEST(CliMpi, BenchRunsAsProcesses) {
