@@ -23,11 +23,9 @@ using k3test::run_shell;
 
 namespace {
 
-fs::path src(const std::string& rel) { return fs::path(K3_SOURCE_DIR) / rel; }
-std::string model(const std::string& rel) { return "-m " + quote(src(rel).string()); }
-fs::path tmp(const std::string& name) {
-  return fs::temp_directory_path() / ("k3mpi_" + std::to_string(::getpid()) + "_" + name);
-}
+fs::path src(const std::string& rel) { return k3test::source_path(rel); }
+std::string model(const std::string& rel) { return k3test::model_flag(rel); }
+fs::path tmp(const std::string& name) { return k3test::temp_path("k3mpi", name); }
 
 #ifdef K3_MPIEXEC
 const char* const kMpiexec = K3_MPIEXEC;

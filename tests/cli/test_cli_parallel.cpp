@@ -16,11 +16,9 @@ using k3test::run_k3;
 
 namespace {
 
-fs::path src(const std::string& rel) { return fs::path(K3_SOURCE_DIR) / rel; }
-std::string model(const std::string& rel) { return "-m " + quote(src(rel).string()); }
-fs::path tmp(const std::string& name) {
-  return fs::temp_directory_path() / ("k3par_" + std::to_string(::getpid()) + "_" + name);
-}
+fs::path src(const std::string& rel) { return k3test::source_path(rel); }
+std::string model(const std::string& rel) { return k3test::model_flag(rel); }
+fs::path tmp(const std::string& name) { return k3test::temp_path("k3par", name); }
 size_t lines(const std::string& s) { return size_t(std::count(s.begin(), s.end(), '\n')); }
 // k3 eval's result line without its last field (the tokens per second of that run).
 std::string without_speed(const std::string& line) { return line.substr(0, line.rfind(" | ")); }

@@ -2,6 +2,7 @@
 // and stderr separately. Test-only.
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -44,5 +45,13 @@ inline CmdResult run_shell(const std::string& cmdline) {
 inline CmdResult run_k3(const std::string& args) { return run_shell(std::string(K3_BIN) + " " + args); }
 
 inline std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+// A path in the source tree, "-m '<source>/rel'" for a model in it, and a scratch file name unique
+// to this test process (prefix names the test file).
+inline std::filesystem::path source_path(const std::string& rel) { return std::filesystem::path(K3_SOURCE_DIR) / rel; }
+inline std::string model_flag(const std::string& rel) { return "-m " + quote(source_path(rel).string()); }
+inline std::filesystem::path temp_path(const std::string& prefix, const std::string& name) {
+  return std::filesystem::temp_directory_path() / (prefix + "_" + std::to_string(::getpid()) + "_" + name);
+}
 
 }  // namespace k3test

@@ -15,6 +15,7 @@
 
 #include "common/batch_run.h"
 #include "common/model_run.h"
+#include "common/split_cases.h"
 #include "core/error.h"
 #include "model/model.h"
 
@@ -22,43 +23,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string dir_of(const std::string& name) {
-  const fs::path src(K3_SOURCE_DIR);
-  return (name == "k3-nano" ? src / "models" / name : src / "tests" / "fixtures" / name).string();
-}
+using k3test::prompt_ids;
+using k3test::same_bits;
+using Case = k3test::SplitCase;
+const auto& dir_of = k3test::split_model_dir;
+const auto& opts = k3test::numerics_opts;
 
 double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) num += double(a[i] - b[i]) * (a[i] - b[i]), den += double(b[i]) * b[i];
   return std::sqrt(num / den);
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
-
-std::vector<int32_t> prompt_ids(int32_t vocab, size_t n, uint32_t seed) {
-  std::vector<int32_t> ids;
-  uint32_t x = seed;
-  for (size_t i = 0; i < n; ++i) ids.push_back(int32_t((x = x * 1664525u + 1013904223u) >> 9) % vocab);
-  return ids;
-}
-
-k3::ForwardOptions opts(k3::ops::Numerics n) {
-  k3::ForwardOptions o;
-  o.numerics = n;
-  return o;
-}
-
-struct Case {
-  std::string model;
-  int tp, ep;
-};
-std::string case_name(const ::testing::TestParamInfo<Case>& i) {
-  std::string m = i.param.model;
-  for (char& c : m)
-    if (c == '-') c = '_';
-  return m + "_tp" + std::to_string(i.param.tp) + "_ep" + std::to_string(i.param.ep);
 }
 
 class Split : public ::testing::TestWithParam<Case> {};
@@ -157,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(Models, Split,
                                            Case{"kl-tiny", 2, 1}, Case{"kl-tiny", 1, 2}, Case{"kl-tiny", 2, 2},
                                            Case{"tiny", 4, 4}, Case{"k3-nano", 2, 1}, Case{"k3-nano", 1, 2},
                                            Case{"k3-nano", 2, 2}),
-                         case_name);
+                         k3test::split_case_name);
 
 std::string split_error(const std::string& model, int tp, int ep) {
   auto m = k3::Model::load(dir_of(model));

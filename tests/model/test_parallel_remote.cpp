@@ -18,6 +18,7 @@
 
 #include "common/batch_run.h"
 #include "common/model_run.h"
+#include "common/split_cases.h"
 #include "core/comm.h"
 #include "core/error.h"
 #include "model/model.h"
@@ -27,27 +28,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string dir_of(const std::string& name) {
-  const fs::path src(K3_SOURCE_DIR);
-  return (name == "k3-nano" ? src / "models" / name : src / "tests" / "fixtures" / name).string();
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
-
-std::vector<int32_t> prompt_ids(int32_t vocab, size_t n, uint32_t seed) {
-  std::vector<int32_t> ids;
-  uint32_t x = seed;
-  for (size_t i = 0; i < n; ++i) ids.push_back(int32_t((x = x * 1664525u + 1013904223u) >> 9) % vocab);
-  return ids;
-}
-
-k3::ForwardOptions opts(k3::ops::Numerics n) {
-  k3::ForwardOptions o;
-  o.numerics = n;
-  return o;
-}
+using k3test::prompt_ids;
+using k3test::same_bits;
+using Case = k3test::SplitCase;
+const auto& dir_of = k3test::split_model_dir;
+const auto& opts = k3test::numerics_opts;
 
 // Ranks as "processes": rank 0's model here, every other rank's model loaded and split on a thread
 // of its own that follows rank 0 until rank 0's model is destroyed.
@@ -89,17 +74,6 @@ class RemoteSplit {
   std::vector<std::thread> threads_;
   std::unique_ptr<k3::Model> model_;
 };
-
-struct Case {
-  std::string model;
-  int tp, ep;
-};
-std::string case_name(const ::testing::TestParamInfo<Case>& i) {
-  std::string m = i.param.model;
-  for (char& c : m)
-    if (c == '-') c = '_';
-  return m + "_tp" + std::to_string(i.param.tp) + "_ep" + std::to_string(i.param.ep);
-}
 
 class RemoteRanks : public ::testing::TestWithParam<Case> {};
 
@@ -173,7 +147,7 @@ TEST_P(RemoteRanks, BatchedSequencesAndSessionsAreTheOneRankModels) {
 INSTANTIATE_TEST_SUITE_P(Models, RemoteRanks,
                          ::testing::Values(Case{"tiny", 2, 1}, Case{"tiny", 1, 2}, Case{"tiny", 2, 2},
                                            Case{"tiny", 3, 3}, Case{"kl-tiny", 2, 2}, Case{"k3-nano", 2, 2}),
-                         case_name);
+                         k3test::split_case_name);
 
 // Bench depths (StatePool::fill_random: each rank fills its own heads) and positions set without a
 // forward: the same as the split with ranks as threads, bitwise.
