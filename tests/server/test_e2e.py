@@ -27,15 +27,24 @@ except ImportError:
 
 K3 = os.environ.get("K3_BIN", "build/bin/k3")
 SANITIZED = os.environ.get("K3_SANITIZED", "0") == "1"
+# mpirun of the Open MPI k3 was built with (empty: built without MPI): a server of 2 processes.
+MPIEXEC = os.environ.get("K3_MPIEXEC", "")
+MPI_ENV = {"OMPI_MCA_rtc": "^hwloc", "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
+           "OMPI_MCA_mpi_yield_when_idle": "1", "PMIX_MCA_gds": "hash"}
+
+
+def mpirun(n):
+    return [MPIEXEC, "--allow-run-as-root", "--oversubscribe", "-np", str(n)]
 MODEL = "k3-nano"
 
 
 class Server:
     """A `k3 serve` process on a free loopback port."""
 
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([K3, "serve", "--port", "0", "-q", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+    def __init__(self, *args, launcher=()):
+        env = dict(os.environ, **MPI_ENV) if launcher else None
+        self.proc = subprocess.Popen([*launcher, K3, "serve", "--port", "0", "-q", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
         self.url = None
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -449,8 +458,16 @@ class NoCrossingUnderLoad(unittest.TestCase):
 class SplitModelServes(unittest.TestCase):
     # The model split over 2 ranks (--tp 2 --ep 2, docs/multi-gpu.md): 16 concurrent streams, each
     # equal to the same prompt answered alone by a one-rank server, with a multi-turn chat whose
-    # second turn comes from the prefix cache.
+    # second turn comes from the prefix cache. Ranks as threads of the server, then as 2 processes
+    # under mpirun (rank 0 serves, rank 1 follows its steps, pool operations and snapshots).
     def test_split_concurrent_streams_equal_one_rank_solo(self):
+        self.check_split("--tp", "2", "--ep", "2", "--parallel", "8")
+
+    @unittest.skipIf(not MPIEXEC, "k3 was built without MPI (libopenmpi-dev): no server of 2 processes")
+    def test_split_over_two_processes(self):
+        self.check_split("-t", "1", "--tp", "2", "--ep", "2", "--parallel", "8", launcher=mpirun(2))
+
+    def check_split(self, *args, launcher=()):
         kw = dict(model=MODEL, max_tokens=8, temperature=0)
         one = Server()
         try:
@@ -460,7 +477,7 @@ class SplitModelServes(unittest.TestCase):
             one_turns = converse(one, max_tokens=16)[0]
         finally:
             one.stop()
-        s = Server("--tp", "2", "--ep", "2", "--parallel", "8")
+        s = Server(*args, launcher=launcher)
         try:
             c = s.client(timeout=600)
 
