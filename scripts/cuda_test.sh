@@ -24,7 +24,9 @@ stage=build-cuda-stage
 if [[ "${1:-}" != "--on-device" ]]; then
   set -e
   command -v nvcc >/dev/null || { echo "cuda_test.sh: nvcc not found (install the CUDA toolkit)" >&2; exit 2; }
-  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=ON -DK3_BUILD_TESTS=ON >/dev/null
+  # K3_MPI=OFF: the packed binaries must start on the GPU machine, whose image may lack the Open MPI libraries
+  # (GPU ranks as processes start there with --rank/--world/--master instead: docs/multi-gpu.md).
+  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DK3_CUDA=ON -DK3_MPI=OFF -DK3_BUILD_TESTS=ON >/dev/null
   cmake --build build-cuda -j"$(nproc)" --target k3cli k3_cuda_tests k3_layer_bench
   rm -rf "$stage" build-cuda-pack
   mkdir -p "$stage" build-cuda-pack/gates build-cuda-pack/tp/shared/fixtures/third-party build-cuda-pack/cli

@@ -115,11 +115,20 @@ std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8
 
 void add_parallel_options(CLI::App* app, int& tp, int& ep) {
   app->add_option("--tp", tp,
-                  "tensor parallel ranks: attention heads, dense FFN and shared experts split N ways (CPU: the ranks "
-                  "run in this process; output identical to one rank)")
+                  "tensor parallel ranks: attention heads, dense FFN and shared experts split N ways (threads of this "
+                  "process, or one rank per process under mpirun; output identical to one rank)")
       ->check(CLI::Range(1, 256));
   app->add_option("--ep", ep, "expert parallel ranks: routed experts split N ways (with --tp: the same ranks)")
       ->check(CLI::Range(1, 256));
+  // Taken out of the arguments by main() before this parser runs (the processes start first); listed
+  // here for --help.
+  static int rank = 0, world = 0;
+  static std::string master;
+  app->add_option("--rank", rank, "with --world/--master: this process's rank, processes started by hand (GPU ranks)")
+      ->group("Processes");
+  app->add_option("--world", world, "with --rank/--master: how many processes (one rank each)")->group("Processes");
+  app->add_option("--master", master, "with --rank/--world: HOST:PORT where rank 0 listens for the others")
+      ->group("Processes");
 }
 
 std::string gpu_fit_line(size_t need) {
@@ -143,13 +152,17 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {
-    const GpuMemoryPlan p = gpu_memory_plan(m, o, o.initial_context);
+    // (One rank of a model split over processes: that rank's weights, on this process's GPU.)
+    const ModelWeights* rank = m.process_rank_weights();
+    const GpuMemoryPlan p = rank ? gpu_memory_plan(m.config(), size_t(total_weight_bytes(*rank)), o, o.initial_context)
+                                 : gpu_memory_plan(m, o, o.initial_context);
     std::fprintf(stderr,
                  "%s: on the GPU: %s of weights + %s workspace + %s state (%lld tokens reserved, grows), in %.2f s%s\n",
                  who.c_str(), human_bytes(p.weights).c_str(), human_bytes(p.workspace).c_str(),
                  human_bytes(p.state_fixed + p.state_per_token * size_t(p.context)).c_str(), (long long)p.context,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                  experts_on_cpu ? ", routed experts in host RAM computed by the CPU (no CUDA graphs)"
+                 : rank         ? ", this process's rank; no CUDA graphs (a split step's NCCL calls)"
                  : graphs       ? ", decode in CUDA graphs"
                                 : "");
   }

@@ -242,8 +242,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
   if (f.device == "cuda" && f.trunk_fp8) throw Error("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
   const k3::ParallelPlan split{f.tp, f.ep};
-  if (split.split() && f.device == "cuda")
-    throw Error("--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet");
+  k3::check_split_device(split, f.device == "cuda");  // GPUs: one process per GPU, tensor parallel only
   if (split.split() && f.profile)
     throw Error("--profile times one backend's ops; with --tp/--ep each rank has its own (not supported together)");
   if (std::all_of(f.n_prompt.begin(), f.n_prompt.end(), [](int64_t v) { return v == 0; }) &&

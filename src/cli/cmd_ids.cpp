@@ -54,10 +54,7 @@ struct IdEngineFlags {
     if (device == "cuda" && numerics == "exact")
       fail("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
     const ParallelPlan plan{tp, ep};
-    if (plan.split() && device == "cuda")
-      fail(
-          "--tp/--ep with --device cuda: splitting over GPUs needs the NCCL communicator, which is not built yet; "
-          "on the CPU the ranks run in this process");
+    check_split_device(plan, device == "cuda");  // GPUs: one process per GPU, tensor parallel only
     auto m = load_model_for_run(dir, trunk_fp8, device, false, who);  // before the split
     m->split(plan);  // also with one rank: under an MPI launch it checks the plan against the processes
     if (plan.split()) std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(m->dims(), plan).c_str());

@@ -7,7 +7,9 @@
 // Must not: contain model math.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cli/cli_common.h"
 #include "cli/cmd_bench.h"
@@ -19,6 +21,7 @@
 #include "cli/cmd_tokenize.h"
 #include "core/comm.h"
 #include "core/comm_mpi.h"
+#include "core/comm_tcp.h"
 #include "core/error.h"
 #include "k3/version.h"
 
@@ -50,25 +53,83 @@ const Subcommand kSubcommands[] = {
 // A subcommand in this process. Under an MPI launch (mpirun -np N) MPI starts first, the subcommand
 // must be one that splits a model, and the launch ends with MPI_Finalize, or MPI_Abort after a
 // failure so no process waits for a failed one.
+// --rank R --world W --master HOST:PORT (or --name=value) taken out of argv: a rendezvous of processes
+// started by hand (core/comm_tcp.h). Returns whether any was given; one-line k3::Error when incomplete.
+struct Rendezvous {
+  int rank = -1, world = 0;
+  std::string master;
+};
+bool take_rendezvous(std::vector<char*>& args, Rendezvous& rv) {
+  bool any = false;
+  std::vector<char*> kept;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string a = args[i];
+    std::string name = a, value;
+    bool inline_value = false;
+    if (const auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos)
+      name = a.substr(0, eq), value = a.substr(eq + 1), inline_value = true;
+    if (name != "--rank" && name != "--world" && name != "--master") {
+      kept.push_back(args[i]);
+      continue;
+    }
+    if (!inline_value) {
+      if (i + 1 >= args.size()) k3::fail(name + " needs a value");
+      value = args[++i];
+    }
+    any = true;
+    if (name == "--master") {
+      rv.master = value;
+      continue;
+    }
+    char* end = nullptr;
+    const long x = std::strtol(value.c_str(), &end, 10);
+    if (value.empty() || *end != '\0' || x < 0 || x > 1024) k3::fail(name + " " + value + ": a number 0..1024");
+    (name == "--rank" ? rv.rank : rv.world) = int(x);
+  }
+  args = kept;
+  if (any && (rv.rank < 0 || rv.world < 2 || rv.master.empty()))
+    k3::fail("--rank, --world (2 or more) and --master HOST:PORT go together (processes started by hand)");
+  return any;
+}
+
+// The processes of this launch: MPI's (mpirun) or a rendezvous (--master), with one GPU each; null
+// for one process. Throws k3::Error (one line) when they cannot start.
+std::unique_ptr<k3::Communicator> start_processes(const Subcommand& s, std::vector<char*>& args, int& argc,
+                                                  char**& argv) {
+  Rendezvous rv;
+  const bool by_hand = take_rendezvous(args, rv);
+  const int mpi = k3::mpi::launched_size();
+  if (!by_hand && mpi <= 1) return nullptr;
+  const std::string how = by_hand ? "with --rank/--world/--master" : "by an MPI launcher";
+  if (by_hand && mpi > 1) k3::fail("started by an MPI launcher and with --master: give one of them");
+  if (!s.splits)
+    k3::fail("started as " + std::to_string(by_hand ? rv.world : mpi) + " processes " + how + ", but k3 " + s.name +
+             " runs as one process (only the subcommands that run a model split with --tp/--ep run as several)");
+  // One GPU per process (its local rank's), before anything starts CUDA.
+  k3::mpi::bind_local_gpu(by_hand ? rv.rank : -1);
+  if (by_hand) return k3::tcp::rendezvous(rv.rank, rv.world, rv.master);
+  return k3::mpi::launch(&argc, &argv);
+}
+
 int run_subcommand(const Subcommand& s, int argc, char** argv) {
-  if (k3::mpi::launched_size() <= 1) return s.run(argc - 1, argv + 1);
   const std::string who = std::string("k3 ") + s.name;
+  std::vector<char*> args(argv, argv + argc);
   std::unique_ptr<k3::Communicator> procs;
   try {
-    if (!s.splits)
-      k3::fail(std::string("started as ") + std::to_string(k3::mpi::launched_size()) +
-               " processes by an MPI launcher, but k3 " + s.name +
-               " runs as one process (only the subcommands that run a model split with --tp/--ep run as several)");
-    procs = k3::mpi::launch(&argc, &argv);
+    procs = start_processes(s, args, argc, argv);
   } catch (const k3::Error& e) {
     k3::cli::print_error(who, e.what());
     return 2;
   }
+  if (!procs) return s.run(int(args.size()) - 1, args.data() + 1);
+  const bool mpi = std::string(procs->name()) == "mpi";
+  if (mpi) args.assign(argv, argv + argc);  // as MPI_Init left them
   k3::set_process_group(procs.get());
-  const int rc = s.run(argc - 1, argv + 1);
+  const int rc = s.run(int(args.size()) - 1, args.data() + 1);
   k3::set_process_group(nullptr);
+  if (!mpi && rc != 0) procs->abort("k3 " + std::string(s.name) + " failed here (exit " + std::to_string(rc) + ")");
   procs.reset();
-  k3::mpi::finish(rc);
+  if (mpi) k3::mpi::finish(rc);
   return rc;
 }
 

@@ -7,6 +7,7 @@
 // Builds without MPI too (K3_MPI=OFF): launch() then refuses an MPI launch in one line.
 #pragma once
 #include <memory>
+#include <string>
 
 #include "core/comm.h"
 
@@ -18,6 +19,13 @@ bool built();
 // How many processes the launcher started (OMPI_COMM_WORLD_SIZE of Open MPI's mpirun, or PMI_SIZE
 // of MPICH's and Slurm's); 1 when k3 was not started by an MPI launcher.
 int launched_size();
+
+// Under an MPI launch, each process is to see one GPU: the one of its local rank on its host
+// (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, SLURM_LOCALID, or LOCAL_RANK for processes started
+// by hand with --rank/--world/--master; else `fallback` when >= 0), taken from CUDA_VISIBLE_DEVICES
+// when that is set. Sets CUDA_VISIBLE_DEVICES to it, which must happen before CUDA starts (main()
+// calls it first); returns what it set ("" when no local rank is known, nothing changed).
+std::string bind_local_gpu(int fallback = -1);
 
 // When launched_size() > 1: initialises MPI (threads: serialized) and returns the communicator of
 // every process of the launch (rank = the launcher's rank); null otherwise. One-line k3::Error when

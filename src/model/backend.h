@@ -196,6 +196,10 @@ class Backend {
   virtual void all_gather(Communicator& comm, const float* send, int64_t n, float* out);
   // out <- every rank's part, rank order; counts[r] floats from rank r (the same array on every rank).
   virtual void all_gather_v(Communicator& comm, const float* send, int64_t n, float* out, const int64_t* counts);
+  // A rank of a model split over processes joins its group's device collectives, every rank at the
+  // same point (the CUDA backend creates its NCCL communicator: rank 0's unique id goes to the others
+  // through comm.broadcast_bytes). Default: nothing (host memory: comm itself serves).
+  virtual void join_group(Communicator& comm) {}
   // buf[0 .. n) <- rank root's.
   virtual void broadcast(Communicator& comm, float* buf, int64_t n, int root);
 

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/comm.h"
 #include "core/error.h"
 #include "model/backends.h"
 #include "model/model.h"
@@ -154,6 +155,7 @@ class CudaBackend final : public Backend {
     staging_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(4 * R + 1) * 4));
   }
   ~CudaBackend() override {
+    cu::nccl_destroy(nccl_);
     cu::graph_destroy(graph_);
     cu::host_free_pinned(staging_);
     cu::host_free_pinned(table_pinned_);
@@ -245,7 +247,8 @@ class CudaBackend final : public Backend {
     // GPU never does, and the placement must not change the tokens (issue 20: greedy ids equal to
     // all on the GPU). Decode is bound by the expert weights' bytes, so this costs no speed there.
     if (cpu_) cpu_->begin_step(v, ids, n == StepNumerics::Fast ? StepNumerics::F32 : n, false);
-    if (!opt_.graphs || !replayable || cpu_) return true;
+    // (Steps of a split model are not recorded: their NCCL calls are not captured into graphs here.)
+    if (!opt_.graphs || !replayable || cpu_ || nccl_) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};
     if (graph_ && key == key_) {
       cu::graph_launch(graph_, stream_);
@@ -379,16 +382,35 @@ class CudaBackend final : public Backend {
                    int32_t* idx, float* w) override {
     cu::router_topk(logits, bias, R, E, k, renorm, scale, idx, w, stream_);
   }
-  void all_gather(Communicator&, const float*, int64_t, float*) override { refuse_split(); }
-  void broadcast(Communicator&, float*, int64_t, int) override { refuse_split(); }
-  void all_gather_v(Communicator&, const float*, int64_t, float*, const int64_t*) override { refuse_split(); }
+  // ---- collectives of a model split over processes, one GPU each (NCCL, on this stream)
+  void join_group(Communicator& comm) override {
+    if (nccl_) fail("internal error: a GPU rank joined its group twice");
+    std::vector<uint8_t> id;
+    if (comm.rank() == 0) id = cu::nccl_unique_id();
+    comm.broadcast_bytes(id, 0);
+    nccl_ = cu::nccl_init(id, comm.size(), comm.rank());
+    nccl_ranks_ = comm.size();
+    nccl_rank_ = comm.rank();
+  }
+  void all_gather(Communicator&, const float* send, int64_t n, float* out) override {
+    if (!nccl_) refuse_split();
+    cu::nccl_all_gather(nccl_, send, n, out, stream_);
+  }
+  void broadcast(Communicator&, float* buf, int64_t n, int root) override {
+    if (!nccl_) refuse_split();
+    cu::nccl_broadcast(nccl_, buf, n, root, stream_);
+  }
+  void all_gather_v(Communicator&, const float* send, int64_t, float* out, const int64_t* counts) override {
+    if (!nccl_) refuse_split();
+    cu::nccl_all_gather_v(nccl_, send, out, counts, nccl_ranks_, nccl_rank_, stream_);
+  }
   void moe_combine(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, float*) override {
     refuse_split();
   }
   [[noreturn]] static void refuse_split() {
     fail(
-        "a model split over ranks (--tp/--ep) runs on the CPU backend only: the NCCL communicator for GPUs "
-        "is not built yet");
+        "a model split over ranks (--tp/--ep) runs on GPUs as one process per GPU (mpirun -np N k3 ... "
+        "--device cuda --tp N), tensor parallel only; expert parallel on GPUs is not built yet");
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, float* terms) override {
@@ -714,6 +736,9 @@ class CudaBackend final : public Backend {
   ModelDims d_;
   GpuOptions opt_;
   cu::Stream stream_ = nullptr;
+  // A rank of a model split over processes: its group's NCCL communicator (join_group), else null.
+  cu::NcclComm* nccl_ = nullptr;
+  int nccl_ranks_ = 1, nccl_rank_ = 0;
   cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
   cu::DevBuf kda_work_;  // kda_chunked_tc_varlen's records
   int64_t kda_work_chunks_ = 0;

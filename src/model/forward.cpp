@@ -108,14 +108,16 @@ void Model::step(StatePool& pool, std::span<const SeqStep> seqs, const ForwardOp
   const int64_t V = dims_.vocab, N = int64_t(seqs.size());
   if (N == 0) fail("step: no sequences");
   if (!logits && !argmax && role_.rank == 0) fail("forward: logits output is null");
-  const BackendCaps caps = backend_->caps();
+  // (A split model: its rank's backend, checked here before any rank is told of the step.)
+  const Backend& be = split_ ? *split_->ranks[0]->backend_ : *backend_;
+  const BackendCaps caps = be.caps();
   if (opt.numerics == ops::Numerics::Exact && !caps.exact)
-    fail(std::string("--numerics exact (fp64 sums) is CPU-only; on ") + backend_->name() +
+    fail(std::string("--numerics exact (fp64 sums) is CPU-only; on ") + be.name() +
          " use --numerics fp32 (parity mode) or fast");
   if (opt.mla_algo == MlaAlgo::Expanded && !caps.expanded_mla)
-    fail(std::string("--mla expanded is CPU-only; ") + backend_->name() + " runs MLA in the absorbed form");
+    fail(std::string("--mla expanded is CPU-only; ") + be.name() + " runs MLA in the absorbed form");
   if (opt.experts && !caps.expert_source)
-    fail(std::string("routed experts from an expert source (--ram-budget) are not supported on ") + backend_->name());
+    fail(std::string("routed experts from an expert source (--ram-budget) are not supported on ") + be.name());
   if (opt.kda_chunk < 1) fail("KDA chunk size must be >= 1");
   for (int64_t i = 0; i < N; ++i) {
     const SeqStep& s = seqs[size_t(i)];

@@ -60,9 +60,13 @@ StatePool& Model::session_pool() const {
   return *sessions_;
 }
 
-bool Model::on_gpu() const { return std::string_view(backend_->name()) == "cuda"; }
+bool Model::on_gpu() const {
+  if (split_) return split_->ranks[0]->on_gpu();  // ranks as processes: this process's rank
+  return std::string_view(backend_->name()) == "cuda";
+}
 
 void Model::set_gpu_graphs(bool on) const {
+  if (split_) return split_->ranks[0]->set_gpu_graphs(on);
   if (!backend_->set_graphs(on)) fail("set_gpu_graphs: the model is not on the GPU");
 }
 
@@ -73,10 +77,12 @@ void Model::set_op_profile(OpProfile* sink) {
 }
 
 void Model::use_gpu(const GpuOptions& o) {
-  if (split_ || role_.comm)
-    fail(
-        "--device cuda: a model split over ranks (--tp/--ep) runs on the CPU backend only (the NCCL communicator "
-        "for GPUs is not built yet)");
+  if (split_ && split_->remote) return use_gpu_split(o);
+  if (split_ || role_.comm) fail(std::string("--device cuda: ") + kGpuSplitHow);
+  use_gpu_here(o);
+}
+
+void Model::use_gpu_here(const GpuOptions& o) {
   if (o.tokens_per_call < 1) fail("GPU: tokens per call must be >= 1");
   std::unique_ptr<Backend> be = make_cuda_backend(*this, o);  // checks the device and the fit
   ModelWeights placed = host_;

@@ -200,7 +200,13 @@ class Model {
   // Moves the model to the GPU (uploads the weights after checking they fit, with one-line errors);
   // sessions created before refuse to run. Numerics on the GPU: Fast = bf16 tensor-core GEMMs,
   // F32 = fp32 parity mode; Exact (fp64 sums) is CPU-only and refused.
+  // A model split over processes (split_across) moves every rank to its process's GPU (one GPU per
+  // process, tensor parallel only; the ranks' device collectives over NCCL); split with ranks as
+  // threads it is refused in one line.
   void use_gpu(const GpuOptions& o = {});
+  // A rank of a model split over processes moves to this process's GPU and joins its group's device
+  // collectives (rank 0 from use_gpu, the followers from rank 0's message: model/remote.h).
+  void use_gpu_rank(const GpuOptions& o);
   bool on_gpu() const;
   void set_gpu_graphs(bool on) const;
   // Per-op wall time of the steps that follow into `sink` (null: stop timing); see
@@ -231,6 +237,8 @@ class Model {
                   int32_t* argmax) const;
   // Rank r of `full` split by p (model/parallel.cpp), talking to the others through comm.
   void check_can_split(const ParallelPlan& p) const;
+  void use_gpu_here(const GpuOptions& o);
+  void use_gpu_split(const GpuOptions& o);
   static std::unique_ptr<Model> make_rank(const Model& full, const ParallelPlan& p, int r, Communicator* comm);
   ModelConfig cfg_;
   ModelDims dims_;

@@ -205,10 +205,7 @@ std::unique_ptr<Model> Model::make_rank(const Model& full, const ParallelPlan& p
 void Model::check_can_split(const ParallelPlan& p) const {
   if (split_) fail("the model is already split (" + split_->plan.str() + ")");
   if (role_.comm) fail("a rank of a split model cannot be split again");
-  if (on_gpu())
-    fail(
-        "--tp/--ep: a model split over ranks runs on the CPU backend only (the NCCL communicator for GPUs is not "
-        "built yet)");
+  if (on_gpu()) fail(std::string("--tp/--ep: split the model before it goes to the GPU; ") + kGpuSplitHow);
   check_parallel_plan(dims_, p);
 }
 
@@ -256,6 +253,45 @@ bool Model::split_across(const ParallelPlan& p, Communicator& comm) {
   hello_check(comm, p.tp, p.ep, fingerprint());
   follow(*g->ranks[0], comm);  // until rank 0 closes the group (or it fails: rethrown)
   return false;
+}
+
+void check_split_device(const ParallelPlan& p, bool cuda) {
+  const Communicator* procs = process_group();
+  if (!cuda && p.split() && procs && std::string(procs->name()) == "tcp")
+    fail(
+        "processes started with --rank/--world/--master split a model over GPUs (--device cuda; their data goes "
+        "through NCCL); on the CPU, start the processes with mpirun");
+  if (!cuda || !p.split()) return;
+  if (!process_group()) fail(std::string("--tp/--ep with --device cuda: ") + kGpuSplitHow);
+  if (p.ep > 1)
+    fail("--ep " + std::to_string(p.ep) +
+         " with --device cuda: expert parallel on GPUs is not built yet (--tp is: one process per GPU)");
+}
+
+void Model::use_gpu_split(const GpuOptions& o) {
+  SplitGroup& g = *split_;
+  if (g.plan.ep > 1)
+    fail("--ep " + std::to_string(g.plan.ep) +
+         " with --device cuda: expert parallel on GPUs is not built yet (--tp is: one process per GPU)");
+  if (o.experts_on_cpu) fail("--cpu-experts with --tp/--ep is not supported");
+  sessions_.reset();  // on the ranks' CPU backends, which go now
+  work_.reset();
+  g.remote->use_gpu(o);  // the followers move their ranks to their GPUs too
+  try {
+    g.ranks[0]->use_gpu_rank(o);
+  } catch (const std::exception& e) {
+    g.remote->fail_group(e.what());  // the followers may be waiting for the device group
+    throw;
+  }
+  ++backend_generation_;
+}
+
+void Model::use_gpu_rank(const GpuOptions& o) {
+  if (!role_.comm || split_) fail("internal error: use_gpu_rank on a model that is not a rank of a split");
+  GpuOptions r = o;
+  r.graphs = false;  // a split step's NCCL calls are not recorded into CUDA graphs
+  use_gpu_here(r);
+  backend_->join_group(*role_.comm);
 }
 
 const ModelWeights* Model::process_rank_weights() const {

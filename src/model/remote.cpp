@@ -14,7 +14,7 @@ namespace k3 {
 
 namespace {
 
-enum class Msg : uint8_t { NewPool = 1, DropPool, Op, Snapshot, Restore, DropSnapshot, Step, Close };
+enum class Msg : uint8_t { NewPool = 1, DropPool, Op, Snapshot, Restore, DropSnapshot, Step, Close, UseGpu };
 
 template <class T>
 void put(std::vector<uint8_t>& b, T v) {
@@ -140,6 +140,22 @@ void RemoteLink::step(uint32_t pool, std::span<const SeqStep> seqs, const Forwar
     msg.resize(at + size_t(s.n) * sizeof(int32_t));
     std::memcpy(msg.data() + at, s.ids, size_t(s.n) * sizeof(int32_t));
   }
+  send(msg);
+}
+
+void RemoteLink::use_gpu(const GpuOptions& o) {
+  std::vector<uint8_t> msg;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failed_.empty()) fail("the ranks of this split model stopped after an earlier failure (" + failed_ + ")");
+    msg.swap(pending_);
+  }
+  put(msg, Msg::UseGpu);
+  put(msg, uint8_t(o.graphs));
+  put(msg, o.tokens_per_call);
+  put(msg, o.initial_context);
+  put(msg, uint8_t(o.experts_resident));
+  put(msg, uint8_t(o.experts_on_cpu));
   send(msg);
 }
 
@@ -304,6 +320,18 @@ void follow(Model& rank, Communicator& comm) {
             if (rank.max_step_rows() != max_rows) rank.set_max_step_rows(max_rows);
             if (par::max_threads() != threads) par::set_max_threads(threads);
             rank.step(p, seqs, opt, nullptr, nullptr);
+            break;
+          }
+          case Msg::UseGpu: {
+            GpuOptions o;
+            o.graphs = rd.get<uint8_t>() != 0;
+            o.tokens_per_call = rd.get<int64_t>();
+            o.initial_context = rd.get<int64_t>();
+            o.experts_resident = rd.get<uint8_t>() != 0;
+            o.experts_on_cpu = rd.get<uint8_t>() != 0;
+            snaps.clear();  // their memory is the CPU backend's, which goes
+            pools.clear();
+            rank.use_gpu_rank(o);
             break;
           }
           case Msg::Close:

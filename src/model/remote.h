@@ -27,6 +27,7 @@ namespace k3 {
 class Communicator;
 class Model;
 struct ForwardOptions;
+struct GpuOptions;
 struct SeqStep;
 struct StatePoolOptions;
 
@@ -71,6 +72,9 @@ class RemoteLink : public std::enable_shared_from_this<RemoteLink> {
   std::shared_ptr<const RemoteSnapshot> snapshot(uint32_t pool, int32_t slot);
   void drop_snapshot(uint64_t key);
   void restore(uint32_t pool, int32_t slot, const RemoteSnapshot& s);
+  // Sends what is queued, then the GPU move (the followers' use_gpu_rank with these options; their
+  // pools and snapshots, on the CPU backend that goes, are dropped first).
+  void use_gpu(const GpuOptions& o);
   // Sends what is queued, then the step (k3::Error, sending nothing, when the group has failed or closed).
   void step(uint32_t pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, int64_t max_rows);
   // A step failed on this rank after it was sent: the other ranks are told (their collectives end)

@@ -41,10 +41,7 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
     fail(nm.numerics_exact + " (fp64 sums) is CPU-only; with " + nm.device_cuda +
          " use fp32 (parity mode) or fast (bf16)");
   if (r.direct_io && !budget) fail(nm.direct_io + " needs " + nm.ram_budget + " (it is how streamed experts are read)");
-  if (r.parallel.split() && r.cuda)
-    fail(nm.split + " with " + nm.device_cuda +
-         ": splitting over GPUs needs the NCCL communicator, which is not built yet; on the CPU the ranks run in "
-         "this process");
+  check_split_device(r.parallel, r.cuda);  // GPUs: one process per GPU, tensor parallel only
   if (r.parallel.split() && budget)
     fail(nm.split + " with " + nm.ram_budget + " is not supported yet (the ranks would share one expert cache)");
   if (r.trunk_fp8 && r.cuda) fail(nm.trunk_fp8 + " on the GPU: its FP8 kernels are not built yet");

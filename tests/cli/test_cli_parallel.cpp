@@ -86,9 +86,10 @@ TEST(CliParallel, SplitsThatCannotBeMadeAreOneLineErrors) {
   expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 2 --ep 4"), "generate",
                "with both above 1 they must be equal");
   expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 0"), "generate", "--tp");
+  // GPUs: one process per GPU under mpirun (tests/cli/test_cli_mpi.cpp), not ranks as threads.
   expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 2 --device cuda --numerics fp32"), "generate",
-               "needs the NCCL communicator");
-  expect_error(run_k3("run " + nano + " -p hi -n 2 --tp 2 --device cuda"), "run", "needs the NCCL communicator");
+               "runs on GPUs as one process per GPU (mpirun -np N k3 ... --device cuda --tp N)");
+  expect_error(run_k3("run " + nano + " -p hi -n 2 --tp 2 --device cuda"), "run", "runs on GPUs as one process per GPU");
   expect_error(run_k3("run " + nano + " -p hi -n 2 --ep 2 --ram-budget 1G"), "run",
                "--ram-budget is not supported yet");
 }
@@ -124,4 +125,25 @@ TEST(CliParallel, BenchSplitsAndSaysSo) {
                "--tp/--ep with --device cuda");
   expect_error(run_k3("bench " + model("tests/fixtures/tiny-flat") + " -p 8 -n 0 --tp 3"), "bench",
                "--tp 3: the model has 2 KDA heads");
+}
+
+// Processes started by hand (--rank/--world/--master, core/comm_tcp.h): they meet at rank 0's port,
+// then a CPU split refuses in one line on both (their data would need host collectives: mpirun), and
+// the start-up flags that do not go together are one-line errors.
+TEST(CliRendezvous, ProcessesMeetAndCpuRanksAreSentToMpirun) {
+  const int port = 20000 + int(::getpid() % 20000);
+  const std::string master = " --world 2 --master 127.0.0.1:" + std::to_string(port);
+  const std::string cmd = "logits " + model("tests/fixtures/tiny") + " --ids 1,2 -o /dev/null --tp 2";
+  const fs::path err1 = tmp("rank1.err");
+  const auto r = k3test::run_shell(std::string(K3_BIN) + " " + cmd + " --rank 1" + master + " 2>" + err1.string() +
+                                   " & " + K3_BIN + " " + cmd + " --rank 0" + master + "; s=$?; wait $!; echo rank1=$?; exit $s");
+  expect_error(r, "logits", "processes started with --rank/--world/--master split a model over GPUs");
+  const std::string e1 = k3test::slurp(err1);
+  EXPECT_NE(r.out.find("rank1=2"), std::string::npos) << r.out << e1;
+  EXPECT_NE(e1.find("on the CPU, start the processes with mpirun"), std::string::npos) << e1;
+  fs::remove(err1);
+  expect_error(run_k3(cmd + " --rank 0 --world 2"), "logits", "--rank, --world (2 or more) and --master HOST:PORT go together");
+  expect_error(run_k3("info " + model("tests/fixtures/tiny") + " --rank 0 --world 2 --master 127.0.0.1:1"), "info",
+               "k3 info runs as one process");
+  expect_error(run_k3(cmd + " --rank 1 --world 2 --master nonsense"), "logits", "--master nonsense: give HOST:PORT");
 }

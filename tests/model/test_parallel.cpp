@@ -168,7 +168,7 @@ TEST(SplitErrors, PlansThatCannotBeMadeAreOneLineErrors) {
     m->use_gpu();
     ADD_FAILURE() << "a split model went to the GPU";
   } catch (const k3::Error& e) {
-    has(e.what(), "runs on the CPU backend only");
+    has(e.what(), "ranks as threads of one process run on the CPU");
   }
   // Session files hold one model's state, not a rank's.
   k3::Session s(*m);

@@ -271,3 +271,35 @@ TEST(RemoteRanksErrors, AFollowerThatGivesUpEndsRankZerosStep) {
 }
 
 }  // namespace
+
+namespace {
+// Moving a split model over processes to GPUs: expert parallel is refused before the followers hear
+// of it (they then close normally); tensor parallel where the move itself fails (here: no usable GPU,
+// or no CUDA backend in this build) fails in one line on rank 0 and ends every follower, no hang.
+TEST(RemoteRanksErrors, GpuMovesThatCannotBeMadeEndEveryRank) {
+  {
+    RemoteSplit split(dir_of("tiny"), {2, 2});
+    try {
+      split->use_gpu();
+      ADD_FAILURE() << "expert parallel went to the GPU";
+    } catch (const k3::Error& e) {
+      EXPECT_TRUE(one_line_with(e.what(), "--ep 2 with --device cuda: expert parallel on GPUs is not built yet"))
+          << e.what();
+    }
+    for (const std::string& e : split.finish()) EXPECT_EQ(e, "");  // the followers closed normally
+  }
+  {
+    RemoteSplit split(dir_of("tiny"), {2, 1});
+    std::string why;
+    try {
+      split->use_gpu();
+    } catch (const k3::Error& e) {
+      why = e.what();
+    }
+    if (why.empty()) GTEST_SKIP() << "this machine has a usable GPU: the move succeeded (tests/cuda covers it)";
+    EXPECT_EQ(why.find('\n'), std::string::npos) << why;
+    const auto errors = split.finish();
+    EXPECT_NE(errors[1], "") << "the follower did not fail";
+  }
+}
+}  // namespace

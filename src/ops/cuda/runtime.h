@@ -39,6 +39,21 @@ std::string unavailable_reason();
 // that stay on the CPU never load it. k3::Error naming the library when it cannot be loaded.
 void load_cublas();
 
+// Device collectives of a model split over processes, one GPU each (issue 23): NCCL, opened on
+// first use like cuBLAS (ops/cuda/nccl_lazy.cpp: the binary does not link libnccl). Every call names
+// the problem in one k3::Error line (library missing, an NCCL error). Buffers are device memory; the
+// collectives are queued on stream s. All ranks call the same collectives in the same order.
+struct NcclComm;
+std::vector<uint8_t> nccl_unique_id();                                      // rank 0 makes it
+NcclComm* nccl_init(const std::vector<uint8_t>& id, int ranks, int rank);  // every rank, together
+void nccl_destroy(NcclComm* c) noexcept;
+// out[r * n ..] <- rank r's send[0 .. n) (in place allowed: send == out + rank * n).
+void nccl_all_gather(NcclComm* c, const float* send, int64_t n, float* out, Stream s);
+void nccl_broadcast(NcclComm* c, float* buf, int64_t n, int root, Stream s);
+// out <- rank 0's counts[0] floats, rank 1's counts[1], ... (one broadcast per rank, grouped).
+void nccl_all_gather_v(NcclComm* c, const float* send, float* out, const int64_t* counts, int ranks, int rank,
+                       Stream s);
+
 // Device memory. dev_alloc throws k3::Error naming the size and what was asked for on failure.
 void* dev_alloc(size_t bytes, const char* what);
 void dev_free(void* p) noexcept;
