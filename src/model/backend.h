@@ -183,8 +183,9 @@ class Backend {
   virtual void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
                           const int32_t* idx, const float* wt, int64_t R, int64_t top_k, float* agg,
                           ExpertSource* source, float* terms = nullptr) = 0;
-  // agg[r] = Σ_j w[r, j] · terms[r, j] in ascending expert id idx[r, j], from zero: the additions
-  // moe_routed makes, so the sum of an expert-parallel split's gathered terms is one rank's sum.
+  // agg[r] = Σ_j w[r, j] · terms[r, j] from zero, in the order this backend's moe_routed adds them
+  // (CPU: ascending expert id idx[r, j]; CUDA: top-k slot order j), so the sum of an expert-parallel
+  // split's gathered terms is one rank's sum.
   // (Default: a one-line error; backends that run expert-parallel splits implement it.)
   virtual void moe_combine(const float* terms, const int32_t* idx, const float* wt, int64_t R, int64_t top_k,
                            int64_t latent, float* agg);

@@ -98,17 +98,20 @@ void place_all(Uploader& u, ModelWeights& w, bool experts) {
   for (LayerWeights& l : w.layers) {
     if (l.dense_ffn || l.moe.experts.empty()) continue;
     MoeWeights& e = l.moe;
+    // The experts this model holds: all, or one expert-parallel rank's [local_begin, local_end),
+    // stacked from 0 (the rank's moe_routed maps the router's ids onto the stack).
+    const int64_t b = e.local_begin, end = e.local_end < 0 ? int64_t(e.experts.size()) : e.local_end;
     std::vector<const WeightMat*> w1, w3, w2;
-    for (const GluWeights& x : e.experts) {
-      w1.push_back(&x.gate);
-      w3.push_back(&x.up);
-      w2.push_back(&x.down);
+    for (int64_t x = b; x < end; ++x) {
+      w1.push_back(&e.experts[size_t(x)].gate);
+      w3.push_back(&e.experts[size_t(x)].up);
+      w2.push_back(&e.experts[size_t(x)].down);
     }
     e.stacked = {u.stack(w1), u.stack(w3), u.stack(w2)};
-    const int64_t I = e.experts.front().gate.rows, Lt = e.experts.front().down.rows;
-    for (size_t x = 0; x < e.experts.size(); ++x)
-      e.experts[x] = {expert_view(e.stacked.gate, I, int64_t(x)), expert_view(e.stacked.up, I, int64_t(x)),
-                      expert_view(e.stacked.down, Lt, int64_t(x))};
+    const int64_t I = e.experts[size_t(b)].gate.rows, Lt = e.experts[size_t(b)].down.rows;
+    for (int64_t x = b; x < end; ++x)
+      e.experts[size_t(x)] = {expert_view(e.stacked.gate, I, x - b), expert_view(e.stacked.up, I, x - b),
+                              expert_view(e.stacked.down, Lt, x - b)};
   }
 }
 
@@ -404,8 +407,11 @@ class CudaBackend final : public Backend {
     if (!nccl_) refuse_split();
     cu::nccl_all_gather_v(nccl_, send, out, counts, nccl_ranks_, nccl_rank_, stream_);
   }
-  void moe_combine(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, float*) override {
-    refuse_split();
+  // The gathered terms of an expert-parallel split summed in top-k slot order: the one-GPU path's
+  // combine (routed_gemv), so a decode step's sum is the same bits as on one GPU.
+  void moe_combine(const float* terms, const int32_t*, const float* wt, int64_t R, int64_t K, int64_t latent,
+                   float* agg) override {
+    cu::moe_combine(terms, wt, R, K, latent, agg, stream_);
   }
   [[noreturn]] static void refuse_split() {
     fail(
@@ -414,7 +420,8 @@ class CudaBackend final : public Backend {
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t K, float* agg, ExpertSource* source, float* terms) override {
-    if (w.local_end >= 0 || terms) refuse_split();
+    if (terms) return routed_terms(w, latent, situ, z, idx, R, K, terms);
+    if (w.local_end >= 0) refuse_split();
     if (cpu_) return routed_on_cpu(w, latent, situ, z, idx, wt, R, K, agg, source);
     if (source) return routed_from_source(w, latent, situ, z, idx, wt, R, K, agg, *source);
     if (w.stacked.gate.empty())
@@ -650,6 +657,35 @@ class CudaBackend final : public Backend {
     cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
   }
 
+  // A rank of an expert-parallel split (model/layers.cpp): each slot's output of this rank's experts,
+  // unweighted, into terms[slot]; the router's ids are mapped onto this rank's stack on the host, the
+  // others' to -1, which the expert kernels skip (those slots are NaN here and come from their
+  // ranks). Every row through the GEMV kernels, as decode rows run (a prefill chunk's grouped GEMM is
+  // not used here: its rows then differ from one GPU's at rounding level).
+  void routed_terms(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
+                    int64_t R, int64_t K, float* terms) {
+    if (cpu_ || capturing_) fail("internal error: an expert-parallel step on the host's experts or in a graph");
+    if (w.stacked.gate.empty()) fail("the routed experts were not uploaded to the GPU: expert parallel needs them");
+    const int64_t n = R * K, b = w.local_begin, e = w.local_end < 0 ? int64_t(w.experts.size()) : w.local_end;
+    ep_ids_host_.resize(size_t(n));
+    cu::d2h(ep_ids_host_.data(), idx, size_t(n) * 4, stream_);
+    for (int32_t& id : ep_ids_host_) id = (id >= b && id < e) ? int32_t(id - b) : -1;
+    if (!ep_ids_) ep_ids_ = cu::DevBuf(size_t(opt_.tokens_per_call * K) * 4, "expert-parallel ids");
+    cu::h2d(ep_ids_.get(), ep_ids_host_.data(), size_t(n) * 4, stream_);
+    const int32_t* ids = ep_ids_.as<int32_t>();
+    const int64_t I = w.stacked.gate.rows / (e - b);
+    float *hg = moe_buf_.as<float>(), *hu = hg + n * I;
+    const WeightMat &G = w.stacked.gate, &U = w.stacked.up;
+    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {
+      cu::expert_glu(G, U, I, ids, n, z, K, situ.beta, situ.linear_beta, hg, stream_);
+    } else {
+      cu::expert_matmul(G, I, ids, n, z, K, hg, cu::Precision::F32, stream_);
+      cu::expert_matmul(U, I, ids, n, z, K, hu, cu::Precision::F32, stream_);
+      cu::situ_glu(hg, hu, n * I, situ.beta, situ.linear_beta, hg, stream_);
+    }
+    cu::expert_matmul(w.stacked.down, latent, ids, n, hg, 1, terms, cu::Precision::F32, stream_);
+  }
+
   // The same for one sequence's chunk, grouped by expert on the host: each selected expert is one
   // GEMM over its rows (tensor cores in bf16). Every slot's output lands in its own row, so the
   // combine (and its summation order) is the GEMV path's.
@@ -740,6 +776,8 @@ class CudaBackend final : public Backend {
   cu::NcclComm* nccl_ = nullptr;
   int nccl_ranks_ = 1, nccl_rank_ = 0;
   cu::DevBuf arena_, moe_buf_, rows_dev_, mla_work_, ids_dev_, seq_dev_, argmax_dev_, table_dev_;
+  cu::DevBuf ep_ids_;                  // routed_terms: the step's ids on this rank's expert stack
+  std::vector<int32_t> ep_ids_host_;
   cu::DevBuf kda_work_;  // kda_chunked_tc_varlen's records
   int64_t kda_work_chunks_ = 0;
   int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, max_tiles_ = 0;

@@ -263,17 +263,12 @@ void check_split_device(const ParallelPlan& p, bool cuda) {
         "through NCCL); on the CPU, start the processes with mpirun");
   if (!cuda || !p.split()) return;
   if (!process_group()) fail(std::string("--tp/--ep with --device cuda: ") + kGpuSplitHow);
-  if (p.ep > 1)
-    fail("--ep " + std::to_string(p.ep) +
-         " with --device cuda: expert parallel on GPUs is not built yet (--tp is: one process per GPU)");
 }
 
 void Model::use_gpu_split(const GpuOptions& o) {
   SplitGroup& g = *split_;
-  if (g.plan.ep > 1)
-    fail("--ep " + std::to_string(g.plan.ep) +
-         " with --device cuda: expert parallel on GPUs is not built yet (--tp is: one process per GPU)");
   if (o.experts_on_cpu) fail("--cpu-experts with --tp/--ep is not supported");
+  if (!o.experts_resident) fail("--ram-budget with --tp/--ep is not supported");
   sessions_.reset();  // on the ranks' CPU backends, which go now
   work_.reset();
   g.remote->use_gpu(o);  // the followers move their ranks to their GPUs too

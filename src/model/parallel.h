@@ -61,10 +61,10 @@ std::string split_description(const ModelDims& d, const ParallelPlan& p);
 
 // How a split model runs on GPUs, for one-line refusals.
 inline constexpr const char* kGpuSplitHow =
-    "a model split over ranks runs on GPUs as one process per GPU (mpirun -np N k3 ... --device cuda --tp N), "
-    "tensor parallel only; ranks as threads of one process run on the CPU";
-// --device cuda with a split plan: needs an MPI launch (process_group()) and no expert parallel; a
-// one-line k3::Error otherwise. Nothing for the CPU or one rank.
+    "a model split over ranks runs on GPUs as one process per GPU (mpirun -np N k3 ... --device cuda --tp N, or "
+    "--rank/--world/--master); ranks as threads of one process run on the CPU";
+// --device cuda with a split plan needs processes (process_group()); CPU ranks started with --master
+// are refused (no host collectives). A one-line k3::Error; nothing for one rank.
 void check_split_device(const ParallelPlan& p, bool cuda);
 
 // Rank r's dims (its head counts and intermediates), role (without the communicator) and weights

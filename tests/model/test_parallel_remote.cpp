@@ -273,23 +273,25 @@ TEST(RemoteRanksErrors, AFollowerThatGivesUpEndsRankZerosStep) {
 }  // namespace
 
 namespace {
-// Moving a split model over processes to GPUs: expert parallel is refused before the followers hear
-// of it (they then close normally); tensor parallel where the move itself fails (here: no usable GPU,
-// or no CUDA backend in this build) fails in one line on rank 0 and ends every follower, no hang.
+// Moving a split model over processes to GPUs: options the split does not take are refused before
+// the followers hear of it (they then close normally); where the move itself fails (here: no usable
+// GPU, or no CUDA backend in this build) rank 0 fails in one line and every follower ends, no hang.
 TEST(RemoteRanksErrors, GpuMovesThatCannotBeMadeEndEveryRank) {
   {
     RemoteSplit split(dir_of("tiny"), {2, 2});
+    k3::GpuOptions o;
+    o.experts_on_cpu = true;
     try {
-      split->use_gpu();
-      ADD_FAILURE() << "expert parallel went to the GPU";
+      split->use_gpu(o);
+      ADD_FAILURE() << "--cpu-experts went to the GPU split";
     } catch (const k3::Error& e) {
-      EXPECT_TRUE(one_line_with(e.what(), "--ep 2 with --device cuda: expert parallel on GPUs is not built yet"))
-          << e.what();
+      EXPECT_TRUE(one_line_with(e.what(), "--cpu-experts with --tp/--ep is not supported")) << e.what();
     }
     for (const std::string& e : split.finish()) EXPECT_EQ(e, "");  // the followers closed normally
   }
-  {
-    RemoteSplit split(dir_of("tiny"), {2, 1});
+  for (const k3::ParallelPlan plan : {k3::ParallelPlan{2, 1}, k3::ParallelPlan{2, 2}}) {
+    SCOPED_TRACE(plan.str());
+    RemoteSplit split(dir_of("tiny"), plan);
     std::string why;
     try {
       split->use_gpu();
