@@ -9,6 +9,7 @@
 // Threads: one thread at a time drives forward/step of a model (they share its workspace).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <span>
@@ -184,6 +185,10 @@ class Model {
   // (split_across): that rank's views (row slices, its experts); null otherwise (this process reads
   // every weight it holds). Loading reads in only these (prefault_weights).
   const ModelWeights* process_rank_weights() const;
+  // Reads in this process's rank's weights (process_rank_weights) with progress(done, total bytes),
+  // and tells the other processes to read in theirs at the same time; false (nothing read) when
+  // this process does not hold one rank of a model split over processes.
+  bool prefault_process_rank(const std::function<void(uint64_t, uint64_t)>& progress) const;
 
   // --trunk-fp8: quantises every trunk matrix (trunk_fp8_bytes) from its stored format into FP8
   // (E4M3, one fp32 scale per 128 x 128 block: ops/fp8.h) held by this model, in parallel on the

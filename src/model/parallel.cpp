@@ -6,6 +6,7 @@
 
 #include "core/comm.h"
 #include "core/error.h"
+#include "io/safetensors.h"
 #include "model/model.h"
 #include "model/remote.h"
 
@@ -251,7 +252,7 @@ bool Model::split_across(const ParallelPlan& p, Communicator& comm) {
     return true;
   }
   hello_check(comm, p.tp, p.ep, fingerprint());
-  follow(*g->ranks[0], comm);  // until rank 0 closes the group (or it fails: rethrown)
+  follow(*g->ranks[0], comm, *ckpt_);  // until rank 0 closes the group (or it fails: rethrown)
   return false;
 }
 
@@ -291,6 +292,33 @@ void Model::use_gpu_rank(const GpuOptions& o) {
 
 const ModelWeights* Model::process_rank_weights() const {
   return split_ && split_->remote ? &split_->ranks[0]->host_ : nullptr;
+}
+
+void prefault_weight_views(const io::Checkpoint& ckpt, const ModelWeights& w,
+                           const std::function<void(uint64_t, uint64_t)>& progress) {
+  // FP8 trunk views point at memory of their own, not the mapping: prefault_spans leaves them out.
+  std::vector<std::pair<const uint8_t*, uint64_t>> spans;
+  for_each_weight(
+      w,
+      [&](const WeightMat& m, WeightRole) {
+        const auto* d = static_cast<const uint8_t*>(m.data);
+        if (m.fmt == WFormat::MXFP4) {  // nibbles and E8M0 scales lie apart
+          spans.emplace_back(d, uint64_t(m.rows) * uint64_t(row_bytes(m)));
+          spans.emplace_back(m.scales, uint64_t(m.rows) * uint64_t(m.cols / 32));
+        } else {
+          spans.emplace_back(d, weight_bytes(m));
+        }
+      },
+      [](const FVec&) {});  // decoded copies, not the mapping
+  ckpt.prefault_spans(spans, progress);
+}
+
+bool Model::prefault_process_rank(const std::function<void(uint64_t, uint64_t)>& progress) const {
+  const ModelWeights* mine = process_rank_weights();
+  if (!mine) return false;
+  split_->remote->prefault();  // the followers read in their parts meanwhile
+  prefault_weight_views(*ckpt_, *mine, progress);
+  return true;
 }
 
 ParallelPlan Model::parallel() const { return split_ ? split_->plan : ParallelPlan{}; }

@@ -24,6 +24,7 @@
 // path over NCCL may sum partial products instead.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -37,6 +38,9 @@ namespace k3 {
 class Communicator;
 class Model;
 class RemoteLink;
+namespace io {
+class Checkpoint;
+}
 
 struct ParallelPlan {
   int tp = 1, ep = 1;
@@ -72,6 +76,11 @@ void check_split_device(const ParallelPlan& p, bool cuda);
 ModelDims rank_dims(const ModelDims& d, const ParallelPlan& p, int r);
 RankRole rank_role(const ModelDims& d, const ParallelPlan& p, int r);
 ModelWeights rank_weights(const ModelDims& d, const ModelWeights& w, const ParallelPlan& p, int r);
+
+// Reads in the pages of the checkpoint's mapping that the views of `w` cover (a rank's rows and
+// experts), with progress(done, total bytes).
+void prefault_weight_views(const io::Checkpoint& ckpt, const ModelWeights& w,
+                           const std::function<void(uint64_t, uint64_t)>& progress);
 
 // The rank models of a split model and their communicators (Model::split makes it). Ranks as
 // threads: every rank model and communicator is here. Ranks as processes (Model::split_across):

@@ -14,7 +14,7 @@ namespace k3 {
 
 namespace {
 
-enum class Msg : uint8_t { NewPool = 1, DropPool, Op, Snapshot, Restore, DropSnapshot, Step, Close, UseGpu };
+enum class Msg : uint8_t { NewPool = 1, DropPool, Op, Snapshot, Restore, DropSnapshot, Step, Close, UseGpu, Prefault };
 
 template <class T>
 void put(std::vector<uint8_t>& b, T v) {
@@ -143,6 +143,17 @@ void RemoteLink::step(uint32_t pool, std::span<const SeqStep> seqs, const Forwar
   send(msg);
 }
 
+void RemoteLink::prefault() {
+  std::vector<uint8_t> msg;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!failed_.empty() || closed_) return;
+    msg.swap(pending_);
+  }
+  put(msg, Msg::Prefault);
+  send(msg);
+}
+
 void RemoteLink::use_gpu(const GpuOptions& o) {
   std::vector<uint8_t> msg;
   {
@@ -228,7 +239,7 @@ void hello_check(Communicator& comm, int tp, int ep, uint64_t fingerprint) {
   }
 }
 
-void follow(Model& rank, Communicator& comm) {
+void follow(Model& rank, Communicator& comm, const io::Checkpoint& ckpt) {
   std::map<uint32_t, std::unique_ptr<StatePool>> pools;
   std::map<uint64_t, StatePool::Snapshot> snaps;
   std::vector<uint8_t> msg;
@@ -334,6 +345,9 @@ void follow(Model& rank, Communicator& comm) {
             rank.use_gpu_rank(o);
             break;
           }
+          case Msg::Prefault:
+            prefault_weight_views(ckpt, rank.weights(), {});
+            break;
           case Msg::Close:
             if (!rd.done()) fail("internal error: rank 0's last message goes on after its end");
             return;

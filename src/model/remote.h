@@ -26,6 +26,9 @@ namespace k3 {
 
 class Communicator;
 class Model;
+namespace io {
+class Checkpoint;
+}
 struct ForwardOptions;
 struct GpuOptions;
 struct SeqStep;
@@ -72,6 +75,9 @@ class RemoteLink : public std::enable_shared_from_this<RemoteLink> {
   std::shared_ptr<const RemoteSnapshot> snapshot(uint32_t pool, int32_t slot);
   void drop_snapshot(uint64_t key);
   void restore(uint32_t pool, int32_t slot, const RemoteSnapshot& s);
+  // Sends what is queued and "read in your weights" (the followers read their parts while rank 0
+  // reads its own).
+  void prefault();
   // Sends what is queued, then the GPU move (the followers' use_gpu_rank with these options; their
   // pools and snapshots, on the CPU backend that goes, are dropped first).
   void use_gpu(const GpuOptions& o);
@@ -103,6 +109,7 @@ void hello_check(Communicator& comm, int tp, int ep, uint64_t fingerprint);
 // A follower's loop: replays rank 0's messages on `rank` (this process's rank model of the split,
 // whose communicator is `comm`) until rank 0 closes the group. A failure aborts the group and is
 // rethrown.
-void follow(Model& rank, Communicator& comm);
+// ckpt: the mapping the rank's weights are views of (read in when rank 0 says so).
+void follow(Model& rank, Communicator& comm, const io::Checkpoint& ckpt);
 
 }  // namespace k3

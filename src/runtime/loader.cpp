@@ -121,26 +121,7 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
 }
 
 bool prefault_process_rank(const Model& m, const std::function<void(uint64_t, uint64_t)>& progress) {
-  const ModelWeights* mine = m.process_rank_weights();
-  if (!mine) return false;
-  // One rank of a model split over processes: its rows and experts only (the other processes read
-  // theirs; on another host they need not be in this one's memory at all). FP8 trunk views point at
-  // memory of their own, not the mapping: prefault_spans leaves them out.
-  std::vector<std::pair<const uint8_t*, uint64_t>> spans;
-  for_each_weight(
-      *mine,
-      [&](const WeightMat& w, WeightRole) {
-        const auto* d = static_cast<const uint8_t*>(w.data);
-        if (w.fmt == WFormat::MXFP4) {  // nibbles and E8M0 scales lie apart
-          spans.emplace_back(d, uint64_t(w.rows) * uint64_t(row_bytes(w)));
-          spans.emplace_back(w.scales, uint64_t(w.rows) * uint64_t(w.cols / 32));
-        } else {
-          spans.emplace_back(d, weight_bytes(w));
-        }
-      },
-      [](const FVec&) {});  // decoded copies, not the mapping
-  m.checkpoint().prefault_spans(spans, progress);
-  return true;
+  return m.prefault_process_rank(progress);
 }
 
 void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint64_t, uint64_t)>& progress) {

@@ -21,6 +21,7 @@
 #include "common/split_cases.h"
 #include "core/comm.h"
 #include "core/error.h"
+#include "io/safetensors.h"
 #include "model/model.h"
 #include "model/remote.h"
 
@@ -171,6 +172,23 @@ TEST(RemoteRanksState, FilledContextsAreTheThreadSplits) {
   };
   EXPECT_TRUE(same_bits(after_fill(*procs), after_fill(*threads)));
   for (const std::string& e : procs.finish()) EXPECT_EQ(e, "");
+}
+
+// Loading reads in one rank's part on every process: rank 0 its rows and experts (fewer bytes than
+// the checkpoint), and it tells the followers to read theirs (their loop takes the message).
+TEST(RemoteRanksState, EachRankReadsInItsOwnPart) {
+  auto one = k3::Model::load(dir_of("k3-nano"));
+  EXPECT_FALSE(one->prefault_process_rank({}));  // not one rank of a split over processes
+  RemoteSplit split(dir_of("k3-nano"), {2, 2});
+  uint64_t total = 0;
+  EXPECT_TRUE(split->prefault_process_rank([&](uint64_t, uint64_t t) { total = t; }));
+  const uint64_t all = split->checkpoint().total_tensor_bytes();
+  EXPECT_GT(total, all / 3);
+  EXPECT_LT(total, all * 4 / 5);
+  const auto ids = prompt_ids(int32_t(one->dims().vocab), 6, 5u);
+  EXPECT_TRUE(same_bits(k3test::full_pass(*split, ids, opts(k3::ops::Numerics::Fast)),
+                        k3test::full_pass(*one, ids, opts(k3::ops::Numerics::Fast))));
+  for (const std::string& e : split.finish()) EXPECT_EQ(e, "");
 }
 
 bool one_line_with(const std::string& msg, const std::string& part) {
