@@ -11,7 +11,7 @@ namespace k3 {
 // ---------------------------------------------------------------- split models
 int64_t RankRole::gather_floats(int64_t R) const {
   const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
-  // moe_routed_expert_parallel: the terms, this rank's packed, everyone's gathered; two index arrays.
+  // moe_routed_expert_parallel: the terms, this rank's packed for sending, everyone's gathered.
   const int64_t ep = experts_split ? 3 * g(R * moe_top_k * moe_latent) : 0;
   if (!heads_split) return ep;
   // project_out: the gathered input, this rank's output rows, and a gather's send and receive
@@ -59,7 +59,8 @@ void moe_routed_expert_parallel(const StepCtx& c, const MoeDims& d, const MoeWei
   const int64_t R = c.R, K = d.top_k, L = d.latent, RK = R * K;
   const WorkScope scope(c.work);
   float *terms = c.work.take(RK * L), *send = c.work.take(RK * L), *recv = c.work.take(RK * L);
-  // Host-side plan (kept per thread: a rank is one thread, and a steady step allocates nothing):
+  // Host-side plan (kept per thread: a rank of a split over processes steps on one thread, so a steady
+  // step allocates nothing there):
   // who holds each (row, j), this rank's slots in (row, j) order, and where each slot arrives.
   thread_local std::vector<int32_t> ids, mine, from, seen;
   thread_local std::vector<int64_t> first, counts;
@@ -70,7 +71,8 @@ void moe_routed_expert_parallel(const StepCtx& c, const MoeDims& d, const MoeWei
   be.download(ids.data(), idx, size_t(RK) * sizeof(int32_t));
   const auto owner = [&](int32_t e) {
     const auto it = std::upper_bound(first.begin(), first.end(), int64_t(e));
-    if (e < 0 || it == first.end()) fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(first.back()));
+    if (e < 0 || it == first.end())
+      fail("MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(first.back()));
     return int64_t(it - first.begin()) - 1;
   };
   counts.assign(size_t(Q), 0);

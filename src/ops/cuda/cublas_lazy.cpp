@@ -6,12 +6,12 @@
 // names the problem in one line when it is missing; make_cuda_backend and the bench probe call it before anything else
 // uses cuBLAS. Owns: the dlopen handle and the function pointers. Must not: call CUDA itself.
 #include <cublas_v2.h>
-#include <dlfcn.h>
 
 #include <mutex>
 #include <string>
 
 #include "core/error.h"
+#include "ops/cuda/lazy_lib.h"
 #include "ops/cuda/runtime.h"
 
 #ifndef K3_CUBLAS_SONAME
@@ -35,34 +35,25 @@ struct Cublas {
   std::string error;  // why it could not be loaded (set once tried)
 };
 
-template <class Fn>
-bool sym(void* lib, const char* name, Fn& fn, std::string& error) {
-  fn = reinterpret_cast<Fn>(dlsym(lib, name));
-  if (!fn) error = std::string(K3_CUBLAS_SONAME) + " has no " + name;
-  return fn != nullptr;
-}
+#ifdef K3_CUBLAS_BUILD_DIR
+constexpr const char* kFallbackDir = K3_CUBLAS_BUILD_DIR;
+#else
+constexpr const char* kFallbackDir = nullptr;
+#endif
 
 const Cublas& cublas() {
   static Cublas c;
   static std::once_flag once;
   std::call_once(once, [] {
     // The loader's search path first (LD_LIBRARY_PATH, ldconfig), then the toolkit this was built with.
-    void* lib = dlopen(K3_CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      const char* e = dlerror();
-      c.error = e ? e : "dlopen failed";
-#ifdef K3_CUBLAS_BUILD_DIR
-      lib = dlopen(K3_CUBLAS_BUILD_DIR "/" K3_CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
-      if (!lib) return;
-      c.error.clear();
-#else
-      return;
-#endif
-    }
-    c.ok = sym(lib, "cublasCreate_v2", c.create, c.error) && sym(lib, "cublasDestroy_v2", c.destroy, c.error) &&
-           sym(lib, "cublasSetStream_v2", c.set_stream, c.error) &&
-           sym(lib, "cublasSetWorkspace_v2", c.set_workspace, c.error) &&
-           sym(lib, "cublasGetStatusString", c.status_string, c.error) && sym(lib, "cublasGemmEx", c.gemm_ex, c.error);
+    void* lib = k3::cuda::lazy::open(K3_CUBLAS_SONAME, kFallbackDir, &c.error);
+    if (!lib) return;
+    const auto sym = [&](const char* name, auto& fn) {
+      return k3::cuda::lazy::sym(lib, K3_CUBLAS_SONAME, name, fn, &c.error);
+    };
+    c.ok = sym("cublasCreate_v2", c.create) && sym("cublasDestroy_v2", c.destroy) &&
+           sym("cublasSetStream_v2", c.set_stream) && sym("cublasSetWorkspace_v2", c.set_workspace) &&
+           sym("cublasGetStatusString", c.status_string) && sym("cublasGemmEx", c.gemm_ex);
   });
   return c;
 }

@@ -11,10 +11,11 @@
 #include "ops/cuda/runtime.h"
 
 #if __has_include(<nccl.h>)
-#include <dlfcn.h>
 #include <nccl.h>
 
 #include <mutex>
+
+#include "ops/cuda/lazy_lib.h"
 
 #ifndef K3_NCCL_SONAME
 #define K3_NCCL_SONAME "libnccl.so.2"
@@ -35,33 +36,25 @@ struct Nccl {
   std::string error;
 };
 
-template <class Fn>
-bool sym(void* lib, const char* name, Fn& fn, std::string& error) {
-  fn = reinterpret_cast<Fn>(dlsym(lib, name));
-  if (!fn) error = std::string(K3_NCCL_SONAME) + " has no " + name;
-  return fn != nullptr;
-}
+#ifdef K3_NCCL_BUILD_DIR
+constexpr const char* kFallbackDir = K3_NCCL_BUILD_DIR;
+#else
+constexpr const char* kFallbackDir = nullptr;
+#endif
 
 const Nccl& nccl() {
   static Nccl n;
   static std::once_flag once;
   std::call_once(once, [] {
-    void* lib = dlopen(K3_NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      const char* e = dlerror();
-      n.error = e ? e : "dlopen failed";
-#ifdef K3_NCCL_BUILD_DIR
-      lib = dlopen(K3_NCCL_BUILD_DIR "/" K3_NCCL_SONAME, RTLD_NOW | RTLD_LOCAL);
-      if (!lib) return;
-      n.error.clear();
-#else
-      return;
-#endif
-    }
-    n.ok = sym(lib, "ncclGetUniqueId", n.unique_id, n.error) && sym(lib, "ncclCommInitRank", n.init_rank, n.error) &&
-           sym(lib, "ncclCommDestroy", n.destroy, n.error) && sym(lib, "ncclAllGather", n.all_gather, n.error) &&
-           sym(lib, "ncclBroadcast", n.broadcast, n.error) && sym(lib, "ncclGroupStart", n.group_start, n.error) &&
-           sym(lib, "ncclGroupEnd", n.group_end, n.error) && sym(lib, "ncclGetErrorString", n.error_string, n.error);
+    void* lib = k3::cuda::lazy::open(K3_NCCL_SONAME, kFallbackDir, &n.error);
+    if (!lib) return;
+    const auto sym = [&](const char* name, auto& fn) {
+      return k3::cuda::lazy::sym(lib, K3_NCCL_SONAME, name, fn, &n.error);
+    };
+    n.ok = sym("ncclGetUniqueId", n.unique_id) && sym("ncclCommInitRank", n.init_rank) &&
+           sym("ncclCommDestroy", n.destroy) && sym("ncclAllGather", n.all_gather) &&
+           sym("ncclBroadcast", n.broadcast) && sym("ncclGroupStart", n.group_start) &&
+           sym("ncclGroupEnd", n.group_end) && sym("ncclGetErrorString", n.error_string);
   });
   return n;
 }
