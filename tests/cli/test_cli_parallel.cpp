@@ -88,7 +88,7 @@ TEST(CliParallel, SplitsThatCannotBeMadeAreOneLineErrors) {
   expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 0"), "generate", "--tp");
   // GPUs: one process per GPU under mpirun (tests/cli/test_cli_mpi.cpp), not ranks as threads.
   expect_error(run_k3("generate " + nano + " --ids 1,2 --tp 2 --device cuda --numerics fp32"), "generate",
-               "runs on GPUs as one process per GPU (mpirun -np N k3 ... --device cuda --tp N)");
+               "runs on GPUs as one process per GPU (mpirun -np N k3 ... --device cuda --tp N");
   expect_error(run_k3("run " + nano + " -p hi -n 2 --tp 2 --device cuda"), "run", "runs on GPUs as one process per GPU");
   expect_error(run_k3("run " + nano + " -p hi -n 2 --ep 2 --ram-budget 1G"), "run",
                "--ram-budget is not supported yet");
