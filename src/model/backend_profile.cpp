@@ -128,6 +128,7 @@ class ProfilingBackend final : public Backend {
   void all_gather_v(Communicator& comm, const float* send, int64_t n, float* out, const int64_t* counts) override {
     timed("all_gather_v", [&] { in_->all_gather_v(comm, send, n, out, counts); });
   }
+  void join_group(Communicator& comm) override { in_->join_group(comm); }
   void broadcast(Communicator& comm, float* buf, int64_t n, int root) override {
     timed("broadcast", [&] { in_->broadcast(comm, buf, n, root); });
   }
