@@ -4,6 +4,7 @@
 // loader's path or else in the CUDA toolkit's library directory it was built against).
 // Owns: the dlopen handle and the function pointers, NCCL error codes -> one-line k3::Error.
 // Must not: call CUDA kernels (collectives are NCCL's own).
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -46,7 +47,11 @@ const Nccl& nccl() {
   static Nccl n;
   static std::once_flag once;
   std::call_once(once, [] {
-    void* lib = k3::cuda::lazy::open(K3_NCCL_SONAME, kFallbackDir, &n.error);
+    // K3_NCCL_LIBRARY names the library file (e.g. the one PyPI's nvidia-nccl-cu13 installs), else the
+    // loader's path, else the CUDA toolkit's directory.
+    const char* own = std::getenv("K3_NCCL_LIBRARY");
+    void* lib = own && *own ? k3::cuda::lazy::open(own, nullptr, &n.error)
+                            : k3::cuda::lazy::open(K3_NCCL_SONAME, kFallbackDir, &n.error);
     if (!lib) return;
     const auto sym = [&](const char* name, auto& fn) {
       return k3::cuda::lazy::sym(lib, K3_NCCL_SONAME, name, fn, &n.error);
@@ -63,7 +68,8 @@ const Nccl& loaded() {
   const Nccl& n = nccl();
   if (!n.ok)
     k3::fail("--device cuda with --tp/--ep: cannot load NCCL (" + n.error +
-             "); install NCCL (e.g. PyPI nvidia-nccl-cu13) or put its directory on LD_LIBRARY_PATH");
+             "); install NCCL (e.g. PyPI nvidia-nccl-cu13) and put its directory on LD_LIBRARY_PATH, or name the file "
+             "in K3_NCCL_LIBRARY");
   return n;
 }
 
