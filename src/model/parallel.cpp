@@ -263,7 +263,7 @@ void check_split_device(const ParallelPlan& p, bool cuda) {
         "processes started with --rank/--world/--master split a model over GPUs (--device cuda; their data goes "
         "through NCCL); on the CPU, start the processes with mpirun");
   if (!cuda || !p.split()) return;
-  if (!process_group()) fail(std::string("--tp/--ep with --device cuda: ") + kGpuSplitHow);
+  if (!procs) fail(std::string("--tp/--ep with --device cuda: ") + kGpuSplitHow);
 }
 
 void Model::use_gpu_split(const GpuOptions& o) {

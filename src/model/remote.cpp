@@ -115,14 +115,7 @@ void RemoteLink::restore(uint32_t pool, int32_t slot, const RemoteSnapshot& s) {
 }
 
 void RemoteLink::step(uint32_t pool, std::span<const SeqStep> seqs, const ForwardOptions& opt, int64_t max_rows) {
-  std::vector<uint8_t> msg;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!failed_.empty())
-      fail("the ranks of this split model stopped after an earlier failure (" + failed_ + "); load the model again");
-    if (closed_) fail("internal error: a step on a split model whose ranks were closed");
-    msg.swap(pending_);
-  }
+  std::vector<uint8_t> msg = take_pending();
   put(msg, Msg::Step);
   put(msg, pool);
   put(msg, max_rows);
@@ -155,12 +148,7 @@ void RemoteLink::prefault() {
 }
 
 void RemoteLink::use_gpu(const GpuOptions& o) {
-  std::vector<uint8_t> msg;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    if (!failed_.empty()) fail("the ranks of this split model stopped after an earlier failure (" + failed_ + ")");
-    msg.swap(pending_);
-  }
+  std::vector<uint8_t> msg = take_pending();
   put(msg, Msg::UseGpu);
   put(msg, uint8_t(o.graphs));
   put(msg, o.tokens_per_call);
@@ -168,6 +156,16 @@ void RemoteLink::use_gpu(const GpuOptions& o) {
   put(msg, uint8_t(o.experts_resident));
   put(msg, uint8_t(o.experts_on_cpu));
   send(msg);
+}
+
+std::vector<uint8_t> RemoteLink::take_pending() {
+  std::vector<uint8_t> msg;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!failed_.empty())
+    fail("the ranks of this split model stopped after an earlier failure (" + failed_ + "); load the model again");
+  if (closed_) fail("internal error: a message to the ranks of a split model that were closed");
+  msg.swap(pending_);
+  return msg;
 }
 
 void RemoteLink::send(std::vector<uint8_t>& msg) {

@@ -90,6 +90,8 @@ class RemoteLink : public std::enable_shared_from_this<RemoteLink> {
   void close() noexcept;
 
  private:
+  // What is queued, to go first in the next message (k3::Error when the group failed or closed).
+  std::vector<uint8_t> take_pending();
   void send(std::vector<uint8_t>& msg);
   std::mutex mu_;
   Communicator& comm_;

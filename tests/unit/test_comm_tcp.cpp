@@ -7,10 +7,12 @@
 
 #include <functional>
 
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/comm_mpi.h"
 #include "core/comm_tcp.h"
 #include "core/error.h"
 
@@ -101,4 +103,28 @@ TEST(TcpComm, StartUpMistakesAreOneLineErrors) {
             std::string::npos);
 }
 
+}  // namespace
+
+namespace {
+// Each process of a launch sees one GPU: its local rank's entry of CUDA_VISIBLE_DEVICES (or that
+// index), from the launcher's variable or the fallback; nothing changes without a local rank or
+// when the list is shorter.
+TEST(BindLocalGpu, PicksTheLocalRanksDevice) {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"}) ::unsetenv(v);
+  ::setenv("CUDA_VISIBLE_DEVICES", "4,5,6", 1);
+  EXPECT_EQ(k3::mpi::bind_local_gpu(), "");  // no local rank known
+  EXPECT_STREQ(std::getenv("CUDA_VISIBLE_DEVICES"), "4,5,6");
+  ::setenv("LOCAL_RANK", "1", 1);
+  EXPECT_EQ(k3::mpi::bind_local_gpu(), "5");
+  EXPECT_STREQ(std::getenv("CUDA_VISIBLE_DEVICES"), "5");
+  ::setenv("CUDA_VISIBLE_DEVICES", "4", 1);
+  EXPECT_EQ(k3::mpi::bind_local_gpu(), "");  // the list is shorter: left as it is
+  EXPECT_STREQ(std::getenv("CUDA_VISIBLE_DEVICES"), "4");
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  ::setenv("LOCAL_RANK", "x", 1);  // not a number: the fallback
+  EXPECT_EQ(k3::mpi::bind_local_gpu(2), "2");
+  EXPECT_STREQ(std::getenv("CUDA_VISIBLE_DEVICES"), "2");
+  ::unsetenv("LOCAL_RANK");
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+}
 }  // namespace
