@@ -5,9 +5,12 @@
 //     6·Dk·Dv flops per token and head: prediction, write and read of the state);
 //   mla_attend_absorbed, one decode token over S=4096 cached latents, 16 heads, kv_lora 512,
 //     nope 128, rope 64, v 128, BF16 kv_b (rate: GFLOP/s of q̃, scores, context and W_UV, and the
-//     GB/s of the latent cache + kv_b read once).
+//     GB/s of the latent cache + kv_b read once);
+//   MLA prefill, the last 512 of 4096 tokens, absorbed vs mla_attend_tiled_paged, fp32 and fast
+//     numerics, SIMD levels only.
 // Usage: k3_ops_bench [min_seconds_per_case]   (threads: OMP_NUM_THREADS)
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -87,6 +90,15 @@ int main(int argc, char** argv) {
   const auto mq = rnd(rng, size_t(heads * (nope + rope)), -1, 1), mc = rnd(rng, size_t(S * L), -1, 1),
              mkr = rnd(rng, size_t(S * rope), -1, 1);
   std::vector<float> mo(size_t(heads * vd));
+  // MLA prefill case: the same cache interleaved per token (c then k_r), as the state pool pages it.
+  std::vector<float> pcache(size_t(S * (L + rope)));
+  for (int64_t t = 0; t < S; ++t) {
+    std::copy_n(mc.begin() + t * L, L, pcache.begin() + t * (L + rope));
+    std::copy_n(mkr.begin() + t * rope, rope, pcache.begin() + t * (L + rope) + L);
+  }
+  const float* pages0 = pcache.data();
+  const auto pq = rnd(rng, size_t(512 * heads * (nope + rope)), -1, 1);
+  std::vector<float> po(size_t(512 * heads * vd));
 
   for (auto level : {k3::ops::CpuIsa::Scalar, k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512}) {
     if (int(level) > int(k3::ops::cpu_isa_detected())) continue;
@@ -118,6 +130,25 @@ int main(int argc, char** argv) {
       const double bytes = double(S * (L + rope)) * 4 + double(wb.size()) * 2;
       row("mla_attend_absorbed T=1 S=4096 h=16 L=512", ln, s, flops / s / 1e9, "GFLOP/s");
       std::printf("%-44s %-7s %15s %10.2f %s\n", "", "", "", bytes / s / 1e9, "GB/s (cache + kv_b once)");
+    }
+    for (const k3::ops::Exec pex : {ex, k3::ops::kFast}) {
+      if (level == k3::ops::CpuIsa::Scalar) break;
+      const std::string nm = pex.fast() ? " fast" : " fp32";
+      // Prefill piece: the last T=512 of S=4096 tokens, both forms over the same (one-page) cache.
+      // Rates count each form's own multiply-adds (causal pairs only), as mla_tiled_pays does.
+      const int64_t T = 512, pos0 = S - T;
+      const k3::ops::LatentPages lp{&pages0, S, L + rope};
+      const double vis = double(T) * double(pos0) + double(T) * double(T + 1) / 2;
+      const double fa = 2.0 * heads * (double(T) * (nope + vd) * L + vis * (2 * L + rope));
+      const double ft = 2.0 * heads * (double(S) * (nope + vd) * L + vis * (nope + rope + vd));
+      const double sa = time_per_call(min_s, [&] {
+        k3::ops::mla_attend_absorbed_paged(pex, pq.data(), T, lp, S, pos0, kvb, d, po.data());
+      });
+      row(("mla prefill absorbed T=512 S=4096 h=16" + nm).c_str(), ln, sa, fa / sa / 1e9, "GFLOP/s (its own FLOPs)");
+      const double st = time_per_call(min_s, [&] {
+        k3::ops::mla_attend_tiled_paged(pex, pq.data(), T, lp, S, pos0, kvb, d, po.data());
+      });
+      row(("mla prefill tiled T=512 S=4096 h=16" + nm).c_str(), ln, st, ft / st / 1e9, "GFLOP/s (its own FLOPs)");
     }
   }
   k3::ops::set_cpu_isa(k3::ops::cpu_isa_detected());

@@ -31,6 +31,9 @@ net=10.199.77
 ns1=k3mpi-h1 ns2=k3mpi-h2 br=k3mpibr
 work=$(mktemp -d)
 cleanup() {
+  # (the veths too: one whose namespace outlived a killed run stays behind in the root namespace)
+  ip link del k3mpiv1 2>/dev/null || true
+  ip link del k3mpiv2 2>/dev/null || true
   ip link del "$br" 2>/dev/null || true
   ip netns del "$ns1" 2>/dev/null || true
   ip netns del "$ns2" 2>/dev/null || true

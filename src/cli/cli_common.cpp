@@ -62,7 +62,7 @@ void RunEngineFlags::add(CLI::App* app) {
   app->add_option("--tokenizer", tokenizer,
                   "directory with tiktoken.model + tokenizer_config.json (default: the model directory)");
   app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
-  app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
+  app->add_option("--mla", mla, kMlaFlagHelp)->check(CLI::IsMember({"auto", "absorbed", "expanded"}));
   app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
   app->add_option("--ubatch", ubatch, "prefill piece size in tokens (bounds activation memory)")
       ->check(CLI::Range(1, 1 << 20));
@@ -168,6 +168,13 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   }
 }
 
+MlaAlgo parse_mla_algo(const std::string& name) {
+  if (name == "auto") return MlaAlgo::Auto;
+  if (name == "absorbed") return MlaAlgo::Absorbed;
+  if (name == "expanded") return MlaAlgo::Expanded;
+  throw Error("--mla: unknown form '" + name + "' (auto, absorbed or expanded)");
+}
+
 std::string utc_now() {
   const std::time_t t = std::time(nullptr);
   std::tm tm{};
@@ -186,7 +193,7 @@ void add_cpu_experts_option(CLI::App* app, bool& on) {
 ForwardOptions RunEngineFlags::forward() const {
   ForwardOptions o;
   o.kda_algo = kda == "recurrent" ? KdaAlgo::Recurrent : KdaAlgo::Chunked;
-  o.mla_algo = mla == "expanded" ? MlaAlgo::Expanded : MlaAlgo::Absorbed;
+  o.mla_algo = parse_mla_algo(mla);
   o.kda_chunk = chunk;
   o.numerics = ops::parse_numerics(numerics);
   return o;

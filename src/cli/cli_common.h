@@ -22,7 +22,7 @@ namespace k3::cli {
 // --ram-budget, --direct-io, --trunk-fp8.
 struct RunEngineFlags {
   std::string model, tokenizer;
-  std::string kda = "chunked", mla = "absorbed";
+  std::string kda = "chunked", mla = "auto";
   int64_t chunk = 64, ubatch = 512, ctx = 0;
   int threads = 0;
   std::string mem_limit, ram_budget;
@@ -52,6 +52,11 @@ struct SamplingFlags {
 
 // --tp N and --ep N (model/parallel.h), for every command that runs a model.
 void add_parallel_options(CLI::App* app, int& tp, int& ep);
+// --mla: "auto" (default), "absorbed" or "expanded" (already checked by the flag's validator).
+inline constexpr const char* kMlaFlagHelp =
+    "MLA attention form: auto (the CPU picks the expanded form in key tiles for long prefill pieces, absorbed "
+    "otherwise), absorbed or expanded";
+MlaAlgo parse_mla_algo(const std::string& name);
 // --trunk-fp8 (Model::quantize_trunk_fp8), for every command that loads a model to run it.
 void add_trunk_fp8_option(CLI::App* app, bool& on);
 // The time now as ISO 8601 UTC ("2026-12-04T05:00:00Z"), for records.

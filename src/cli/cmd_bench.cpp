@@ -94,7 +94,7 @@ struct Flags {
   std::vector<int64_t> n_prompt{512}, n_gen{128}, n_depth{0}, threads, batch{1};
   int64_t reps = 5;
   std::string output = "md", json_out;
-  std::string kda = "chunked", mla = "absorbed";
+  std::string kda = "chunked", mla = "auto";
   int64_t chunk = 64, ubatch = 512;
   uint64_t seed = 1;
   bool progress = true, roofline = true;
@@ -177,7 +177,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   app.add_option("-o,--output", f.output, "md, json or jsonl (default md)")->option_text("FORMAT");
   app.add_option("--json-out", f.json_out, "also write the json document to FILE (any -o)")->option_text("FILE");
   app.add_option("--kda", f.kda, "KDA prefill algorithm: chunked or recurrent (default chunked)")->option_text("ALGO");
-  app.add_option("--mla", f.mla, "MLA attention form: absorbed or expanded (default absorbed)")->option_text("FORM");
+  app.add_option("--mla", f.mla, std::string(k3::cli::kMlaFlagHelp) + " (default auto)")->option_text("FORM");
   app.add_option("--chunk", raw.chunk, "KDA chunk size for prefill, 1..1024 (default 64)")->option_text("N");
   app.add_option("--ubatch", raw.ubatch, "prefill tokens per sequence and step (default 512)")->option_text("N");
   app.add_option("--seed", raw.seed, "seed of the random token ids, 0..2^63-1 (default 1)")->option_text("N");
@@ -223,8 +223,8 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (app.count("--json-out") && f.json_out.empty()) throw Error("--json-out: empty file name");
   if (f.kda != "chunked" && f.kda != "recurrent")
     throw Error("--kda: unknown algorithm '" + f.kda + "' (chunked or recurrent)");
-  if (f.mla != "absorbed" && f.mla != "expanded")
-    throw Error("--mla: unknown form '" + f.mla + "' (absorbed or expanded)");
+  if (f.mla != "auto" && f.mla != "absorbed" && f.mla != "expanded")
+    throw Error("--mla: unknown form '" + f.mla + "' (auto, absorbed or expanded)");
   if (f.depth_fill != "prefill" && f.depth_fill != "random")
     throw Error("--depth-fill: unknown mode '" + f.depth_fill + "' (prefill or random)");
   f.chunk = parse_int("--chunk", raw.chunk, 1, 1024);
@@ -424,7 +424,7 @@ struct Bench {
   Bench(const k3::Model& m, const Flags& fl, const k3::StatePoolOptions& po)
       : model(m), f(fl), pool(m.new_pool(po)), logits(static_cast<size_t>(fl.max_batch() * m.dims().vocab)) {
     opt.kda_algo = f.kda == "recurrent" ? k3::KdaAlgo::Recurrent : k3::KdaAlgo::Chunked;
-    opt.mla_algo = f.mla == "expanded" ? k3::MlaAlgo::Expanded : k3::MlaAlgo::Absorbed;
+    opt.mla_algo = k3::cli::parse_mla_algo(f.mla);
     opt.kda_chunk = f.chunk;
     opt.numerics = k3::ops::parse_numerics(f.numerics);
     base = pool->alloc();

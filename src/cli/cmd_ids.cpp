@@ -26,7 +26,7 @@ namespace {
 // (exact on the CPU and fp32 on the GPU by default: these are reference tools).
 struct IdEngineFlags {
   std::string model;
-  std::string kda = "chunked", mla = "absorbed";
+  std::string kda = "chunked", mla = "auto";
   int64_t chunk = 64;
   int threads = 0;
   std::string device = "cpu", numerics;
@@ -38,7 +38,7 @@ struct IdEngineFlags {
   void add(CLI::App* app) {
     add_model_option(app, model);
     app->add_option("--kda", kda, "KDA prefill algorithm")->check(CLI::IsMember({"chunked", "recurrent"}));
-    app->add_option("--mla", mla, "MLA attention form")->check(CLI::IsMember({"absorbed", "expanded"}));
+    app->add_option("--mla", mla, kMlaFlagHelp)->check(CLI::IsMember({"auto", "absorbed", "expanded"}));
     app->add_option("--chunk", chunk, "KDA chunk size for prefill")->check(CLI::Range(1, 1024));
     app->add_option("-t,--threads", threads, "CPU threads (default: all cores)")->check(CLI::Range(0, 1024));
     app->add_option("--device", device, "cpu or cuda (default cpu)")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -65,7 +65,7 @@ struct IdEngineFlags {
     ForwardOptions o;
     o.numerics = ops::parse_numerics(!numerics.empty() ? numerics : device == "cuda" ? "fp32" : "exact");
     o.kda_algo = kda == "recurrent" ? KdaAlgo::Recurrent : KdaAlgo::Chunked;
-    o.mla_algo = mla == "expanded" ? MlaAlgo::Expanded : MlaAlgo::Absorbed;
+    o.mla_algo = parse_mla_algo(mla);
     o.kda_chunk = chunk;
     return o;
   }

@@ -18,7 +18,11 @@ namespace k3 {
 class ExpertSource;
 class Communicator;
 enum class KdaAlgo { Recurrent, Chunked };
-enum class MlaAlgo { Expanded, Absorbed };
+// MLA attention: Expanded (per-head keys and values from the latent cache), Absorbed (attention in
+// the latent space), Auto (per sequence and step, whichever takes fewer multiply-adds on this backend:
+// on the CPU, at fp32/fast numerics, the expanded form in key tiles for long prefill pieces, absorbed
+// otherwise; absorbed on the GPU and under exact numerics).
+enum class MlaAlgo { Expanded, Absorbed, Auto };
 
 // Numerics of a step (the CPU's levels; the GPU maps Fast to bf16 tensor-core GEMMs and F32 to its fp32
 // parity mode, and has no Exact).

@@ -164,10 +164,15 @@ class CpuBackend final : public Backend {
       for (int64_t p = 0; p < np; ++p)
         page_ptrs_[size_t(p)] = pages.pages + int64_t(s.block_table[i * s.max_pages + p]) * P * W;
       const ops::LatentPages lp{page_ptrs_.data(), P, W};
-      if (algo == MlaAlgo::Absorbed) {
-        ops::mla_attend_absorbed_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
-      } else {
+      // Exact numerics: the reference-style forms. Otherwise Expanded runs in key tiles (bounded
+      // workspace), and Auto picks by the multiply-adds of this sequence's piece.
+      const bool exact = ex_.numerics == ops::Numerics::Exact;
+      if (algo == MlaAlgo::Expanded && exact) {
         mla_expanded(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
+      } else if (!exact && (algo == MlaAlgo::Expanded || (algo == MlaAlgo::Auto && ops::mla_tiled_pays(T, S, d)))) {
+        ops::mla_attend_tiled_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
+      } else {
+        ops::mla_attend_absorbed_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
       }
     }
   }

@@ -58,7 +58,7 @@ struct GpuMemoryPlan {
 struct ForwardOptions {
   KdaAlgo kda_algo = KdaAlgo::Chunked;  // used for chunks of more than one token
   int64_t kda_chunk = 64;
-  MlaAlgo mla_algo = MlaAlgo::Absorbed;
+  MlaAlgo mla_algo = MlaAlgo::Auto;
   // Routed experts come from here when set (e.g. runtime/expert_cache.h under --ram-budget);
   // nullptr = the placed weights. Not owned; must outlive the forward calls using it.
   ExpertSource* experts = nullptr;

@@ -81,6 +81,20 @@ struct LatentPages {
 // up to the order of fp32 sums at page ends).
 void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                                const WeightMat& kv_b, const MlaAttnDims& d, float* out);
+// The expanded form over a paged latent cache in key tiles (prefill): each tile of cached latents
+// is expanded into per-head k_nope and v (c · kv_bᵀ, fp32 products) in a bounded buffer, and the
+// queries' online softmax continues over the tiles. Same output as mla_attend_absorbed_paged up
+// to fp32 rounding; fewer FLOPs than the absorbed form when T is large (about
+// T·S·heads·(nope+rope+v) + S·heads·(nope+v)·kv_lora multiply-adds against T·S·heads·(2·kv_lora+rope)).
+// At the Scalar level (exact numerics) it runs mla_attend_absorbed_paged. key_tile: keys per tile, a
+// multiple of 64 (0: mla_tiled_key_tile(d); tests force small tiles).
+void mla_attend_tiled_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+                            const WeightMat& kv_b, const MlaAttnDims& d, float* out, int64_t key_tile = 0);
+// Keys per tile of mla_attend_tiled_paged for these dimensions.
+int64_t mla_tiled_key_tile(const MlaAttnDims& d);
+// Whether mla_attend_tiled_paged is the cheaper form for T queries over S cached tokens (the last T
+// of them are the queries'): by multiply-adds, weighted by the two kernels' measured rates.
+bool mla_tiled_pays(int64_t T, int64_t S, const MlaAttnDims& d);
 // Sizes the calling thread's matmul buffers for products of 1..T rows with up to `n` weights at once
 // (matmul_many / matmul_shared_input) of up to `rows` rows and `cols` columns (`bf16`: some of them
 // BF16), so that a later call within those sizes allocates nothing on this thread. For parallel

@@ -83,7 +83,7 @@ TEST(CliBench, MarkdownRows) {
   EXPECT_EQ(ls[0].rfind("k3 ", 0), 0u) << ls[0];
   EXPECT_NE(ls[0].find("CPU: "), std::string::npos) << ls[0];
   EXPECT_NE(ls[0].find("KDA chunked"), std::string::npos) << ls[0];
-  EXPECT_NE(ls[0].find("MLA absorbed"), std::string::npos) << ls[0];
+  EXPECT_NE(ls[0].find("MLA auto"), std::string::npos) << ls[0];
   EXPECT_TRUE(ls[1].empty());
   EXPECT_EQ(cells(ls[2]), (std::vector<std::string>{"model", "size", "params", "threads", "test", "t/s"}));
   const std::vector<std::string> want = {"pp8", "tg4", "pp8 @ d16", "tg4 @ d16"};
@@ -206,7 +206,7 @@ TEST(CliBench, JsonDocumentAndJsonOut) {
         EXPECT_EQ(x["n_gen"].get<int64_t>(), pp ? 0 : 4);
         EXPECT_EQ(x["test"], std::string(pp ? "pp8" : "tg4") + (d ? " @ d16" : ""));
         EXPECT_EQ(x["kda"], "chunked");
-        EXPECT_EQ(x["mla"], "absorbed");
+        EXPECT_EQ(x["mla"], "auto");
         ASSERT_EQ(x["samples_ns"].size(), 2u);
         check_stats(x, pp ? 8 : 4);
       }

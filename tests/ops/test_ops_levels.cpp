@@ -22,6 +22,7 @@
 #include "common/num_util.h"
 #include "common/op_tolerances.h"
 #include "common/weight_util.h"
+#include "core/error.h"
 #include "core/thread_pool.h"
 #include "ops/cpu/attn_kernels.h"
 #include "ops/cpu/isa.h"
@@ -477,6 +478,81 @@ TEST_P(OpsLevels, MlaAbsorbedAndExpandedMatchTwins) {
   }
 }
 
+// The interleaved paged latent cache of m (c then k_r per token), pages of P tokens.
+struct MlaPaged {
+  std::vector<float> rows;
+  std::vector<const float*> pages;
+  k3::ops::LatentPages lp;
+};
+MlaPaged paged(const MlaData& m, const MlaCase& c, int64_t P) {
+  MlaPaged p;
+  const int64_t W = c.kv_lora + c.rope + 3;  // a stride wider than the row, as pool pages may be
+  p.rows = nan_vec(size_t(((c.S + P - 1) / P) * P * W));
+  for (int64_t s = 0; s < c.S; ++s) {
+    std::copy_n(m.cl.begin() + s * c.kv_lora, c.kv_lora, p.rows.begin() + s * W);
+    std::copy_n(m.kr.begin() + s * c.rope, c.rope, p.rows.begin() + s * W + c.kv_lora);
+  }
+  for (int64_t s = 0; s < c.S; s += P) p.pages.push_back(p.rows.data() + s * W);
+  p.lp = {p.pages.data(), P, W};
+  return p;
+}
+
+// The expanded form in key tiles (long prefill pieces) against the fp64 expanded twin: one or many
+// tiles (forced small), queries that start before, inside or after a tile (groups that see none of
+// a tile's keys are skipped), token groups with tails, pages that cut tiles, every weight format,
+// and the K3 head shapes. At the scalar level it is the absorbed kernel (checked the same way).
+TEST_P(OpsLevels, MlaTiledMatchesTwins) {
+  std::mt19937 rng(113);
+  struct TiledCase {
+    MlaCase c;
+    int64_t page, tile;
+  };
+  const TiledCase cases[] = {
+      {{3, 12, 8, 10, 20, 9, 4, k3::WFormat::F32}, 4, 0},
+      {{2, 8, 4, 8, 32, 700, 500, k3::WFormat::BF16}, 7, 64},
+      {{5, 16, 8, 16, 64, 300, 300, k3::WFormat::MXFP4}, 300, 128},
+      {{4, 16, 8, 12, 48, 1200, 37, k3::WFormat::F16}, 16, 0},
+      {{96, 128, 64, 128, 512, 150, 70, k3::WFormat::BF16}, 64, 64},
+  };
+  for (const auto& [c, page, tile] : cases) {
+    SCOPED_TRACE(mla_name(c) + " page=" + std::to_string(page) + " tile=" + std::to_string(tile));
+    const MlaData m = make_mla(rng, c);
+    const MlaPaged p = paged(m, c, page);
+    const int64_t pos0 = c.S - c.T;
+    const size_t nO = size_t(c.T * c.heads * c.v);
+    auto e_ref = nan_vec(nO), t_ops = nan_vec(nO);
+    k3::ref::mla_attend_expanded(m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0, m.d, e_ref.data());
+    k3::ops::mla_attend_tiled_paged(k3::ops::kF32, m.q.data(), c.T, p.lp, c.S, pos0, m.kvb.w, m.d, t_ops.data(), tile);
+    ASSERT_EQ(count_nan(t_ops), 0u);
+    EXPECT_LT(rel_l2(t_ops, e_ref), kTolMla) << "tiled ops vs expanded ref";
+    // Causality: changing the last cached token changes only the last query's outputs.
+    if (c.T > 1) {
+      MlaPaged p2 = p;
+      p2.pages.clear();
+      for (size_t i = 0; i < p.pages.size(); ++i) p2.pages.push_back(p2.rows.data() + (p.pages[i] - p.rows.data()));
+      p2.lp.pages = p2.pages.data();
+      const int64_t last = c.S - 1;
+      float* row = p2.rows.data() + (last / page) * page * p.lp.stride + (last % page) * p.lp.stride;
+      for (int64_t l = 0; l < c.kv_lora; ++l) row[l] += 0.5f;
+      auto t2 = nan_vec(nO);
+      k3::ops::mla_attend_tiled_paged(k3::ops::kF32, m.q.data(), c.T, p2.lp, c.S, pos0, m.kvb.w, m.d, t2.data(), tile);
+      const size_t per_t = size_t(c.heads * c.v);
+      EXPECT_EQ(std::memcmp(t2.data(), t_ops.data(), (size_t(c.T) - 1) * per_t * 4), 0) << "future token leaked";
+      EXPECT_NE(std::memcmp(t2.data() + (c.T - 1) * per_t, t_ops.data() + (c.T - 1) * per_t, per_t * 4), 0);
+    }
+  }
+  // A key tile that is not a whole number of attention blocks is refused.
+  const MlaCase c{2, 8, 4, 8, 32, 10, 4, k3::WFormat::F32};
+  const MlaData m = make_mla(rng, c);
+  const MlaPaged p = paged(m, c, 10);
+  auto o = nan_vec(size_t(c.T * c.heads * c.v));
+  if (GetParam() != CpuIsa::Scalar) {
+    EXPECT_THROW(k3::ops::mla_attend_tiled_paged(k3::ops::kF32, m.q.data(), c.T, p.lp, c.S, c.S - c.T, m.kvb.w, m.d,
+                                                 o.data(), 100),
+                 k3::Error);
+  }
+}
+
 TEST_P(OpsLevels, MlaThreadCountIndependent) {
   std::mt19937 rng(112);
   for (const MlaCase& c :
@@ -496,6 +572,12 @@ TEST_P(OpsLevels, MlaThreadCountIndependent) {
       k3::ops::mla_attend_expanded(k3::ops::kF32, m.q.data(), c.T, m.kn.data(), m.kr.data(), m.vv.data(), c.S, pos0,
                                    m.d, e.data());
       return e;
+    });
+    const MlaPaged p = paged(m, c, 16);
+    expect_thread_independent([&] {
+      auto t = nan_vec(nO);
+      k3::ops::mla_attend_tiled_paged(k3::ops::kF32, m.q.data(), c.T, p.lp, c.S, pos0, m.kvb.w, m.d, t.data(), 64);
+      return t;
     });
   }
 }

@@ -405,8 +405,8 @@ def shard_of(name: str, p: dict) -> int:
     return n - 1
 
 
-def write_checkpoint(out: str, preset: str, seed: int) -> dict:
-    p = PRESETS[preset]
+def write_checkpoint(out: str, preset: str, seed: int, max_pos: int | None = None) -> dict:
+    p = PRESETS[preset] if max_pos is None else dict(PRESETS[preset], max_pos=max_pos)
     os.makedirs(out, exist_ok=True)
     cfg = make_config(p)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -500,8 +500,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-reference", action="store_true", help="skip the reference verification (mid1g)")
+    ap.add_argument("--max-pos", type=int, default=None,
+                    help="max_position_embeddings of the config (default: the preset's; the weights do not change)")
     a = ap.parse_args(argv)
-    write_checkpoint(a.out, a.preset, a.seed)
+    if a.max_pos is not None and a.max_pos < 1:
+        ap.error("--max-pos must be >= 1")
+    write_checkpoint(a.out, a.preset, a.seed, a.max_pos)
     total = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
     print(f"wrote {a.preset} (seed {a.seed}) to {a.out}: {total} bytes")
     if a.no_reference:

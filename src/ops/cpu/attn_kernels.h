@@ -56,6 +56,13 @@ struct AttendPart {
   // into it (ldk1 == ldk2 == ldv: one interleaved row per token). Key blocks stop at page ends.
   const float* const* pages = nullptr;
   int64_t page_tokens = 0, k1_off = 0, k2_off = 0, val_off = 0;
+  // m, z and acc already hold a running result over earlier keys (m = -inf, z = 0, acc = 0 before
+  // any): continue it instead of starting over (keys taken in tiles, as the tiled MLA prefill does).
+  bool resume = false;
+  // Keys stored transposed (not with pages): element i of key s at k1[i·ldk1 + s] (and k2[i·ldk2 + s]),
+  // so the scores are a broadcast GEMM (no horizontal sums): for short keys (the tiled MLA prefill's
+  // per-head keys of nope + rope values).
+  bool keys_t = false;
 };
 
 struct AttnKernels {

@@ -165,6 +165,10 @@ namespace {
 // The split depends only on the shapes, never on the thread count.
 constexpr int64_t kAbsorbedHeadGroup = 16;
 constexpr int64_t kExpandedTokenGroup = 8;
+constexpr int64_t kTiledTokenGroup = 32;  // query rows (consecutive tokens of one head) per tiled item
+// mla_tiled_pays weighs the tiled form's multiply-adds by this: the absorbed kernels' rate over the
+// tiled kernels' (measured with k3_ops_bench).
+constexpr double kTiledCostWeight = 1.2;
 constexpr int64_t kMinItems = 64;      // split keys into parts until there are this many items
 constexpr int64_t kMinPartKeys = 512;  // ... but never below this many keys per part
 
@@ -460,6 +464,119 @@ void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentP
   lat.L = d.kv_lora;
   lat.rope = d.rope;
   mla_absorbed(ex, q, T, lat, S, pos0, kv_b, d, out);
+}
+
+int64_t mla_tiled_key_tile(const MlaAttnDims& d) {
+  // Expanded keys and values of one tile ([heads, nope + v, tile] floats) within ~16 MB, whole
+  // attention blocks.
+  const int64_t per_token = std::max<int64_t>(d.heads * (d.nope + d.v), 1);
+  return std::clamp<int64_t>((int64_t(1) << 22) / per_token / K3_ATT_BLOCK * K3_ATT_BLOCK, K3_ATT_BLOCK, 1024);
+}
+
+bool mla_tiled_pays(int64_t T, int64_t S, const MlaAttnDims& d) {
+  if (T < 2 || S < T) return false;
+  const double H = double(d.heads), L = double(d.kv_lora), pos0 = double(S - T);
+  const double vis = double(T) * pos0 + double(T) * double(T + 1) / 2;  // causal (query, key) pairs
+  const double absorbed = double(T) * H * double(d.nope + d.v) * L + vis * H * (2 * L + double(d.rope));
+  const double tiled = double(S) * H * double(d.nope + d.v) * L + vis * H * double(d.nope + d.rope + d.v);
+  return tiled * kTiledCostWeight < absorbed;
+}
+
+void mla_attend_tiled_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
+                            const WeightMat& kv_b, const MlaAttnDims& d, float* out, int64_t key_tile) {
+  if (cache.page_tokens < 1 || cache.stride < d.kv_lora + d.rope) fail("MLA: bad latent cache page layout");
+  const int64_t L = d.kv_lora, H = d.heads, R = d.rope, dq = d.nope + R, ph = d.nope + d.v, HV = H * d.v;
+  if (kv_b.rows != H * ph || kv_b.cols != L)
+    fail("MLA: kv_b_proj is " + std::to_string(kv_b.rows) + " x " + std::to_string(kv_b.cols) + ", expected " +
+         std::to_string(H * ph) + " x " + std::to_string(L));
+  const cpu::AttnKernels* kern = cpu::attn_kernels(ex);
+  if (!kern || T < 1) return mla_attend_absorbed_paged(ex, q, T, cache, S, pos0, kv_b, d, out);
+  if (key_tile < 0 || key_tile % K3_ATT_BLOCK != 0)
+    fail("MLA: key tile " + std::to_string(key_tile) + " is not a multiple of " + std::to_string(K3_ATT_BLOCK));
+  const int64_t KT = key_tile ? key_tile : mla_tiled_key_tile(d), TG = kTiledTokenGroup, ntg = (T + TG - 1) / TG;
+  // The tile's latents as rows [n, L] and transposed [L, n], k_r transposed [rope, n]; per head the
+  // keys transposed [nope, n] (then the shared k_r rows) and the values [n, v].
+  float* const lat = cpu::scratch<float>(cpu::ScratchId::MlaTileLatent, KT * L);
+  float* const latT = cpu::scratch<float>(cpu::ScratchId::MlaTileLatentT, L * KT);
+  float* const krT = cpu::scratch<float>(cpu::ScratchId::MlaTileRope, R * KT);
+  float* const kT = cpu::scratch<float>(cpu::ScratchId::MlaTileKeys, H * d.nope * KT);
+  float* const vals = cpu::scratch<float>(cpu::ScratchId::MlaTileValues, H * KT * d.v);
+  float* const m = cpu::scratch<float>(cpu::ScratchId::MlaRunM, H * T);  // [head, token]
+  float* const z = cpu::scratch<float>(cpu::ScratchId::MlaRunZ, H * T);
+  int64_t* const lim = cpu::scratch<int64_t>(cpu::ScratchId::MlaLimits, T);
+  std::fill(m, m + H * T, -std::numeric_limits<float>::infinity());
+  std::fill(z, z + H * T, 0.0f);
+  std::fill(out, out + T * HV, 0.0f);  // the running (unnormalised) sums
+  // A head's W_UK [nope, L] and W_UV transposed [L, v], in fp32 (whatever the step's numerics).
+  const auto wbuf = [&] { return cpu::scratch<float>(cpu::ScratchId::MlaW, 2 * ph * L); };
+  const auto sbuf = [&] { return cpu::scratch<float>(cpu::ScratchId::AttnBlock, TG * (K3_ATT_BLOCK + 4)); };
+  for (int64_t s0 = 0; s0 < S; s0 += KT) {
+    const int64_t n = std::min(KT, S - s0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = s0 + j;
+      const float* src = cache.pages[s / cache.page_tokens] + (s % cache.page_tokens) * cache.stride;
+      std::memcpy(lat + j * L, src, size_t(L) * sizeof(float));
+      for (int64_t i = 0; i < L; ++i) latT[i * n + j] = src[i];
+      for (int64_t i = 0; i < R; ++i) krT[i * n + j] = src[L + i];
+    }
+    // Expand: k_nope_hᵀ = W_UK_h · cᵀ, v_h = c · W_UV_hᵀ.
+    par::parallel_for_each_setup(
+        H, wbuf,
+        [&](int64_t h) {
+          float* const wuk = wbuf();
+          float* const wuvT = wuk + d.nope * L;
+          float* const wuv = wuvT + L * d.v;
+          decode_rows(*kern, kv_b, h * ph, d.nope, wuk);
+          decode_rows(*kern, kv_b, h * ph + d.nope, d.v, wuv);
+          for (int64_t j = 0; j < d.v; ++j)
+            for (int64_t i = 0; i < L; ++i) wuvT[i * d.v + j] = wuv[j * L + i];
+          kern->gemm_nn(d.nope, n, L, wuk, L, latT, n, kT + h * d.nope * KT, n, 0, nullptr);
+          kern->gemm_nn(n, d.v, L, lat, L, wuvT, d.v, vals + h * KT * d.v, d.v, 0, nullptr);
+        },
+        n * H * ph * L >= kParallelMin);
+    // Query t (absolute position pos0 + t) sees this tile's keys j < pos0 + t + 1 - s0.
+    for (int64_t t = 0; t < T; ++t) lim[t] = std::min(S, pos0 + t + 1) - s0;
+    const int64_t g0 = std::max<int64_t>(0, s0 - pos0) / TG, ng = ntg - g0;  // groups that see a key
+    par::parallel_for_each_setup(
+        H * ng, sbuf,
+        [&](int64_t it) {
+          const int64_t h = it / ng, t0 = (g0 + it % ng) * TG;
+          cpu::AttendPart a;
+          a.rows = std::min(TG, T - t0);
+          a.q1 = q + (t0 * H + h) * dq;
+          a.ldq1 = H * dq;
+          a.k1dim = d.nope;
+          a.q2 = a.q1 + d.nope;
+          a.ldq2 = a.ldq1;
+          a.k2dim = R;
+          a.keys_t = true;
+          a.k1 = kT + h * d.nope * KT;
+          a.ldk1 = n;
+          a.k2 = krT;
+          a.ldk2 = n;
+          a.val = vals + h * KT * d.v;
+          a.ldv = d.v;
+          a.vdim = d.v;
+          a.lim = lim + t0;
+          a.s0 = 0;
+          a.s1 = n;
+          a.scale = d.scale;
+          a.m = m + h * T + t0;
+          a.z = z + h * T + t0;
+          a.acc = out + (t0 * H + h) * d.v;
+          a.ldacc = HV;
+          a.scratch = sbuf();
+          a.resume = true;
+          kern->attend_part(a);
+        },
+        n * (T - g0 * TG) * H * (dq + d.v) >= kParallelMin);
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float zr = z[h * T + t], inv = zr > 0 ? 1.0f / zr : 0.0f;
+      float* o = out + (t * H + h) * d.v;
+      for (int64_t j = 0; j < d.v; ++j) o[j] *= inv;
+    }
 }
 
 void router_topk(Exec ex, const float* logits, const float* bias, int64_t E, int64_t k, bool renorm, float scale,
