@@ -147,7 +147,12 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
                     bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu) {
   if (experts_on_cpu && device != "cuda")
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
-  if (device != "cuda") return;
+  if (device != "cuda") {
+    // --ubatch above the CPU's default step rows: steps of that many rows (its workspace grows), so
+    // a piece really is one step (long prefill: fewer, larger MLA calls).
+    if (tokens_per_call > m.max_step_rows()) m.set_max_step_rows(tokens_per_call);
+    return;
+  }
   const GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu);
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);

@@ -112,6 +112,7 @@ std::atomic<bool>& interrupt_flag();
 
 // --device cuda: moves `m` to the GPU (weights uploaded once; one-line error when there is no GPU,
 // the build has no CUDA backend, or the model does not fit) and reports it on stderr unless quiet.
+// On the CPU: steps of up to tokens_per_call rows when that is above the model's step rows.
 // experts_resident false (--ram-budget): only the trunk is uploaded; routed experts come from the
 // expert cache every step.
 // experts_on_cpu (--cpu-experts): the routed experts stay in host RAM and the CPU computes them (a

@@ -517,9 +517,9 @@ std::unique_ptr<k3::Model> load_model(const Flags& f) {
   model->split(split);  // also with one rank: under an MPI launch it checks the plan against the processes
   if (split.split() && f.progress)
     std::fprintf(stderr, "k3 bench: split %s\n", k3::split_description(model->dims(), split).c_str());
-  if (f.device == "cuda" || f.cpu_experts)
-    k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench",
-                            true, f.cpu_experts);
+  // (On the CPU: --ubatch above 512 makes the steps that long.)
+  k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench", true,
+                          f.cpu_experts);
   return model;
 }
 
@@ -825,9 +825,32 @@ class Report {
     doc_["results"].push_back(std::move(rj));
   }
 
+  // A depth context built by prefill (not a timed test, but its wall time is a long-prefill
+  // measurement: -p 0 -n N -d D times a D-token prefill, then decode from it).
+  void depth_prefill(int64_t depth, int64_t from, double seconds) {
+    const int64_t n = depth - from;
+    const double tps = seconds > 0 ? double(n) / seconds : 0;
+    doc_["depth_prefills"].push_back(
+        {{"n_depth", depth}, {"from", from}, {"tokens", n}, {"seconds", seconds}, {"ts", tps}, {"n_ubatch", f_.ubatch}});
+    char line[256];
+    std::snprintf(line, sizeof line, "depth %lld: prefill of %lld tokens (--ubatch %lld, not a timed test) took %.2f s = %.2f t/s\n",
+                  (long long)depth, (long long)n, (long long)f_.ubatch, seconds, tps);
+    notes_ += line;
+  }
+
   // The json document: on stdout with -o json, and into the --json-out file.
   void finish(Progress& prog, std::ofstream* json_file) {
     prog.done();
+    // Memory of this process at its peak (host), and the GPU's memory in use at the end (the engine
+    // allocates its weights, state and workspace up front, so that is its peak too).
+    doc_["peak_rss_bytes"] = k3::peak_rss_bytes();
+#ifdef K3_HAVE_CUDA
+    if (p_.cuda) {
+      const k3::cuda::DeviceInfo dev = k3::cuda::device_info();
+      doc_["gpu_used_bytes_at_end"] = dev.total_bytes - dev.free_bytes;
+    }
+#endif
+    if (f_.output == "md" && !notes_.empty()) out("\n" + notes_);
     if (!profiles_.empty()) out(profiles_);
     const std::string text = doc_.dump(2) + "\n";
     if (f_.output == "json") out(text);
@@ -890,6 +913,7 @@ class Report {
   const Flags& f_;
   const Plan& p_;
   std::string profiles_;  // md profile tables, printed after the results table
+  std::string notes_;     // md lines about the depth prefills, printed after the results table
   Json doc_;
   MdTable table_;
   std::map<std::tuple<size_t, int64_t, bool, int64_t, int>, double> batch1_;  // aggregate t/s of batch 1
@@ -1030,9 +1054,11 @@ void measure(const Flags& f, const Plan& p, const k3::Model& model, const Roofs&
       const std::string dn = std::to_string(d);
       const int64_t from = base_len;
       prog.say("depth " + dn + ": prefill " + std::to_string(from) + "/" + dn);
+      const auto t0 = std::chrono::steady_clock::now();
       bench.prefill_base(ctx_ids.data() + from, d - from, [&](int64_t done) {
         prog.say("depth " + dn + ": prefill " + std::to_string(from + done) + "/" + dn);
       });
+      report.depth_prefill(d, from, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       base_len = d;
     }
     for (; next < p.tests.size() && p.tests[next].depth_index == di; ++next)

@@ -87,7 +87,10 @@ TEST(CliBench, MarkdownRows) {
   EXPECT_TRUE(ls[1].empty());
   EXPECT_EQ(cells(ls[2]), (std::vector<std::string>{"model", "size", "params", "threads", "test", "t/s"}));
   const std::vector<std::string> want = {"pp8", "tg4", "pp8 @ d16", "tg4 @ d16"};
-  ASSERT_EQ(ls.size(), 4u + want.size()) << r.out;
+  // The table, then a blank line and the depth context's prefill time.
+  ASSERT_EQ(ls.size(), 4u + want.size() + 2) << r.out;
+  EXPECT_TRUE(ls[4 + want.size()].empty());
+  EXPECT_EQ(ls.back().rfind("depth 16: prefill of 16 tokens (--ubatch 512, not a timed test) took ", 0), 0u) << ls.back();
   for (size_t i = 0; i < want.size(); ++i) {
     const auto c = cells(ls[4 + i]);
     ASSERT_EQ(c.size(), 6u) << ls[4 + i];
@@ -190,6 +193,14 @@ TEST(CliBench, JsonDocumentAndJsonOut) {
   ASSERT_TRUE(doc.contains("build"));
   EXPECT_FALSE(doc["build"]["version"].get<std::string>().empty());
   EXPECT_FALSE(doc["build"]["cpu"].get<std::string>().empty());
+  // The one depth context built by prefill, with its wall time; the process's peak memory.
+  ASSERT_EQ(doc["depth_prefills"].size(), 1u) << doc.dump();
+  EXPECT_EQ(doc["depth_prefills"][0]["n_depth"], 16);
+  EXPECT_EQ(doc["depth_prefills"][0]["tokens"], 16);
+  EXPECT_GT(doc["depth_prefills"][0]["seconds"].get<double>(), 0.0);
+  EXPECT_NEAR(doc["depth_prefills"][0]["ts"].get<double>() * doc["depth_prefills"][0]["seconds"].get<double>(), 16.0,
+              1e-6);
+  EXPECT_GT(doc["peak_rss_bytes"].get<uint64_t>(), uint64_t(1) << 20);
   const auto& res = doc["results"];
   ASSERT_EQ(res.size(), 8u);  // 2 depths x 2 thread counts x {pp8, tg4}
   size_t i = 0;
@@ -495,6 +506,14 @@ TEST(CliBench, ProfileTables) {
     EXPECT_NEAR(share, 1.0, 1e-9);
     for (const char* want : {"matmul", "kda", "mla_attend", "moe_routed", "attnres_mix", "rmsnorm", "router_topk"})
       EXPECT_NE(std::find(ops.begin(), ops.end(), want), ops.end()) << want << " missing from " << p.dump();
+  }
+  // --ubatch above the CPU's 512 step rows: a 1000-token piece is one step, not two.
+  for (const char* ub : {"512", "1000"}) {
+    const auto big = run_k3("bench " + m() + " -p 1000 -n 0 -r 1 -t 1 --ubatch " + ub +
+                            " -o json --no-progress --no-roofline --profile");
+    ASSERT_EQ(big.code, 0) << big.err;
+    const auto bd = nlohmann::json::parse(big.out);
+    EXPECT_EQ(bd["results"][0]["profile"]["steps"].get<int64_t>(), std::string(ub) == "512" ? 2 : 1) << ub;
   }
   const auto md = run_k3("bench " + m() + " -p 0 -n 2 -r 1 -t 1 --no-progress --no-roofline --profile");
   ASSERT_EQ(md.code, 0) << md.err;
