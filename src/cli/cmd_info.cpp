@@ -29,7 +29,7 @@ std::string ctx_refusal(const ModelConfig& cfg, int64_t ctx) {
          std::to_string(cfg.max_position_embeddings) + "); k3 run, chat and eval refuse it";
 }
 
-int run_info(const std::string& model_flag, int64_t ctx, bool trunk_fp8) {
+int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool trunk_fp8) {
   const std::string dir = resolve_model_dir(model_flag);
   const ModelConfig cfg = load_model_config(dir);
   std::string report = format_arch_report(cfg, ctx);
@@ -81,8 +81,8 @@ int run_info(const std::string& model_flag, int64_t ctx, bool trunk_fp8) {
   } else {
     // What `k3 run` / `k3 chat` will check against MemAvailable (fp32 state, as this engine holds it).
     const int64_t at = ctx > 0 ? ctx : std::min<int64_t>(cfg.max_position_embeddings, 32768);
-    const MemoryPlan p = plan_memory(cfg, weights, at, 512);
-    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch 512%s)%s\n", (long long)at,
+    const MemoryPlan p = plan_memory(cfg, weights, at, ubatch);
+    std::printf("memory to run at %lld tokens (k3, fp32 state, ubatch %lld%s)%s\n", (long long)at, (long long)ubatch,
                 trunk_fp8 ? ", --trunk-fp8" : "", ctx > 0 ? "" : " [--ctx N to change]");
     std::printf("  weights %s + KDA state %s + MLA cache %s + buffers ~%s = %s\n", human_bytes(p.weights).c_str(),
                 human_bytes(p.kda_state).c_str(), human_bytes(p.mla_cache).c_str(), human_bytes(p.scratch).c_str(),
@@ -95,7 +95,9 @@ int run_info(const std::string& model_flag, int64_t ctx, bool trunk_fp8) {
 
     // What `--device cuda` needs in GPU memory (weights as stored, MXFP4 experts stay 4-bit).
     const int64_t gat = ctx > 0 ? ctx : 4096;
-    const GpuMemoryPlan g = gpu_memory_plan(cfg, weights, GpuOptions{}, gat);
+    GpuOptions go;
+    go.tokens_per_call = ubatch;
+    const GpuMemoryPlan g = gpu_memory_plan(cfg, weights, go, gat);
     std::printf(
         "GPU memory to run at %lld tokens (--device cuda%s)\n", (long long)gat,
         trunk_fp8 ? "; with --trunk-fp8: what it will need, refused today: its FP8 kernels are not built yet" : "");
@@ -117,7 +119,7 @@ int cmd_info(int argc, char** argv) {
       "at --ctx N needs (config.json alone is enough)"};
   app.name("k3 info");
   std::string model;
-  int64_t ctx = 0;
+  int64_t ctx = 0, ubatch = 512;
   bool trunk_fp8 = false;
   add_model_option(&app, model);
   app.add_flag("--trunk-fp8", trunk_fp8,
@@ -126,8 +128,10 @@ int cmd_info(int argc, char** argv) {
                  "size the MLA cache and the memory plan for this many tokens (default: "
                  "min(max_position_embeddings, 32768)); past max_position_embeddings it is reported as refused")
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
+  app.add_option("--ubatch", ubatch, "prefill tokens per step the plan is sized for, as `k3 run --ubatch` (default 512)")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   if (const auto code = parse_flags(app, argc, argv)) return *code;
-  return run_guarded("k3 info", [&] { return run_info(model, ctx, trunk_fp8); });
+  return run_guarded("k3 info", [&] { return run_info(model, ctx, ubatch, trunk_fp8); });
 }
 
 }  // namespace k3::cli

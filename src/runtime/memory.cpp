@@ -12,6 +12,8 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
+#include "ops/ops.h"
 
 namespace k3 {
 
@@ -28,7 +30,7 @@ MemoryPlan plan_memory(const ModelConfig& c, uint64_t weight_bytes, int64_t ctx,
       uint64_t(n_mla) * 4 * uint64_t(std::max<int64_t>(ctx, 0)) * uint64_t(c.kv_lora_rank + c.qk_rope_head_dim);
   // Working set of one ubatch: the depth state (block snapshots + partial sum), a handful of
   // hidden-sized temporaries, the widest projection (KDA q/k/v + gates, MLA heads, the MoE
-  // expert rows of one token) and MLA scores over the context; plus last-token logits.
+  // expert rows of one token) and the MLA attention's workspace; plus last-token logits.
   const uint64_t H = uint64_t(c.hidden_size), T = uint64_t(std::max<int64_t>(ubatch, 1));
   const uint64_t blocks = uint64_t(c.num_hidden_layers / std::max<int64_t>(c.attn_res_block_size, 1) + 2);
   const uint64_t mla_w = uint64_t(c.num_attention_heads) * uint64_t(c.mla_qk_head_dim() + c.v_head_dim) * 2;
@@ -36,8 +38,24 @@ MemoryPlan plan_memory(const ModelConfig& c, uint64_t weight_bytes, int64_t ctx,
       uint64_t(c.num_experts_per_token + c.num_shared_experts) * uint64_t(c.moe_intermediate_size) * 2 +
       uint64_t(c.num_experts);
   const uint64_t widest = std::max({6 * D, mla_w, moe_w, uint64_t(c.intermediate_size) * 2});
-  const uint64_t scores = uint64_t(c.num_attention_heads) * uint64_t(std::max<int64_t>(ctx, 1));
-  p.scratch = 4 * (T * (H * (blocks + 8) + widest + scores) + uint64_t(c.vocab_size));
+  // MLA attention runs an online softmax over key blocks, so nothing of size ubatch x context: the
+  // larger of the tiled prefill's key tile (latent rows and their transpose, k_r, per-head keys and
+  // values) with its running max/sum per query and head, and the absorbed form's latent queries and
+  // contexts (blocks of <= 4M floats each); plus a score row per thread over the context (exact
+  // numerics' scalar kernels). (--mla expanded under exact numerics is a reference path that
+  // expands the whole cache per call: not planned.)
+  uint64_t mla_ws = 0;
+  if (n_mla > 0) {
+    const uint64_t Hm = uint64_t(c.num_attention_heads), L = uint64_t(c.kv_lora_rank),
+                   R = uint64_t(c.qk_rope_head_dim);
+    const MlaAttnDims md{c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank,
+                         1.0f};
+    const uint64_t KT = uint64_t(ops::mla_tiled_key_tile(md));
+    const uint64_t tiled = KT * (2 * L + R) + Hm * KT * uint64_t(c.qk_nope_head_dim + c.v_head_dim) + 2 * Hm * T;
+    const uint64_t absorbed = 2 * std::min<uint64_t>(T * Hm * L, uint64_t(1) << 22);
+    mla_ws = std::max(tiled, absorbed) + uint64_t(par::hardware_threads()) * uint64_t(std::max<int64_t>(ctx, 1));
+  }
+  p.scratch = 4 * (T * (H * (blocks + 8) + widest) + mla_ws + uint64_t(c.vocab_size));
   return p;
 }
 

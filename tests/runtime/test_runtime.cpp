@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "runtime/chat_session.h"
 #include "runtime/generate.h"
+#include "core/thread_pool.h"
 #include "runtime/memory.h"
 
 namespace fs = std::filesystem;
@@ -379,6 +380,11 @@ TEST(Memory, PlanAndSizes) {
   // KDA state as held by a Session: 9 KDA layers.
   k3::Session s(*tiny().model);
   EXPECT_EQ(p0.kda_state, s.state_bytes());
+  // The MLA attention workspace is bounded (online softmax over key tiles): from 1K to 1M tokens only
+  // the per-thread score rows of the exact kernels grow; a longer ubatch needs more.
+  const auto a = k3::plan_memory(cfg, 0, 1024, 512), b = k3::plan_memory(cfg, 0, 1 << 20, 512);
+  EXPECT_EQ(b.scratch - a.scratch, 4ull * uint64_t(k3::par::hardware_threads()) * ((1u << 20) - 1024));
+  EXPECT_GT(k3::plan_memory(cfg, 0, 1024, 2048).scratch, a.scratch);
   EXPECT_EQ(k3::parse_size("512", "x"), 512u);
   EXPECT_EQ(k3::parse_size("2K", "x"), 2048u);
   EXPECT_EQ(k3::parse_size("1.5GiB", "x"), uint64_t(1.5 * 1024 * 1024 * 1024));

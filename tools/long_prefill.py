@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""One long prefill, then decode from it, with the memory it took against what k3 plans (issue 22).
+
+Usage:
+  python3 tools/long_prefill.py --k3 build/bin/k3 --model DIR --tokens 131072 [--decode 64] [--ubatch 2048]
+      [--device cpu|cuda] [--numerics fast] [--mla auto] [--extra "ARGS"] --json OUT.json
+
+Runs, each in a process of its own:
+  * `k3 info -m DIR --ctx TOKENS+DECODE --ubatch U`: the memory k3 plans for one sequence at that
+    context (CPU line, and the GPU line);
+  * `k3 bench -m DIR -p 0 -n DECODE -d TOKENS -r 1 --ubatch U --depth-fill prefill`: the depth context is
+    a real prefill of TOKENS seeded random ids in U-token steps (its wall time is recorded:
+    depth_prefills), then DECODE greedy steps from it (a warm-up run and one timed run, each starting
+    from a copy of the prefilled context).
+Recorded: prefill wall time and t/s, decode t/s at that depth, the bench process's peak resident set
+(wait4's ru_maxrss: host memory) and, on the GPU, the device memory in use at its end, each against
+k3 info's plan. k3 bench holds two sequences of that length (the prefilled context, and the copy the
+timed run decodes into), so the host figure is compared with the plan plus one more sequence's state
+(KDA state + MLA cache). Standard library only.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from context_sweep import parse_info  # noqa: E402  (the same reading of `k3 info --ctx`)
+
+
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit():
+    r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return r.stdout.strip() if r.returncode == 0 else "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k3", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, required=True, help="prefill length")
+    ap.add_argument("--decode", type=int, default=64, help="greedy decode steps after the prefill")
+    ap.add_argument("--ubatch", type=int, default=2048, help="prefill tokens per step")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--numerics", default="fast", choices=["fast", "fp32", "exact"])
+    ap.add_argument("--mla", default="auto", choices=["auto", "absorbed", "expanded"])
+    ap.add_argument("--extra", default="", help="more k3 bench flags (e.g. \"-t 16\")")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    if a.tokens < 1 or a.decode < 1 or a.ubatch < 1:
+        ap.error("--tokens, --decode and --ubatch must be >= 1")
+    ctx = a.tokens + a.decode
+    info = subprocess.run([a.k3, "info", "-m", a.model, "--ctx", str(ctx), "--ubatch", str(a.ubatch)],
+                          capture_output=True, text=True)
+    if info.returncode != 0:
+        raise SystemExit(f"long_prefill: k3 info failed for {a.model}: {info.stderr.strip()}")
+    plan = parse_info(info.stdout)
+    if "cpu_plan" not in plan:
+        raise SystemExit("long_prefill: could not read the memory plan from `k3 info --ctx`:\n" + info.stdout)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, "bench.json"), os.path.join(tmp, "stderr.txt")
+        cmd = [a.k3, "bench", "-m", a.model, "-p", "0", "-n", str(a.decode), "-d", str(a.tokens), "-r", "1",
+               "--ubatch", str(a.ubatch), "--depth-fill", "prefill", "--numerics", a.numerics, "--mla", a.mla,
+               "--device", a.device, "--no-roofline", "--json-out", out] + shlex.split(a.extra)
+        print("long_prefill: " + " ".join(cmd), flush=True)
+        t0 = time.time()
+        with open(err, "w") as ef:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ef)
+            _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.time() - t0
+        rc = os.waitstatus_to_exitcode(status)
+        if rc != 0:
+            raise SystemExit(f"long_prefill: k3 bench failed ({rc}): {open(err).read().strip()[-600:]}")
+        doc = json.load(open(out))
+    pre = [p for p in doc.get("depth_prefills", []) if p["n_depth"] == a.tokens]
+    tg = [r for r in doc["results"] if r.get("n_gen", 0) > 0]
+    if not pre or not tg:
+        raise SystemExit("long_prefill: the bench json lacks the depth prefill or the decode result")
+    pre, tg = pre[0], tg[0]
+    peak_rss = usage.ru_maxrss * 1024
+    cpu_total = plan["cpu_plan"]["total"]
+    # the plan is for one sequence; bench holds the context and one copy of it
+    bench_expected = cpu_total + plan["cpu_plan"]["kda_state"] + plan["cpu_plan"]["mla_cache"]
+    res = {
+        "what": f"{a.tokens}-token prefill (seeded random ids, {a.ubatch}-token steps), then {a.decode} greedy "
+                "decode steps from it; memory against `k3 info --ctx` (issue 22)",
+        "command": " ".join(shlex.quote(x) for x in sys.argv),
+        "bench_command": " ".join(shlex.quote(x) for x in cmd),
+        "model": os.path.basename(os.path.normpath(a.model)),
+        "device": a.device,
+        "numerics": a.numerics,
+        "mla": a.mla,
+        "prefill_tokens": a.tokens,
+        "prefill_s": pre["seconds"],
+        "prefill_ts": pre["ts"],
+        "decode_tokens": a.decode,
+        "decode_ts": tg["avg_ts"],
+        "decode_ms_per_token": 1e3 / tg["avg_ts"],
+        "bench_wall_s": wall,
+        "peak_rss_bytes": peak_rss,
+        "planned": plan,
+        "peak_rss_vs_cpu_plan": peak_rss / cpu_total,
+        "cpu_plan_for_two_sequences": bench_expected,
+        "peak_rss_vs_cpu_plan_for_two_sequences": peak_rss / bench_expected,
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
+        "build": doc.get("build", {}),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+    }
+    if "gpu_used_bytes_at_end" in doc:
+        res["gpu_used_bytes_at_end"] = doc["gpu_used_bytes_at_end"]
+        if "gpu_plan" in plan:
+            res["gpu_used_vs_gpu_plan"] = doc["gpu_used_bytes_at_end"] / plan["gpu_plan"]["total"]
+    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+    with open(a.json, "w") as f:
+        json.dump(res, f, indent=1)
+        f.write("\n")
+    print(f"long_prefill: {a.tokens} tokens prefilled in {pre['seconds']:.1f} s ({pre['ts']:.2f} t/s), decode "
+          f"{tg['avg_ts']:.2f} t/s at that depth; peak RSS {peak_rss / 2**30:.2f} GiB vs planned "
+          f"{bench_expected / 2**30:.2f} GiB for the bench's two sequences ({peak_rss / bench_expected:.3f}x); "
+          f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
