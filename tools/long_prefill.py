@@ -61,6 +61,9 @@ def main():
     ap.add_argument("--mla", default="auto", choices=["auto", "absorbed", "expanded"])
     ap.add_argument("--extra", default="", help="more k3 bench flags (e.g. \"-t 16\")")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--replan", action="store_true",
+                    help="do not run the bench: read the record --json, plan its context again with this k3 info "
+                         "(after a change to the plan) and add that plan, its ratio and commit as replanned")
     a = ap.parse_args()
     if a.tokens < 1 or a.decode < 1 or a.ubatch < 1:
         ap.error("--tokens, --decode and --ubatch must be >= 1")
@@ -72,6 +75,19 @@ def main():
     plan = parse_info(info.stdout)
     if "cpu_plan" not in plan:
         raise SystemExit("long_prefill: could not read the memory plan from `k3 info --ctx`:\n" + info.stdout)
+    if a.replan:
+        rec = json.load(open(a.json))
+        if rec["prefill_tokens"] != a.tokens or rec["decode_tokens"] != a.decode:
+            raise SystemExit("long_prefill: --replan: --tokens/--decode differ from the record's")
+        rec["replanned"] = {"command": " ".join(shlex.quote(x) for x in sys.argv), "planned": plan,
+                            "peak_rss_vs_cpu_plan": rec["peak_rss_bytes"] / plan["cpu_plan"]["total"],
+                            "commit": git_commit(), "date": datetime.date.today().isoformat()}
+        with open(a.json, "w") as f:
+            json.dump(rec, f, indent=1)
+            f.write("\n")
+        print(f"long_prefill: replanned {a.json}: peak RSS {rec['peak_rss_bytes'] / 2**30:.2f} GiB vs planned "
+              f"{plan['cpu_plan']['total'] / 2**30:.2f} GiB ({rec['replanned']['peak_rss_vs_cpu_plan']:.3f}x)")
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         out, err = os.path.join(tmp, "bench.json"), os.path.join(tmp, "stderr.txt")

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "model/model.h"
 #include "ops/ops.h"
 
 namespace k3 {
@@ -55,7 +56,14 @@ MemoryPlan plan_memory(const ModelConfig& c, uint64_t weight_bytes, int64_t ctx,
     const uint64_t absorbed = 2 * std::min<uint64_t>(T * Hm * L, uint64_t(1) << 22);
     mla_ws = std::max(tiled, absorbed) + uint64_t(par::hardware_threads()) * uint64_t(std::max<int64_t>(ctx, 1));
   }
-  p.scratch = 4 * (T * (H * (blocks + 8) + widest) + mla_ws + uint64_t(c.vocab_size));
+  // The step's activations: the forward's own planned workspace (model/forward.cpp) for ubatch rows
+  // where the config binds (the estimate above otherwise, e.g. for a family member it cannot run).
+  uint64_t acts = T * (H * (blocks + 8) + widest) + uint64_t(c.vocab_size);
+  try {
+    acts = uint64_t(forward_work_floats(ModelDims::from_config(c), int64_t(T)));
+  } catch (const Error&) {  // (the estimate stays)
+  }
+  p.scratch = 4 * (acts + mla_ws);
   return p;
 }
 
