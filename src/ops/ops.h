@@ -90,7 +90,8 @@ void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentP
 // multiple of 64 (0: mla_tiled_key_tile(d); tests force small tiles).
 void mla_attend_tiled_paged(Exec ex, const float* q, int64_t T, const LatentPages& cache, int64_t S, int64_t pos0,
                             const WeightMat& kv_b, const MlaAttnDims& d, float* out, int64_t key_tile = 0);
-// Keys per tile of mla_attend_tiled_paged for these dimensions.
+// Keys per tile of mla_attend_tiled_paged (256 whatever the dimensions: a head's result does not
+// depend on how many heads share the call).
 int64_t mla_tiled_key_tile(const MlaAttnDims& d);
 // Whether mla_attend_tiled_paged is the cheaper form for T queries over S cached tokens (the last T
 // of them are the queries'): by multiply-adds, weighted by the two kernels' measured rates.

@@ -73,7 +73,7 @@ TEST_P(LongContext, ChunkedPrefillEqualsTokenByToken) {
 
 // The default MLA form (Auto) takes the expanded form in key tiles for prefill pieces and absorbed
 // for decode; absorbed everywhere is the other way to the same numbers. 2,600 tokens in pieces of
-// 512 rows (the second piece on attends over more than one 1,024-key tile on these fixtures), then
+// 512 rows (each piece attends over several 256-key tiles), then
 // decode steps, fp32: the logits agree to kFormTol, the greedy ids are the same, and the two runs
 // differ in their bits (Auto did run another kernel). Fast numerics on these random fixtures are
 // chaotic (test_numerics.cpp says why); FastNumerics.K3NanoLongPrefillTiledMla checks them.

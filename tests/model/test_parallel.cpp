@@ -124,6 +124,25 @@ TEST_P(Split, SessionsMarkRollbackAndForkAreTheOneRankModels) {
   EXPECT_EQ(pool->live_slots(), 2);
 }
 
+// A prompt long enough that the MLA prefill runs in the tiled expanded form over several key tiles
+// (600 ids in one piece, tiles of 256 keys), then decode: a tensor-parallel rank's heads cut the
+// keys where the one-rank model does, so the logits are bitwise the same (fp32 and fast numerics).
+TEST(SplitLong, TiledMlaPrefillIsTheOneRankModels) {
+  for (const Case& c : {Case{"tiny", 2, 1}, Case{"kl-tiny", 2, 1}, Case{"k3-nano", 2, 2}}) {
+    SCOPED_TRACE(c.model + " tp" + std::to_string(c.tp) + " ep" + std::to_string(c.ep));
+    auto one = k3::Model::load(dir_of(c.model));
+    auto split = k3::Model::load(dir_of(c.model));
+    split->split({c.tp, c.ep});
+    const auto ids = prompt_ids(int32_t(one->dims().vocab), 600, 31u);
+    for (auto n : {k3::ops::Numerics::F32, k3::ops::Numerics::Fast}) {
+      SCOPED_TRACE(k3::ops::numerics_name(n));
+      const auto o = opts(n);
+      EXPECT_TRUE(same_bits(k3test::incremental(*split, ids, 596, o), k3test::incremental(*one, ids, 596, o)))
+          << "prefill 596 then decode";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Split,
                          ::testing::Values(Case{"tiny", 2, 1}, Case{"tiny", 1, 2}, Case{"tiny", 2, 2},
                                            Case{"tiny", 3, 1}, Case{"tiny", 1, 3}, Case{"tiny-flat", 2, 1},

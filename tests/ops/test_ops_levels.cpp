@@ -541,6 +541,28 @@ TEST_P(OpsLevels, MlaTiledMatchesTwins) {
       EXPECT_NE(std::memcmp(t2.data() + (c.T - 1) * per_t, t_ops.data() + (c.T - 1) * per_t, per_t * 4), 0);
     }
   }
+  // A head's result does not depend on the other heads of the call (a tensor-parallel rank runs a
+  // slice of them): 8 heads of K3's widths in one call and as two calls of 4, bitwise, default tiles.
+  {
+    const MlaCase c{8, 128, 64, 128, 512, 700, 600, k3::WFormat::BF16};
+    const MlaData m = make_mla(rng, c);
+    const MlaPaged p = paged(m, c, 64);
+    const int64_t pos0 = c.S - c.T, dq = c.nope + c.rope, ph = c.nope + c.v, Hs = c.heads / 2;
+    auto all = nan_vec(size_t(c.T * c.heads * c.v)), halves = nan_vec(all.size());
+    k3::ops::mla_attend_tiled_paged(k3::ops::kF32, m.q.data(), c.T, p.lp, c.S, pos0, m.kvb.w, m.d, all.data());
+    k3::MlaAttnDims dh = m.d;
+    dh.heads = Hs;
+    for (int64_t part = 0; part < 2; ++part) {
+      std::vector<float> q(size_t(c.T * Hs * dq)), o(size_t(c.T * Hs * c.v));
+      for (int64_t t = 0; t < c.T; ++t)
+        std::copy_n(m.q.begin() + (t * c.heads + part * Hs) * dq, Hs * dq, q.begin() + t * Hs * dq);
+      k3::ops::mla_attend_tiled_paged(k3::ops::kF32, q.data(), c.T, p.lp, c.S, pos0,
+                                      k3::rows_of(m.kvb.w, part * Hs * ph, Hs * ph), dh, o.data());
+      for (int64_t t = 0; t < c.T; ++t)
+        std::copy_n(o.begin() + t * Hs * c.v, Hs * c.v, halves.begin() + (t * c.heads + part * Hs) * c.v);
+    }
+    EXPECT_EQ(std::memcmp(all.data(), halves.data(), all.size() * 4), 0) << "8 heads vs 2 x 4";
+  }
   // A key tile that is not a whole number of attention blocks is refused.
   const MlaCase c{2, 8, 4, 8, 32, 10, 4, k3::WFormat::F32};
   const MlaData m = make_mla(rng, c);

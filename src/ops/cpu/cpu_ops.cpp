@@ -466,11 +466,11 @@ void mla_attend_absorbed_paged(Exec ex, const float* q, int64_t T, const LatentP
   mla_absorbed(ex, q, T, lat, S, pos0, kv_b, d, out);
 }
 
-int64_t mla_tiled_key_tile(const MlaAttnDims& d) {
-  // Expanded keys and values of one tile ([heads, nope + v, tile] floats) within ~16 MB, whole
-  // attention blocks.
-  const int64_t per_token = std::max<int64_t>(d.heads * (d.nope + d.v), 1);
-  return std::clamp<int64_t>((int64_t(1) << 22) / per_token / K3_ATT_BLOCK * K3_ATT_BLOCK, K3_ATT_BLOCK, 1024);
+int64_t mla_tiled_key_tile(const MlaAttnDims&) {
+  // The same for every head count, so a model whose heads are split over ranks (tensor parallel)
+  // cuts the keys at the same places and each head's softmax runs its sums in the same order (the
+  // split stays bitwise the one-rank model). K3's 96 heads: 256 x 96 x 256 floats = 24 MiB.
+  return 4 * K3_ATT_BLOCK;
 }
 
 bool mla_tiled_pays(int64_t T, int64_t S, const MlaAttnDims& d) {
