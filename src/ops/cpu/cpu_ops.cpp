@@ -167,8 +167,8 @@ constexpr int64_t kAbsorbedHeadGroup = 16;
 constexpr int64_t kExpandedTokenGroup = 8;
 constexpr int64_t kTiledTokenGroup = 32;  // query rows (consecutive tokens of one head) per tiled item
 // mla_tiled_pays weighs the tiled form's multiply-adds by this: the absorbed kernels' rate over the
-// tiled kernels' (measured with k3_ops_bench).
-constexpr double kTiledCostWeight = 1.2;
+// tiled kernels' (k3_ops_bench, docs/data/cpu-ops-bench.txt: within ~10% of each other either way).
+constexpr double kTiledCostWeight = 1.0;
 constexpr int64_t kMinItems = 64;      // split keys into parts until there are this many items
 constexpr int64_t kMinPartKeys = 512;  // ... but never below this many keys per part
 
