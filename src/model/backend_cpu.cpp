@@ -167,13 +167,14 @@ class CpuBackend final : public Backend {
       // Exact numerics: the reference-style forms. Otherwise Expanded runs in key tiles (bounded
       // workspace), and Auto picks by the multiply-adds of this sequence's piece.
       const bool exact = ex_.numerics == ops::Numerics::Exact;
-      if (algo == MlaAlgo::Expanded && exact) {
-        mla_expanded(q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
-      } else if (!exact && (algo == MlaAlgo::Expanded || (algo == MlaAlgo::Auto && ops::mla_tiled_pays(T, S, d)))) {
-        ops::mla_attend_tiled_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
-      } else {
-        ops::mla_attend_absorbed_paged(ex_, q + r0 * d.heads * dq, T, lp, S, s.pos0[i], kv_b, d, out + r0 * HV);
-      }
+      const float* qi = q + r0 * d.heads * dq;
+      float* oi = out + r0 * HV;
+      if (algo == MlaAlgo::Expanded && exact)
+        mla_expanded(qi, T, lp, S, s.pos0[i], kv_b, d, oi);
+      else if (!exact && (algo == MlaAlgo::Expanded || (algo == MlaAlgo::Auto && ops::mla_tiled_pays(T, S, d))))
+        ops::mla_attend_tiled_paged(ex_, qi, T, lp, S, s.pos0[i], kv_b, d, oi);
+      else
+        ops::mla_attend_absorbed_paged(ex_, qi, T, lp, S, s.pos0[i], kv_b, d, oi);
     }
   }
 

@@ -58,10 +58,11 @@ MemoryPlan plan_memory(const ModelConfig& c, uint64_t weight_bytes, int64_t ctx,
   }
   // The step's activations: the forward's own planned workspace (model/forward.cpp) for ubatch rows
   // where the config binds (the estimate above otherwise, e.g. for a family member it cannot run).
-  uint64_t acts = T * (H * (blocks + 8) + widest) + uint64_t(c.vocab_size);
+  uint64_t acts = 0;
   try {
     acts = uint64_t(forward_work_floats(ModelDims::from_config(c), int64_t(T)));
-  } catch (const Error&) {  // (the estimate stays)
+  } catch (const Error&) {
+    acts = T * (H * (blocks + 8) + widest) + uint64_t(c.vocab_size);
   }
   p.scratch = 4 * (acts + mla_ws);
   return p;
