@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--mla", default="auto", choices=["auto", "absorbed", "expanded"])
     ap.add_argument("--extra", default="", help="more k3 bench flags (e.g. \"-t 16\")")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--log", help="also copy k3 bench's stderr (its progress) to this file as it runs")
     ap.add_argument("--replan", action="store_true",
                     help="do not run the bench: read the record --json, plan its context again with this k3 info "
                          "(after a change to the plan) and add that plan, its ratio and commit as replanned")
@@ -96,10 +97,36 @@ def main():
                "--device", a.device, "--no-roofline", "--json-out", out] + shlex.split(a.extra)
         print("long_prefill: " + " ".join(cmd), flush=True)
         t0 = time.time()
+        # On the GPU: the device memory in use, sampled by nvidia-smi every 200 ms while the bench runs
+        # (its peak, and what was in use before it started).
+        smi_out = os.path.join(tmp, "smi.csv")
+        smi = None
+        gpu_before = None
+        if a.device == "cuda":
+            q = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+            try:
+                gpu_before = int(subprocess.run(q, capture_output=True, text=True).stdout.split()[0]) * 2**20
+                smi = subprocess.Popen(q + ["-lms", "200"], stdout=open(smi_out, "w"), stderr=subprocess.DEVNULL)
+            except (OSError, ValueError, IndexError):
+                smi = None
         with open(err, "w") as ef:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ef)
+            log = open(a.log, "w") if a.log else None
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            for chunk in iter(lambda: proc.stderr.read1(4096), b""):
+                ef.write(chunk.decode(errors="replace"))
+                if log:
+                    log.write(chunk.decode(errors="replace"))
+                    log.flush()
             _, status, usage = os.wait4(proc.pid, 0)
+            if log:
+                log.close()
         wall = time.time() - t0
+        gpu_peak = None
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+            vals = [int(x) for x in open(smi_out).read().split() if x.isdigit()]
+            gpu_peak = max(vals) * 2**20 if vals else None
         rc = os.waitstatus_to_exitcode(status)
         if rc != 0:
             raise SystemExit(f"long_prefill: k3 bench failed ({rc}): {open(err).read().strip()[-600:]}")
@@ -135,6 +162,11 @@ def main():
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
     }
+    if gpu_peak is not None:
+        res["gpu_peak_used_bytes_nvidia_smi"] = gpu_peak
+        res["gpu_used_bytes_before_nvidia_smi"] = gpu_before
+        if "gpu_plan" in plan:
+            res["gpu_peak_vs_gpu_plan"] = (gpu_peak - (gpu_before or 0)) / plan["gpu_plan"]["total"]
     if "gpu_used_bytes_at_end" in doc:
         res["gpu_used_bytes_at_end"] = doc["gpu_used_bytes_at_end"]
         if "gpu_plan" in plan:

@@ -143,6 +143,11 @@ class CudaBackend final : public Backend {
       int64_t floats = 1;
       for (int64_t r = 1; r <= R; ++r) floats = std::max(floats, cu::mla_paged_work_floats(r, r, ad));
       mla_work_ = cu::DevBuf(size_t(floats) * 4, "MLA workspace");
+      if (mla_tc_supported(ad)) {  // the tensor-core prefill form (fast numerics)
+        mla_tc_chunk_ = mla_tc_key_chunk(ad);
+        mla_tc_work_ = cu::DevBuf(size_t(mla_tc_work_bytes(mla_tc_chunk_, R, ad)), "MLA tensor-core workspace");
+        mla_skip_dev_ = cu::DevBuf(size_t(R) * 4, "MLA sequence flags");
+      }
     }
     if (o.experts_on_cpu && d.moe.experts > 0) {
       cpu_ = make_cpu_backend();
@@ -155,7 +160,7 @@ class CudaBackend final : public Backend {
     ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
     seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
     argmax_dev_ = cu::DevBuf(size_t(R) * 4, "greedy picks");
-    staging_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(4 * R + 1) * 4));
+    staging_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(5 * R + 1) * 4));  // + the MLA flags
   }
   ~CudaBackend() override {
     cu::nccl_destroy(nccl_);
@@ -245,6 +250,7 @@ class CudaBackend final : public Backend {
     vb_ = cu::VarlenDev{N, R, sd, sd + N + 1, v.n_slots};
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
+    plan_mla(v, st + R + 3 * N + 1);
     // The host's part of the step: its routed experts. In fp32 activations whatever the mode: the
     // CPU's fast numerics quantise a lone row's activations to 8 bits (q8 MXFP4 GEMV), which the
     // GPU never does, and the placement must not change the tokens (issue 20: greedy ids equal to
@@ -373,11 +379,36 @@ class CudaBackend final : public Backend {
     c.pages = pages.pages;
     cu::mla_cache_append_paged(ckv, vb_, c, L, rope, norm_w, eps, stream_);
   }
+  // Prefill pieces of kMlaTcMinRows rows or more in fast numerics: the tensor-core expanded form
+  // (mla_tc.cu); decode rows and fp32 numerics: the absorbed kernel (fp32), which skips the others.
   void mla_attend(const float* q, const StepView&, const MlaPages& pages, const WeightMat& kv_b, const MlaAttnDims& d,
-                  MlaAlgo, float* out) override {
+                  MlaAlgo algo, float* out) override {
     cu::PagedCacheDev c = pc_;
     c.pages = pages.pages;
-    cu::mla_attend_absorbed_paged(q, vb_, c, kv_b, d, mla_work_.as<float>(), out, p_, stream_);
+    const bool tc = mla_tc_seqs_ > 0 && algo != MlaAlgo::Absorbed && !capturing_ && cu::mla_tc_weight_ok(kv_b) &&
+                    mla_tc_supported(d);
+    if (!tc || mla_tc_seqs_ < view_.n_seqs)
+      cu::mla_attend_absorbed_paged(q, vb_, c, kv_b, d, mla_work_.as<float>(), out, p_, stream_,
+                                    tc ? mla_skip_dev_.as<int32_t>() : nullptr);
+    if (tc)
+      cu::mla_attend_tc_paged(q, vb_, c, view_cu_.data(), view_pos0_.data(), mla_tc_use_.data(), kv_b, d,
+                              mla_tc_chunk_, mla_tc_work_.get(), out, stream_);
+  }
+  // Which sequences of the step take the tensor-core MLA (their flags go to the device for the
+  // absorbed kernel to skip); `flags` is pinned staging of n_seqs ints.
+  void plan_mla(const StepView& v, int32_t* flags) {
+    const int64_t N = v.n_seqs;
+    view_pos0_.assign(v.pos0, v.pos0 + N);
+    mla_tc_use_.assign(size_t(N), 0);
+    mla_tc_seqs_ = 0;
+    if (!mla_tc_work_ || p_ != cu::Precision::BF16) return;
+    for (int64_t i = 0; i < N; ++i) {
+      const bool use = v.cu_rows[i + 1] - v.cu_rows[i] >= kMlaTcMinRows;
+      mla_tc_use_[size_t(i)] = use;
+      flags[i] = use;
+      mla_tc_seqs_ += use;
+    }
+    if (mla_tc_seqs_ > 0 && mla_tc_seqs_ < N) cu::h2d(mla_skip_dev_.get(), flags, size_t(N) * 4, stream_);
   }
 
   // ---- MoE
@@ -779,6 +810,10 @@ class CudaBackend final : public Backend {
   cu::DevBuf ep_ids_;                  // routed_terms: the step's ids on this rank's expert stack
   std::vector<int32_t> ep_ids_host_;
   cu::DevBuf kda_work_;  // kda_chunked_tc_varlen's records
+  cu::DevBuf mla_tc_work_, mla_skip_dev_;  // mla_attend_tc_paged's workspace; the absorbed kernel's skip flags
+  int64_t mla_tc_chunk_ = 0, mla_tc_seqs_ = 0;
+  std::vector<uint8_t> mla_tc_use_;
+  std::vector<int64_t> view_pos0_;
   int64_t kda_work_chunks_ = 0;
   int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, max_tiles_ = 0;
   uint64_t buffers_ = 0;

@@ -104,6 +104,12 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
   p.state_per_token = d.mla_bytes_per_token();
   p.workspace = size_t(forward_work_floats(d, o.tokens_per_call)) * 4;
   if (d.kda_layers > 0) p.workspace += size_t(d.kda.tc_work_bytes(o.tokens_per_call));  // the bf16 chunked KDA
+  const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
+  // The absorbed MLA kernel's q̃ / o_lat rows and row plan (cuda::mla_paged_work_floats at the step's
+  // rows; its split partials only matter for steps of fewer rows than the GPU has block slots).
+  if (d.mla_layers > 0) p.workspace += size_t(o.tokens_per_call * (d.mla.heads * d.mla.kv_lora + 6)) * 4;
+  if (d.mla_layers > 0 && mla_tc_supported(ad))  // the tensor-core MLA prefill and its per-sequence flags
+    p.workspace += size_t(mla_tc_work_bytes(mla_tc_key_chunk(ad), o.tokens_per_call, ad)) + size_t(o.tokens_per_call) * 4;
   p.context = context;
   return p;
 }

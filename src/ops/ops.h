@@ -16,6 +16,35 @@ struct MlaAttnDims {
   float scale = 0;  // softmax scale = (nope + rope)^-1/2
 };
 
+// The GPU's MLA prefill on the tensor cores (ops/cuda/mla_tc.cu: the expanded form in key chunks,
+// FlashAttention-style), planned here so that the memory plan (k3 info) counts what it allocates.
+// Head widths it is compiled for: (nope + rope, v) = (192, 128) (K3, Kimi Linear), (96, 64), (48, 64)
+// (K3-nano), nope and rope multiples of 8.
+inline bool mla_tc_supported(const MlaAttnDims& d) {
+  const int64_t dq = d.nope + d.rope;
+  return d.heads >= 1 && d.nope % 8 == 0 && d.rope % 8 == 0 && d.kv_lora % 8 == 0 && d.kv_lora > 0 &&
+         ((dq == 192 && d.v == 128) || (dq == 96 && d.v == 64) || (dq == 48 && d.v == 64));
+}
+// A sequence takes it when its piece of the step has at least this many rows (prefill); fewer
+// (decode rows) stay on the absorbed kernel, which never expands the cache.
+constexpr int64_t kMlaTcMinRows = 16;
+// Keys expanded at a time: as many as fit 256 MiB of bf16 per-head keys and values, in [64, 16384].
+inline int64_t mla_tc_key_chunk(const MlaAttnDims& d) {
+  const int64_t per_key = d.heads * (d.nope + d.v) * 2;
+  const int64_t kc = per_key > 0 ? (int64_t(256) << 20) / per_key / 64 * 64 : 16384;
+  return kc < 64 ? 64 : kc > 16384 ? 16384 : kc;
+}
+// Its workspace for steps of up to `rows` rows (256-byte aligned parts): bf16 latents [chunk, kv_lora]
+// and rope keys [chunk, rope], bf16 expanded keys and values [chunk, heads, nope + v], and fp32
+// running max and sum [rows, heads, 2] carried between chunks.
+inline uint64_t mla_tc_part_bytes(uint64_t b) { return (b + 255) / 256 * 256; }
+inline uint64_t mla_tc_work_bytes(int64_t key_chunk, int64_t rows, const MlaAttnDims& d) {
+  const uint64_t kc = uint64_t(key_chunk);
+  return mla_tc_part_bytes(kc * uint64_t(d.kv_lora) * 2) + mla_tc_part_bytes(kc * uint64_t(d.rope) * 2) +
+         mla_tc_part_bytes(kc * uint64_t(d.heads * (d.nope + d.v)) * 2) +
+         mla_tc_part_bytes(uint64_t(rows) * uint64_t(d.heads) * 8);
+}
+
 #define K3_OPS_DECLARE(...)                                                                                            \
   /* Y[T, rows] = X[T, cols] · Wᵀ  (W in any WFormat, fp32 accumulate on CPU, fp64 in ref). */                      \
   void matmul(__VA_ARGS__ const WeightMat& W, const float* X, int64_t T, float* Y);                                    \

@@ -26,6 +26,9 @@ constexpr double kTolKdaBf16 = 2e-2;
 // MLA absorbed vs expanded: the same math re-associated through the latent, fp32 dots over up to
 // kv_lora = 512 terms and an fp32 online softmax; the fp32 reduction bound.
 constexpr double kTolMla = 1e-5;
+// The GPU's tensor-core MLA prefill (mla_attend_tc_paged) against the fp64 twin: q, the latents, the
+// expanded keys and values and the softmax weights are rounded to bf16 (2^-9 each), fp32 sums.
+constexpr double kTolMlaTc = 1e-2;
 // Router weights: one sigmoid + one division per weight in fp32.
 constexpr double kTolRouter = 1e-6;
 

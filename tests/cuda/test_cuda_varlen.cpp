@@ -667,6 +667,145 @@ TEST(CudaVarlen, PagedMlaAppendAndAttendPerSequence) {
   }
 }
 
+// The tensor-core prefill form (mla_attend_tc_paged) as the backend runs it: the absorbed kernel
+// first, skipping the sequences the tensor-core kernel takes (prefill pieces of >= kMlaTcMinRows rows),
+// then that kernel. Every sequence against the fp64 twin (tensor-core ones at kTolMlaTc, the rest at
+// kTolMla); chunks of 64 and 192 keys carry the softmax over many chunks, the default chunk runs
+// whole; page sizes 64 and 5; K3's head widths and the two smaller compiled ones (K3-nano's 48 + 64).
+// A sequence's result is the same bits in the batch and alone, and the pool is never written.
+TEST(CudaVarlen, MlaTensorCorePrefillPerSequence) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(407);
+  struct Case {
+    MlaShape m;
+    int64_t pt;
+    std::vector<int64_t> len, prior;
+    int64_t chunk;  // 0: mla_tc_key_chunk
+  };
+  const MlaShape k3s{4, 128, 64, 128, 512, k3::WFormat::BF16}, mid{3, 64, 32, 64, 256, k3::WFormat::BF16},
+      nano{5, 32, 16, 64, 128, k3::WFormat::BF16};
+  const Case cases[] = {
+      {k3s, 64, {300, 1, 70, 16, 0}, {200, 900, 0, 333, 7}, 64},
+      {k3s, 5, {129, 3, 64}, {1000, 40, 0}, 192},
+      {k3s, 64, {513, 1}, {1500, 2000}, 0},
+      {mid, 5, {100, 17, 2}, {0, 250, 9}, 64},
+      {nano, 64, {48, 15, 200}, {0, 3, 100}, 128},
+      {nano, 5, {47}, {1}, 0},
+  };
+  for (const Case& cs : cases) {
+    const k3::MlaAttnDims d = dims_of(cs.m);
+    ASSERT_TRUE(k3::mla_tc_supported(d));
+    const int64_t N = int64_t(cs.len.size()), L = d.kv_lora, R = d.rope, X = L + R, dq = d.nope + d.rope;
+    const int64_t chunk = cs.chunk ? cs.chunk : k3::mla_tc_key_chunk(d);
+    Batch b;
+    b.len = cs.len;
+    b.cu.push_back(0);
+    for (int64_t l : b.len) b.cu.push_back(int32_t(b.cu.back() + l));
+    b.rows = b.cu.back();
+    b.n_slots = N;
+    b.slots.resize(static_cast<size_t>(N));
+    std::iota(b.slots.begin(), b.slots.end(), 0);
+    const size_t n_seqs = static_cast<size_t>(N);
+    std::vector<int64_t> cap(n_seqs), pos0l(cs.prior);
+    std::vector<int32_t> pos0(n_seqs), skip(n_seqs);
+    std::vector<uint8_t> use(n_seqs);
+    for (int64_t i = 0; i < N; ++i) {
+      cap[size_t(i)] = cs.prior[size_t(i)] + cs.len[size_t(i)];
+      pos0[size_t(i)] = int32_t(cs.prior[size_t(i)]);
+      use[size_t(i)] = skip[size_t(i)] = cs.len[size_t(i)] >= k3::kMlaTcMinRows;
+    }
+    SCOPED_TRACE(batch_name(b) + " pt=" + std::to_string(cs.pt) + " heads=" + std::to_string(d.heads) +
+                 " dq=" + std::to_string(dq) + " chunk=" + std::to_string(chunk));
+    HostPool hp = make_pool(rng, cap, cs.pt, X, 2);
+    for (int64_t i = 0; i < N; ++i)  // the whole context, the step's own tokens included (already appended)
+      for (int64_t s = 0; s < cap[size_t(i)]; ++s) {
+        const auto r = rand_vec(rng, size_t(X), 0.05f, 1.5f);
+        std::copy(r.begin(), r.end(), hp.row(i, s));
+      }
+    const auto q = rand_vec(rng, size_t(b.rows * d.heads * dq));
+    k3test::OwnedW kvb = k3test::make_weight(rng, cs.m.fmt, d.heads * (d.nope + d.v), L, 0.5f);
+    const DevBatch db = upload(b);
+    DevPool dp = upload(hp, pos0);
+    auto dqv = up(q), dskip = up(skip);
+    k3test::DevWeight dkvb = k3test::upload_weight(kvb.w);
+    auto work = k3test::dev_nan(size_t(cu::mla_paged_work_floats(b.rows, N, d)));
+    cu::DevBuf tcw(size_t(k3::mla_tc_work_bytes(chunk, b.rows, d)), "test MLA tc workspace");
+    const size_t nO = size_t(b.rows * d.heads * d.v);
+    auto dout = k3test::dev_nan(nO);
+    cu::mla_attend_absorbed_paged(dqv.as<float>(), db.v, dp.c, dkvb.view, d, work.as<float>(), dout.as<float>(),
+                                  cu::Precision::BF16, nullptr, dskip.as<int32_t>());
+    cu::mla_attend_tc_paged(dqv.as<float>(), db.v, dp.c, b.cu.data(), pos0l.data(), use.data(), dkvb.view, d, chunk,
+                            tcw.get(), dout.as<float>(), nullptr);
+    const auto got = down(dout, nO);
+    ASSERT_EQ(count_nan(got), 0u);
+    double worst_tc = 0, worst_abs = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      const int64_t T = b.len[size_t(i)], n = T * d.heads * d.v, o0 = b.cu[size_t(i)] * d.heads * d.v;
+      if (T == 0) continue;
+      const auto ref = ref_attend(hp, i, cs.prior[size_t(i)], T, q.data() + b.cu[size_t(i)] * d.heads * dq, kvb.w, d);
+      const double e = rel_l2(part(got, o0, n), ref);
+      const double tol = use[size_t(i)] ? k3test::kTolMlaTc : kTolMla;
+      (use[size_t(i)] ? worst_tc : worst_abs) = std::max(use[size_t(i)] ? worst_tc : worst_abs, e);
+      EXPECT_LT(e, tol) << "sequence " << i << " T=" << T << " pos0=" << cs.prior[size_t(i)];
+      if (!use[size_t(i)]) continue;
+      // Alone: a one-sequence batch of the same rows and pages gives the same bits.
+      const std::vector<int32_t> cu1{0, int32_t(T)}, sl1{0}, p1{pos0[size_t(i)]};
+      const std::vector<int64_t> p1l{cs.prior[size_t(i)]};
+      auto dcu1 = up(cu1), dsl1 = up(sl1), dp1 = up(p1);
+      auto dtab1 = up(std::vector<int32_t>(hp.table.begin() + i * hp.max_pages, hp.table.begin() + (i + 1) * hp.max_pages));
+      cu::VarlenDev v1{1, T, dcu1.as<int32_t>(), dsl1.as<int32_t>(), 1};
+      cu::PagedCacheDev c1 = dp.c;
+      c1.block_table = dtab1.as<int32_t>();
+      c1.pos0 = dp1.as<int32_t>();
+      auto dq1 = up(part(q, b.cu[size_t(i)] * d.heads * dq, T * d.heads * dq));
+      auto dout1 = k3test::dev_nan(size_t(n));
+      cu::mla_attend_tc_paged(dq1.as<float>(), v1, c1, cu1.data(), p1l.data(), nullptr, dkvb.view, d, chunk, tcw.get(),
+                              dout1.as<float>(), nullptr);
+      EXPECT_EQ(bits(dout1, size_t(n)), bits(part(got, o0, n))) << "sequence " << i << ": batched != alone";
+    }
+    std::printf("[mla tc] heads=%lld dq=%lld v=%lld L=%lld pt=%lld chunk=%lld N=%lld: tensor-core max rel-L2 %.3g "
+                "(tol %.0e), absorbed %.3g (tol %.0e)\n",
+                (long long)d.heads, (long long)dq, (long long)d.v, (long long)L, (long long)cs.pt, (long long)chunk,
+                (long long)N, worst_tc, k3test::kTolMlaTc, worst_abs, kTolMla);
+    EXPECT_EQ(bits(dp.pages, hp.pages.size()), bits(hp.pages)) << "attention wrote into the pool";
+  }
+}
+
+// Its refusals: unsupported widths, a non-BF16 kv_b, a bad chunk: one line each, nothing launched.
+TEST(CudaVarlen, MlaTensorCoreBadArguments) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(408);
+  const MlaShape ok{2, 128, 64, 128, 64, k3::WFormat::BF16};
+  const k3::MlaAttnDims d = dims_of(ok);
+  HostPool hp = make_pool(rng, {40}, 64, d.kv_lora + d.rope, 0);
+  DevPool dp = upload(hp, {0});
+  Batch b = make_batch(rng, {40}, 0);
+  const DevBatch db = upload(b);
+  const std::vector<int64_t> p0{0};
+  auto q = k3test::dev_nan(size_t(40 * d.heads * (d.nope + d.rope))), out = k3test::dev_nan(size_t(40 * d.heads * d.v));
+  cu::DevBuf w(size_t(k3::mla_tc_work_bytes(64, 40, d)), "test");
+  k3test::OwnedW bf = k3test::make_weight(rng, k3::WFormat::BF16, d.heads * (d.nope + d.v), d.kv_lora, 0.5f);
+  k3test::OwnedW f16 = k3test::make_weight(rng, k3::WFormat::F16, d.heads * (d.nope + d.v), d.kv_lora, 0.5f);
+  k3test::DevWeight dbf = k3test::upload_weight(bf.w), df16 = k3test::upload_weight(f16.w);
+  const auto call = [&](const k3::WeightMat& kv, const k3::MlaAttnDims& dd, int64_t chunk) {
+    cu::mla_attend_tc_paged(q.as<float>(), db.v, dp.c, b.cu.data(), p0.data(), nullptr, kv, dd, chunk, w.get(),
+                            out.as<float>(), nullptr);
+  };
+  const auto expect_error = [](auto&& f, const char* op, const char* arg) {
+    const std::string msg = k3test::error_of_call(f);
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    EXPECT_NE(msg.find(op), std::string::npos) << msg;
+    EXPECT_NE(msg.find(arg), std::string::npos) << msg;
+  };
+  expect_error([&] { call(df16.view, d, 64); }, "mla_attend_tc_paged", "BF16");
+  expect_error([&] { call(dbf.view, d, 100); }, "mla_attend_tc_paged", "key_chunk");
+  k3::MlaAttnDims odd = d;
+  odd.v = 96;
+  expect_error([&] { call(dbf.view, odd, 64); }, "mla_attend_tc_paged", "not compiled");
+  EXPECT_FALSE(k3::mla_tc_supported(dims_of({5, 16, 8, 12, 64, k3::WFormat::BF16})));
+  EXPECT_TRUE(k3::mla_tc_supported(dims_of({96, 128, 64, 128, 512, k3::WFormat::BF16})));
+}
+
 // A block table pointing outside the pool (or a position past the table) must not turn into a
 // stray write or read: append skips the row, attention gives that sequence NaN, others unharmed.
 TEST(CudaVarlen, PagedBadTableIsLoudNotAStrayAccess) {
@@ -1100,6 +1239,78 @@ TEST(CudaVarlenBench, DecodeN32Ctx4kAgainstNSingleCalls) {
     std::printf("[varlen-bench] mla_attend: %lld keys, %.1f MB of cache, %.2f GFLOP fp32\n", (long long)keys,
                 double(keys) * X * 4 / 1e6, double(keys) * d.heads * (X + L) * 2 / 1e9);
     EXPECT_EQ(count_nan(down(out, size_t(N * d.heads * d.v))), 0u);
+  }
+  cu::stream_destroy(s);
+}
+
+}  // namespace
+
+namespace {
+
+// The MLA prefill of one 4,096-token piece at K3's widths (96 heads, 128 + 64, v 128, latent 512)
+// over 16K and 128K cached tokens: the tensor-core form's time, its rate in TFLOP/s (the attention's
+// 2 · pairs · heads · (192 + 128) plus the expansion's 2 · keys · heads · 256 · 512), and the absorbed
+// fp32 kernel on 512 of the same queries (per query) for the ratio. Printed, not asserted.
+TEST(CudaVarlenBench, MlaTensorCorePrefillRate) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(409);
+  const MlaShape m{96, 128, 64, 128, 512, k3::WFormat::BF16};
+  const k3::MlaAttnDims d = dims_of(m);
+  const int64_t L = d.kv_lora, R = d.rope, X = L + R, dq = d.nope + d.rope, pt = 64, T = 4096;
+  cu::Stream s = cu::stream_create();
+  k3test::OwnedW kvb = k3test::make_weight(rng, m.fmt, d.heads * (d.nope + d.v), L, 0.5f);
+  k3test::DevWeight dkvb = k3test::upload_weight(kvb.w);
+  const int64_t chunk = k3::mla_tc_key_chunk(d);
+  cu::DevBuf tcw(size_t(k3::mla_tc_work_bytes(chunk, T, d)), "bench MLA tc workspace");
+  auto q = up(rand_vec(rng, size_t(T * d.heads * dq)));
+  auto out = k3test::dev_nan(size_t(T * d.heads * d.v));
+  for (int64_t S : {int64_t(16384), int64_t(131072)}) {
+    const int64_t pos0 = S - T, n_pages = S / pt;
+    std::vector<int32_t> table(static_cast<size_t>(n_pages));
+    std::iota(table.begin(), table.end(), 0);
+    auto pages = up(rand_vec(rng, size_t(S * X), 0.05f, 1.5f));
+    auto dtab = up(table);
+    const std::vector<int32_t> cu_rows{0, int32_t(T)}, slots{0}, p0{int32_t(pos0)};
+    const std::vector<int64_t> p0l{pos0};
+    auto dcu = up(cu_rows), dsl = up(slots), dp0 = up(p0);
+    const cu::VarlenDev v{1, T, dcu.as<int32_t>(), dsl.as<int32_t>(), 1};
+    const cu::PagedCacheDev c{pages.as<float>(), pt, dtab.as<int32_t>(), n_pages, dp0.as<int32_t>(), n_pages};
+    const auto run_tc = [&] {
+      cu::mla_attend_tc_paged(q.as<float>(), v, c, cu_rows.data(), p0l.data(), nullptr, dkvb.view, d, chunk, tcw.get(),
+                              out.as<float>(), s);
+    };
+    run_tc();
+    cu::EventTimer timer;
+    timer.start(s);
+    run_tc();
+    timer.stop(s);
+    const double ms = timer.ms();
+    const double pairs = double(T) * double(pos0) + double(T) * double(T + 1) / 2;
+    const double att = 2 * pairs * double(d.heads) * double(dq + d.v);
+    const double expand = 2 * double(S) * double(d.heads) * double(d.nope + d.v) * double(L);
+    std::printf("[mla tc bench] T=%lld S=%lld heads=96: tensor cores %.2f ms = %.1f TFLOP/s (attention %.1f of them; "
+                "expansion %.2f TFLOP), chunk %lld\n",
+                (long long)T, (long long)S, ms, (att + expand) / ms / 1e9, att / ms / 1e9, expand / 1e12,
+                (long long)chunk);
+    EXPECT_EQ(count_nan(down(out, size_t(T * d.heads * d.v))), 0u);
+    // The absorbed kernel on the last 512 queries of the same piece (per query it costs the same at
+    // any offset of the piece, up to causality's few keys).
+    const int64_t Ta = 512;
+    const std::vector<int32_t> cua{0, int32_t(Ta)}, pa{int32_t(S - Ta)};
+    auto dcua = up(cua), dpa = up(pa);
+    const cu::VarlenDev va{1, Ta, dcua.as<int32_t>(), dsl.as<int32_t>(), 1};
+    cu::PagedCacheDev ca = c;
+    ca.pos0 = dpa.as<int32_t>();
+    auto work = k3test::dev_nan(size_t(cu::mla_paged_work_floats(Ta, 1, d)));
+    cu::mla_attend_absorbed_paged(q.as<float>(), va, ca, dkvb.view, d, work.as<float>(), out.as<float>(),
+                                  cu::Precision::BF16, s);
+    timer.start(s);
+    cu::mla_attend_absorbed_paged(q.as<float>(), va, ca, dkvb.view, d, work.as<float>(), out.as<float>(),
+                                  cu::Precision::BF16, s);
+    timer.stop(s);
+    const double ms_abs = timer.ms() * double(T) / double(Ta);
+    std::printf("[mla tc bench] T=%lld S=%lld: absorbed fp32 %.1f ms (scaled from %lld queries): tensor cores %.1fx\n",
+                (long long)T, (long long)S, ms_abs, (long long)Ta, ms_abs / ms);
   }
   cu::stream_destroy(s);
 }

@@ -11,6 +11,8 @@ Presets:
   gpu-bench  K3-shaped ~5 GB checkpoint (hidden 4096) for `k3 bench --device cuda` (--no-reference).
   sweep-hybrid / sweep-mla / sweep-kda  one set of widths in three layer maps (3:1, all-MLA, all-KDA)
              for the context sweep (scripts/context_sweep.sh); --no-reference.
+  long-1m    K3's attention widths (96 + 96 heads, latent 512 + 64), hidden 7168, 4 layers, 1M positions:
+             the GPU's million-token prefill (scripts/long_prefill_gpu.sh); --no-reference.
   mid1g      K3-shaped ~1 GB checkpoint (hidden 1024, 8 layers, 64 experts, vocab 163840) for
              load/RSS measurements; generate with --no-reference, never commit.
 
@@ -113,6 +115,19 @@ PRESETS: Dict[str, dict] = {
         )
         for name, mla in (("hybrid", [4, 8]), ("mla", [1, 2, 3, 4, 5, 6, 7, 8]), ("kda", []))
     },
+    # Issue 22's million-token run on one GPU: K3's true attention widths (96 KDA heads of 128; 96 MLA
+    # heads, nope 128, rope 64, v 128, latent 512 + 64, q_lora 1536) and hidden 7168, in 4 layers (3 KDA
+    # + 1 MLA: K3's 3:1), a small MoE, 1,048,576 positions. ~4.5 GB; generated on the GPU machine
+    # (scripts/long_prefill_gpu.sh); --no-reference, never commit.
+    "long-1m": dict(
+        nested=True, trunk_dtype="bf16", shards=4,
+        hidden=7168, layers=4, mla_layers=[4], block=4,
+        kda_heads=96, kda_dim=128, conv=4,
+        mla_heads=96, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
+        dense_inter=4096, first_dense=1,
+        experts=16, topk=4, shared=1, moe_inter=1024, latent=1024,
+        vocab=32768, vision=False, max_pos=1048576,
+    ),
     # Routed experts ~10x the trunk (1,280 MXFP4 experts, 0.53 GB; trunk ~50 MB): the --ram-budget
     # measurement runs it with a budget under half the expert bytes (scripts/measure_ram_budget.sh).
     # Vocabulary 8448 so the K3-nano tokenizer can drive it. --no-reference, never commit.

@@ -26,6 +26,9 @@ constexpr int64_t kGemvMaxT = 8;
 // Y[T, W.rows] = X[T, W.cols] · Wᵀ. W is a device view (data/scales in GPU memory) in any WFormat;
 // MXFP4 is decoded inside the kernel (packed nibbles + E8M0 scales, never expanded in memory).
 void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p, Stream s);
+// Y[T, W.rows] = X[T, W.cols] · Wᵀ with bf16 X and Y (cuBLAS, fp32 accumulation): W a 16-byte aligned
+// BF16 view with rows and cols multiples of 8, X and Y 16-byte aligned; k3::Error otherwise.
+void matmul_bf16_out(const WeightMat& W, const void* X, int64_t T, void* Y, Stream s);
 // Decode rows of many sequences together: the GEMV kernels (fp32 activations, weights read once)
 // for T <= kGemvMaxT, or T == kGemvWideT on non-MXFP4 weights (gemv_wide_ok); k3::Error otherwise.
 constexpr int64_t kGemvWideT = 16;
@@ -208,8 +211,24 @@ void mla_cache_append_paged(const float* ckv, const VarlenDev& b, const PagedCac
 // Long key ranges are split over blocks in proportion to each row's keys (a plan computed on the
 // device from pos0, so the grid is fixed per (rows, heads) while contexts differ and grow).
 int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d);
+// skip (optional, device int32 [n_seqs]): a sequence with skip[i] != 0 is given only its first key
+// (its outputs are not meaningful): the rows another kernel computes (mla_attend_tc_paged) cost nothing.
 void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,
-                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s);
+                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s,
+                               const int32_t* skip = nullptr);
+
+// The same attention for prefill pieces on the tensor cores (mla_tc.cu), the `fast` numerics'
+// kernel: per sequence i with use[i] (host flags; null: every sequence with rows), the cache in
+// chunks of `key_chunk` keys (a multiple of 64; ops.h mla_tc_key_chunk): the latents gathered to
+// bf16, expanded into per-head keys and values by kv_b (a bf16 GEMM, bf16 out), then a
+// FlashAttention-style kernel (bf16 mma.sync, fp32 online softmax carried from chunk to chunk in
+// `out` and the workspace). kv_b: a 16-byte aligned BF16 device view; dims: ops.h mla_tc_supported.
+// cu_rows_host / pos0_host: host copies of the batch's cu_rows and c.pos0 (they size the launches).
+// work: mla_tc_work_bytes(key_chunk, b.rows, d) bytes. Not for graph capture.
+bool mla_tc_weight_ok(const WeightMat& kv_b);
+void mla_attend_tc_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const int32_t* cu_rows_host,
+                         const int64_t* pos0_host, const uint8_t* use, const WeightMat& kv_b, const MlaAttnDims& d,
+                         int64_t key_chunk, void* work, float* out, Stream s);
 
 }  // namespace k3::cuda
 

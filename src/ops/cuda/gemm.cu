@@ -950,10 +950,11 @@ void cublas_check(cublasStatus_t st, const char* what) {
   if (st != CUBLAS_STATUS_SUCCESS) failf("cuBLAS: %s: %s", what, cublasGetStatusString(st));
 }
 
-void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+// The calling device's cuBLAS handle set to stream s with its workspace, and that stream's
+// scratch (the caller holds g_cublas_mu).
+std::pair<cublasHandle_t, StreamScratch*> cublas_on(Stream s) {
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) failf("CUDA: matmul: no current device");
-  std::lock_guard<std::mutex> lock(g_cublas_mu);
   cublasHandle_t& h = g_handles[dev];
   if (!h) {
     load_cublas();  // one line naming the library if it is missing
@@ -961,15 +962,21 @@ void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y,
   }
   if (!g_scratch) g_scratch = new std::map<std::pair<int, Stream>, StreamScratch>();
   StreamScratch& sc = (*g_scratch)[{dev, s}];
-  const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);
-  if (sc.xb.bytes() < need) sc.xb = DevBuf(std::max(need, sc.xb.bytes() * 3 / 2), "bf16 activations for cuBLAS");
   if (!sc.ws) sc.ws = DevBuf(kCublasWorkspace, "cuBLAS workspace");
-  auto* xb = sc.xb.as<__nv_bfloat16>();
+  cublas_check(cublasSetStream(h, s), "set stream");
+  cublas_check(cublasSetWorkspace(h, sc.ws.get(), sc.ws.bytes()), "set workspace");  // after SetStream (it resets it)
+  return {h, &sc};
+}
+
+void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
+  std::lock_guard<std::mutex> lock(g_cublas_mu);
+  auto [h, sc] = cublas_on(s);
+  const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);
+  if (sc->xb.bytes() < need) sc->xb = DevBuf(std::max(need, sc->xb.bytes() * 3 / 2), "bf16 activations for cuBLAS");
+  auto* xb = sc->xb.as<__nv_bfloat16>();
   const int64_t n = T * W.cols;
   to_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s>>>(X, n, xb);
   check_launch("to_bf16 kernel");
-  cublas_check(cublasSetStream(h, s), "set stream");
-  cublas_check(cublasSetWorkspace(h, sc.ws.get(), sc.ws.bytes()), "set workspace");  // after SetStream (it resets it)
   // Column-major view: Y^T [rows, T] (ld rows) = W [rows, cols] (= W^T col-major, ld cols)^T . X^T [cols, T] (ld cols).
   const float alpha = 1.0f, beta = 0.0f;
   cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(W.rows), int(T), int(W.cols), &alpha, W.data, CUDA_R_16BF,
@@ -1071,6 +1078,22 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   }
   // F16 / F32 weights (bf16 tensor cores would round them) and unaligned BF16 / MXFP4 views.
   launch_simt<true>(W, X, T, Y, s);
+}
+
+void matmul_bf16_out(const WeightMat& W, const void* X, int64_t T, void* Y, Stream s) {
+  if (W.fmt != WFormat::BF16 || !aligned16(W.data) || !aligned16(X) || !aligned16(Y) || W.cols % 8 != 0 ||
+      W.rows % 8 != 0)
+    failf("matmul_bf16_out: needs a 16-byte aligned BF16 weight with rows and cols multiples of 8 (got %s %lldx%lld)",
+          wformat_name(W.fmt), (long long)W.rows, (long long)W.cols);
+  if (T <= 0) return;
+  if (T > INT32_MAX || W.rows > INT32_MAX || W.cols > INT32_MAX) failf("matmul_bf16_out: shape too large");
+  std::lock_guard<std::mutex> lock(g_cublas_mu);
+  const cublasHandle_t h = cublas_on(s).first;
+  const float alpha = 1.0f, beta = 0.0f;
+  cublas_check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(W.rows), int(T), int(W.cols), &alpha, W.data, CUDA_R_16BF,
+                            int(W.cols), X, CUDA_R_16BF, int(W.cols), &beta, Y, CUDA_R_16BF, int(W.rows),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               "bf16 GEMM (bf16 out)");
 }
 
 bool matmul_f32_by_gemv(int64_t rows, int64_t T) {

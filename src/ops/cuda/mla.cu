@@ -741,14 +741,14 @@ __device__ int64_t block_exclusive_scan(int64_t v, int64_t* total, int64_t* red)
 }
 
 __global__ void __launch_bounds__(kPlanThreads)
-    mla_paged_plan_kernel(const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ pos0, int n_seqs,
-                          int64_t rows, int64_t slots, PagedPlan p) {
+    mla_paged_plan_kernel(const int32_t* __restrict__ cu_rows, const int32_t* __restrict__ pos0,
+                          const int32_t* __restrict__ skip, int n_seqs, int64_t rows, int64_t slots, PagedPlan p) {
   pdl_enter();
   __shared__ int64_t red[32];
   int64_t sum_keys = 0, part = 0;
   for (int64_t r = threadIdx.x; r < rows; r += kPlanThreads) {
     const int i = seq_of_row(cu_rows, n_seqs, r);
-    const int64_t n = int64_t(pos0[i]) + r - cu_rows[i] + 1;
+    const int64_t n = skip != nullptr && skip[i] != 0 ? 1 : int64_t(pos0[i]) + r - cu_rows[i] + 1;
     p.row_seq[r] = i;
     p.row_keys[r] = int32_t(n);
     part += n;
@@ -1015,7 +1015,8 @@ int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d
 }
 
 void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,
-                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s) {
+                               const MlaAttnDims& d, float* work, float* out, Precision p, Stream s,
+                               const int32_t* skip) {
   (void)p;  // fp32 in both precisions, as mla_attend_absorbed
   check_varlen("mla_attend_absorbed_paged", b, false);
   check_paged("mla_attend_absorbed_paged", c);
@@ -1024,7 +1025,7 @@ void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCa
   const int64_t rows = b.rows, L = d.kv_lora, slots = paged_slots(rows, d.heads);
   const PagedWork w = paged_work(work, rows, slots, d);
   // 1. the device plan: each row's keys and split count, the slot → (row, split) map
-  launch(mla_paged_plan_kernel, 1, kPlanThreads, 0, s, b.cu_rows, c.pos0, int(b.n_seqs), rows, slots, w.plan);
+  launch(mla_paged_plan_kernel, 1, kPlanThreads, 0, s, b.cu_rows, c.pos0, skip, int(b.n_seqs), rows, slots, w.plan);
   check_launch("mla_attend_absorbed_paged (plan)");
   // 2. q̃[t, h] = W_UK[h]ᵀ q_nope[t, h]
   head_products(false, q, kv_b, d, rows, w.ql, s);
