@@ -167,6 +167,14 @@ def main():
         res["gpu_used_bytes_before_nvidia_smi"] = gpu_before
         if "gpu_plan" in plan:
             res["gpu_peak_vs_gpu_plan"] = (gpu_peak - (gpu_before or 0)) / plan["gpu_plan"]["total"]
+    if "gpu_engine_peak_bytes" in doc:
+        # What the engine itself allocated at its peak (the plan's subject), and what the CUDA runtime
+        # added on top (context, libraries: nvidia-smi's peak minus that, minus what was in use before).
+        res["gpu_engine_peak_bytes"] = doc["gpu_engine_peak_bytes"]
+        if "gpu_plan" in plan:
+            res["gpu_engine_peak_vs_gpu_plan"] = doc["gpu_engine_peak_bytes"] / plan["gpu_plan"]["total"]
+        if gpu_peak is not None:
+            res["gpu_runtime_overhead_bytes"] = gpu_peak - (gpu_before or 0) - doc["gpu_engine_peak_bytes"]
     if "gpu_used_bytes_at_end" in doc:
         res["gpu_used_bytes_at_end"] = doc["gpu_used_bytes_at_end"]
         if "gpu_plan" in plan:
@@ -178,6 +186,10 @@ def main():
     print(f"long_prefill: {a.tokens} tokens prefilled in {pre['seconds']:.1f} s ({pre['ts']:.2f} t/s), decode "
           f"{tg['avg_ts']:.2f} t/s at that depth; peak RSS {peak_rss / 2**30:.2f} GiB vs planned "
           f"{cpu_total / 2**30:.2f} GiB ({peak_rss / cpu_total:.3f}x); wrote {a.json}")
+    if "gpu_engine_peak_vs_gpu_plan" in res:
+        print(f"long_prefill: GPU: the engine's allocations peaked at {res['gpu_engine_peak_bytes'] / 2**30:.2f} GiB, "
+              f"{res['gpu_engine_peak_vs_gpu_plan']:.3f}x k3 info's plan of {plan['gpu_plan']['total'] / 2**30:.2f} GiB; "
+              f"nvidia-smi peak {(gpu_peak or 0) / 2**30:.2f} GiB")
 
 
 if __name__ == "__main__":

@@ -841,13 +841,15 @@ class Report {
   // The json document: on stdout with -o json, and into the --json-out file.
   void finish(Progress& prog, std::ofstream* json_file) {
     prog.done();
-    // Memory of this process at its peak (host), and the GPU's memory in use at the end (the engine
-    // allocates its weights, state and workspace up front, so that is its peak too).
+    // Memory of this process at its peak (host); on the GPU, the device's memory in use at the end
+    // (cudaMemGetInfo: the CUDA context and libraries included) and the most the engine's own
+    // allocations (weights, state pools, workspaces) ever held at once.
     doc_["peak_rss_bytes"] = k3::peak_rss_bytes();
 #ifdef K3_HAVE_CUDA
     if (p_.cuda) {
       const k3::cuda::DeviceInfo dev = k3::cuda::device_info();
       doc_["gpu_used_bytes_at_end"] = dev.total_bytes - dev.free_bytes;
+      doc_["gpu_engine_peak_bytes"] = k3::cuda::dev_bytes_peak();
     }
 #endif
     if (f_.output == "md" && !notes_.empty()) out("\n" + notes_);

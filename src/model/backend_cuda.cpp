@@ -222,14 +222,18 @@ class CudaBackend final : public Backend {
   bool begin_step(const StepView& v, const int32_t* ids, StepNumerics n, bool replayable) override {
     p_ = precision_of(n);
     if (v.rows > opt_.tokens_per_call) fail("GPU: a step of more rows than the workspace holds");
+    if (v.n_seqs > opt_.tokens_per_call) fail("GPU: a step of more sequences than the workspace holds");
     cu::sync(stream_);  // the staging buffers are rewritten below
     view_ = v;
     view_cu_.assign(v.cu_rows, v.cu_rows + v.n_seqs + 1);
     // Block tables with a device row stride that only grows (a recorded graph keeps reading it).
     const int64_t need_pages = std::max<int64_t>(v.max_pages, 1);
-    if (need_pages > table_stride_ || v.n_seqs * std::max(need_pages, table_stride_) > table_cap_) {
-      table_stride_ = std::max(table_stride_ * 2, need_pages);
-      table_cap_ = opt_.tokens_per_call * table_stride_;
+    // Rows for as many sequences as steps have had (doubling, at most tokens_per_call): a long single
+    // sequence's table is its own pages, not tokens_per_call copies of them.
+    if (need_pages > table_stride_ || v.n_seqs > table_seqs_) {
+      if (need_pages > table_stride_) table_stride_ = std::max(table_stride_ * 2, need_pages);
+      table_seqs_ = std::min(std::max({table_seqs_, 2 * table_seqs_, v.n_seqs}), opt_.tokens_per_call);
+      table_cap_ = table_seqs_ * table_stride_;
       table_dev_ = cu::DevBuf(size_t(table_cap_) * 4, "block tables");
       cu::host_free_pinned(table_pinned_);
       table_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(size_t(table_cap_) * 4));
@@ -815,7 +819,7 @@ class CudaBackend final : public Backend {
   std::vector<uint8_t> mla_tc_use_;
   std::vector<int64_t> view_pos0_;
   int64_t kda_work_chunks_ = 0;
-  int64_t moe_floats_ = 0, table_stride_ = 0, table_cap_ = 0, max_tiles_ = 0;
+  int64_t moe_floats_ = 0, table_stride_ = 0, table_seqs_ = 0, table_cap_ = 0, max_tiles_ = 0;
   uint64_t buffers_ = 0;
   int32_t *staging_ = nullptr, *table_pinned_ = nullptr, *rows_pinned_ = nullptr;
   cu::Precision p_ = cu::Precision::BF16;

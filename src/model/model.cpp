@@ -104,6 +104,17 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
   p.state_per_token = d.mla_bytes_per_token();
   p.workspace = size_t(forward_work_floats(d, o.tokens_per_call)) * 4;
   if (d.kda_layers > 0) p.workspace += size_t(d.kda.tc_work_bytes(o.tokens_per_call));  // the bf16 chunked KDA
+  // The CUDA backend's own buffers (backend_cuda.cpp): the routed experts' per-slot scratch and row
+  // lists, the step's ids / sequences / picks / MLA flags, and cuBLAS's workspace with its bf16 copy of
+  // the widest product's input.
+  const int64_t R = o.tokens_per_call, K = std::max<int64_t>(d.moe.top_k, 1);
+  if (d.moe.experts > 0)
+    p.workspace += size_t(R * K * (2 * d.moe.inter + 3 * d.moe.latent)) * 4 + size_t(2 * R * K) * 4 +
+                   size_t(R * K / 64 + d.moe.experts) * 12;  // (ExpertTile: 3 int32, kExpertTileRows 64)
+  p.workspace += size_t(6 * R + 1) * 4;
+  const int64_t widest = std::max({d.hidden, d.kda.dim(), d.mla.heads * d.mla.v, d.mla.q_lora, d.dense_inter,
+                                   d.shared_inter, d.moe.latent, d.moe.inter});
+  p.workspace += (size_t(32) << 20) + size_t(R * widest) * 2;
   const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
   // The absorbed MLA kernel's q̃ / o_lat rows and row plan (cuda::mla_paged_work_floats at the step's
   // rows; its split partials only matter for steps of fewer rows than the GPU has block slots).

@@ -972,7 +972,11 @@ void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y,
   std::lock_guard<std::mutex> lock(g_cublas_mu);
   auto [h, sc] = cublas_on(s);
   const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);
-  if (sc->xb.bytes() < need) sc->xb = DevBuf(std::max(need, sc->xb.bytes() * 3 / 2), "bf16 activations for cuBLAS");
+  // Exactly what the widest product needs (the memory plan counts tokens_per_call x the widest input).
+  if (sc->xb.bytes() < need) {
+    sc->xb = DevBuf();
+    sc->xb = DevBuf(need, "bf16 activations for cuBLAS");
+  }
   auto* xb = sc->xb.as<__nv_bfloat16>();
   const int64_t n = T * W.cols;
   to_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s>>>(X, n, xb);

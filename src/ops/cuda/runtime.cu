@@ -3,6 +3,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
 #include "core/error.h"
 
 namespace k3::cuda {
@@ -75,6 +79,18 @@ DeviceInfo device_info() {
   return d;
 }
 
+namespace {
+struct AllocBook {
+  std::mutex mu;
+  std::unordered_map<void*, size_t> sizes;
+  size_t live = 0, peak = 0;
+};
+AllocBook& book() {
+  static AllocBook* b = new AllocBook();  // never destroyed: buffers may be freed during exit
+  return *b;
+}
+}  // namespace
+
 void* dev_alloc(size_t bytes, const char* what) {
   if (bytes == 0) return nullptr;
   void* p = nullptr;
@@ -86,11 +102,39 @@ void* dev_alloc(size_t bytes, const char* what) {
     fail(std::string("CUDA: out of GPU memory allocating ") + human_bytes(bytes) + " for " + what + " (" +
          human_bytes(free_b) + " free of " + human_bytes(total_b) + ")");
   }
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  b.sizes[p] = bytes;
+  b.live += bytes;
+  b.peak = std::max(b.peak, b.live);
   return p;
 }
 
 void dev_free(void* p) noexcept {
-  if (p) cudaFree(p);
+  if (!p) return;
+  cudaFree(p);
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  const auto it = b.sizes.find(p);
+  if (it == b.sizes.end()) return;
+  b.live -= it->second;
+  b.sizes.erase(it);
+}
+
+size_t dev_bytes_live() {
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  return b.live;
+}
+size_t dev_bytes_peak() {
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  return b.peak;
+}
+void dev_reset_peak() {
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  b.peak = b.live;
 }
 
 void h2d(void* dst, const void* src, size_t bytes, Stream s) {

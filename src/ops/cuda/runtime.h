@@ -57,6 +57,12 @@ void nccl_all_gather_v(NcclComm* c, const float* send, float* out, const int64_t
 // Device memory. dev_alloc throws k3::Error naming the size and what was asked for on failure.
 void* dev_alloc(size_t bytes, const char* what);
 void dev_free(void* p) noexcept;
+// What dev_alloc has handed out and not yet been given back (this process, all devices), and the most
+// that ever was at once since the last reset: the engine's own device memory, without the CUDA
+// context and libraries (cudaMemGetInfo sees those too). For checking the memory plan.
+size_t dev_bytes_live();
+size_t dev_bytes_peak();
+void dev_reset_peak();
 void h2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // async on s, then the
 void d2h(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // d2h variant syncs s
 void d2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);
