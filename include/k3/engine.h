@@ -40,6 +40,7 @@ struct EngineOptions {
   bool prefault = true;           // CPU: read the weights in at load time (else on first use)
   bool cuda_graphs = true;        // cuda: replay decode steps as CUDA graphs
   bool cpu_experts = false;       // cuda: the routed experts stay in host RAM, computed by the CPU
+  std::string hot_experts;        // with cpu_experts: a GPU cache of the most routed experts ("0.25", "auto"; "" none)
   int tp = 1, ep = 1;             // split the model over tp (tensor) / ep (expert) parallel ranks in this
                                   // process (CPU only; same output as one rank: docs/multi-gpu.md)
   bool trunk_fp8 = false;         // hold the trunk in FP8 (E4M3, 128 x 128 block scales), quantised at

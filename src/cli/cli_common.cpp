@@ -93,6 +93,7 @@ void RunEngineFlags::add(CLI::App* app) {
   add_parallel_options(app, tp, ep);
   add_trunk_fp8_option(app, trunk_fp8);
   add_cpu_experts_option(app, cpu_experts);
+  add_hot_experts_option(app, hot_experts);
 }
 
 void add_trunk_fp8_option(CLI::App* app, bool& on) {
@@ -144,7 +145,8 @@ std::string gpu_fit_line(size_t need) {
 }
 
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu) {
+                    bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu,
+                    double hot_experts) {
   if (experts_on_cpu && device != "cuda")
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   if (device != "cuda") {
@@ -153,7 +155,8 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
     if (tokens_per_call > m.max_step_rows()) m.set_max_step_rows(tokens_per_call);
     return;
   }
-  const GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu);
+  const GpuOptions o =
+      gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu, hot_experts);
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {
@@ -166,7 +169,9 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
                  who.c_str(), human_bytes(p.weights).c_str(), human_bytes(p.workspace).c_str(),
                  human_bytes(p.state_fixed + p.state_per_token * size_t(p.context)).c_str(), (long long)p.context,
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                 experts_on_cpu ? ", routed experts in host RAM computed by the CPU (no CUDA graphs)"
+                 experts_on_cpu ? (hot_experts != 0 ? ", routed experts in host RAM computed by the CPU, the hot ones "
+                                                      "cached on the GPU once warm (no CUDA graphs)"
+                                                    : ", routed experts in host RAM computed by the CPU (no CUDA graphs)")
                  : rank         ? ", this process's rank; no CUDA graphs (a split step's NCCL calls)"
                  : graphs       ? ", decode in CUDA graphs"
                                 : "");
@@ -193,6 +198,14 @@ void add_cpu_experts_option(CLI::App* app, bool& on) {
   app->add_flag("--cpu-experts", on,
                 "with --device cuda: the routed experts stay in host RAM and the CPU cores compute them; the GPU holds "
                 "the trunk and the state (for models whose experts do not fit the GPU)");
+}
+
+void add_hot_experts_option(CLI::App* app, std::string& value) {
+  app->add_option("--hot-experts", value,
+                  "with --cpu-experts: keep the most often routed experts on the GPU too (a fraction of each layer's "
+                  "experts, or auto: the GPU memory left over), chosen from the routing of the first 64 tokens; "
+                  "decode steps then run those on the GPU while the CPU computes the rest")
+      ->option_text("F|auto");
 }
 
 ForwardOptions RunEngineFlags::forward() const {
@@ -363,6 +376,9 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
   req.trunk_fp8 = f.trunk_fp8;
   if (f.cpu_experts && !req.cuda)
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
+  const double hot = parse_hot_experts(f.hot_experts, f.cpu_experts);
+  if (hot != 0 && !f.ram_budget.empty())
+    fail("--hot-experts caches routed experts held in host RAM; with --ram-budget they are read from disk (not both)");
   LoadedCheckpoint lc = load_checkpoint(req);
   if (lc.trunk_fp8 && !f.quiet) std::fprintf(stderr, "%s: %s\n", who.c_str(), trunk_fp8_summary(lc.fp8).c_str());
   if (req.parallel.split() && !f.quiet)
@@ -374,7 +390,7 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
     // With --cpu-experts the CPU reads the routed experts from the mapping: read them in now.
     move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0,
-                   f.cpu_experts);
+                   f.cpu_experts, hot);
   }
   if ((!req.cuda || (f.cpu_experts && !lc.ram_budget)) && !f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);

@@ -33,6 +33,7 @@ struct RunEngineFlags {
   int tp = 1, ep = 1;                      // split over ranks in this process (CPU)
   bool trunk_fp8 = false;                  // hold the trunk in FP8 (quantised at load; CPU)
   bool cpu_experts = false;                // cuda: routed experts in host RAM, computed by the CPU
+  std::string hot_experts;                 // with cpu_experts: the GPU's cache of hot experts (fraction or auto)
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -63,6 +64,8 @@ void add_trunk_fp8_option(CLI::App* app, bool& on);
 std::string utc_now();
 // --cpu-experts (GpuOptions::experts_on_cpu), for every command that can run on the GPU.
 void add_cpu_experts_option(CLI::App* app, bool& on);
+// --hot-experts F|auto (GpuOptions::hot_experts; parse_hot_experts), with --cpu-experts.
+void add_hot_experts_option(CLI::App* app, std::string& value);
 // Model::load, then with --trunk-fp8 the quantised trunk (its line on stderr unless quiet; a one-line
 // error with --device cuda): the id tools' and k3 bench's loading, which has no memory check.
 std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8, const std::string& device, bool quiet,
@@ -118,7 +121,8 @@ std::atomic<bool>& interrupt_flag();
 // experts_on_cpu (--cpu-experts): the routed experts stay in host RAM and the CPU computes them (a
 // one-line error without --device cuda).
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
-                    bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false);
+                    bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false,
+                    double hot_experts = 0);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".

@@ -105,6 +105,7 @@ struct Flags {
   std::string depth_fill = "prefill";  // --depth-fill: how a depth context is made (prefill or random)
   bool trunk_fp8 = false;              // --trunk-fp8: the trunk quantised to FP8 at load
   bool cpu_experts = false;            // --cpu-experts: routed experts on the host CPU (--device cuda)
+  std::string hot_experts;             // --hot-experts: with --cpu-experts, a GPU cache of the hot experts
   int tp = 1, ep = 1;                  // --tp/--ep: the model split over ranks (threads, or MPI processes)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
@@ -208,6 +209,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->disable_flag_override();
   k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
   k3::cli::add_cpu_experts_option(&app, f.cpu_experts);
+  k3::cli::add_hot_experts_option(&app, f.hot_experts);
   k3::cli::add_parallel_options(&app, f.tp, f.ep);
   if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
   f.roofline = !no_roofline;
@@ -234,6 +236,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   k3::ops::parse_numerics(f.numerics);
   if (!f.cpu_isa.empty()) k3::ops::parse_cpu_isa(f.cpu_isa);
   if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
+  k3::parse_hot_experts(f.hot_experts, f.cpu_experts);  // (a bad value or a missing --cpu-experts: one line, before loading)
   if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
     throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
   f.model = k3::cli::resolve_model_dir(f.model);
@@ -519,7 +522,7 @@ std::unique_ptr<k3::Model> load_model(const Flags& f) {
     std::fprintf(stderr, "k3 bench: split %s\n", k3::split_description(model->dims(), split).c_str());
   // (On the CPU: --ubatch above 512 makes the steps that long.)
   k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench", true,
-                          f.cpu_experts);
+                          f.cpu_experts, k3::parse_hot_experts(f.hot_experts, f.cpu_experts));
   return model;
 }
 
@@ -827,6 +830,20 @@ class Report {
 
   // A depth context built by prefill (not a timed test, but its wall time is a long-prefill
   // measurement: -p 0 -n N -d D times a D-token prefill, then decode from it).
+  // The GPU's cache of hot experts (--hot-experts) as it stood at the end of the run.
+  void hot_experts(const k3::HotExpertStats& st) {
+    if (st.layers == 0) return;
+    doc_["expert_cache"] = {{"layers", st.layers},   {"experts", st.experts}, {"cached", st.cached},
+                            {"slots", st.slots},     {"hits", st.hits},       {"hit_rate", st.hit_rate()},
+                            {"bytes", st.bytes},     {"option", f_.hot_experts}};
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "hot experts on the GPU: %lld of %lld routed experts over %lld layers (%.2f GiB); %.1f%% of %lld "
+                  "decode slots hit the cache since it filled\n",
+                  (long long)st.cached, (long long)st.experts, (long long)st.layers, double(st.bytes) / double(1 << 30),
+                  100.0 * st.hit_rate(), (long long)st.slots);
+    notes_ += line;
+  }
   void depth_prefill(int64_t depth, int64_t from, double seconds) {
     const int64_t n = depth - from;
     const double tps = seconds > 0 ? double(n) / seconds : 0;
@@ -1084,6 +1101,7 @@ int run(const Flags& f, int argc, char** argv) {
   const Roofs roofs = probe_roofs(f, plan, prog, read_probes);
   report.begin(roofs, prog);
   measure(f, plan, *model, roofs, read_probes, report, prog);
+  report.hot_experts(model->backend().hot_expert_stats());
   report.finish(prog, json_file.get());
   return 0;
 }

@@ -16,6 +16,7 @@
 #include "cli/cli_common.h"
 #include "core/comm.h"
 #include "core/error.h"
+#include "runtime/loader.h"
 #include "runtime/memory.h"
 #include "server/http_server.h"
 
@@ -89,6 +90,7 @@ int cmd_serve(int argc, char** argv) {
     const std::string dir = resolve_model_dir(ef.model);
     if (ef.cpu_experts && ef.device != "cuda")  // before listening: a flag error is not a load failure
       fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
+    parse_hot_experts(ef.hot_experts, ef.cpu_experts);
 
     EngineOptions eo;
     eo.model_dir = dir;
@@ -105,6 +107,7 @@ int cmd_serve(int argc, char** argv) {
     eo.prefault = !ef.no_prefault;
     eo.cuda_graphs = !ef.no_graphs;
     eo.cpu_experts = ef.cpu_experts;
+    eo.hot_experts = ef.hot_experts;
     eo.tp = ef.tp;
     eo.ep = ef.ep;
     eo.trunk_fp8 = ef.trunk_fp8;

@@ -79,6 +79,14 @@ struct KdaPrepare {
   float *g, *beta;
 };
 
+// The GPU's cache of hot experts, summed over MoE layers (Backend::hot_expert_stats).
+struct HotExpertStats {
+  int64_t layers = 0, experts = 0, cached = 0;  // MoE layers filled, routed experts of them, experts cached
+  int64_t slots = 0, hits = 0;                  // routed (token, expert) slots since the fill, and those cached
+  uint64_t bytes = 0;                           // device memory of the cached experts
+  double hit_rate() const { return slots ? double(hits) / double(slots) : 0.0; }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -211,6 +219,10 @@ class Backend {
   // ---- output
   // host_out[r] = argmax of row r of logits [R, V] (lowest id on ties).
   virtual void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* host_out) = 0;
+
+  // ---- placement reports
+  // The GPU's cache of hot experts (GpuOptions::hot_experts); all zero without one.
+  virtual HotExpertStats hot_expert_stats() const { return {}; }
 };
 
 }  // namespace k3

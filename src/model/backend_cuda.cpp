@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -152,6 +154,10 @@ class CudaBackend final : public Backend {
     if (o.experts_on_cpu && d.moe.experts > 0) {
       cpu_ = make_cpu_backend();
       host_moe_ = static_cast<float*>(cu::host_alloc_pinned(size_t(R * (2 * d.moe.latent + 2 * K)) * 4));
+      if (o.hot_experts != 0) {  // the host's slots of a step that also runs cached experts on the GPU
+        host_terms_ = static_cast<float*>(cu::host_alloc_pinned(size_t(cu::kGemvMaxT * K * d.moe.latent) * 4));
+        hot_ids_dev_ = cu::DevBuf(size_t(cu::kGemvMaxT * K) * 4, "hot-expert slot ids");
+      }
     }
     if (d.kda_layers > 0 && d.kda.tc_supported()) {  // the bf16 chunked KDA of prefill steps
       kda_work_chunks_ = d.kda.tc_work_chunks(R);
@@ -169,6 +175,7 @@ class CudaBackend final : public Backend {
     cu::host_free_pinned(table_pinned_);
     cu::host_free_pinned(rows_pinned_);
     cu::host_free_pinned(host_moe_);
+    cu::host_free_pinned(host_terms_);
     cu::stream_destroy(stream_);
   }
 
@@ -216,6 +223,21 @@ class CudaBackend final : public Backend {
     Uploader up(arena_.as<char>());
     place_all(up, w, experts);
     cu::sync();
+    moe_layers_ = 0;
+    for (const LayerWeights& l : w.layers) moe_layers_ += !l.dense_ffn && !l.moe.experts.empty();
+  }
+  HotExpertStats hot_expert_stats() const override {
+    HotExpertStats st;
+    for (const auto& [w, hc] : hot_) {
+      if (!hc.filled) continue;
+      ++st.layers;
+      st.experts += int64_t(hc.counts.size());
+      st.cached += hc.cached;
+      st.slots += hc.slots;
+      st.hits += hc.hits;
+      st.bytes += hc.arena.bytes();
+    }
+    return st;
   }
 
   // ---- a step
@@ -492,8 +514,129 @@ class CudaBackend final : public Backend {
     cu::d2h(idxh, idx, size_t(R * K) * 4, stream_);
     cu::d2h(wth, wt, size_t(R * K) * 4, stream_);
     cu::d2h(zh, z, size_t(R * latent) * 4, stream_);
+    if (HotCache* hc = hot_cache(w, R, K, idxh, source))
+      return routed_hot(w, *hc, latent, situ, z, zh, idxh, wt, wth, R, K, agg);
     cpu_->moe_routed(w, latent, situ, zh, idxh, wth, R, K, aggh, source);
     cu::h2d(agg, aggh, size_t(R * latent) * 4, stream_);  // aggh is next written after the next d2h's sync
+  }
+
+  // ---- the GPU's cache of hot experts (GpuOptions::hot_experts, with experts_on_cpu)
+  struct HotCache {
+    std::vector<int64_t> counts;  // [E] routed slots per expert during the warm-up
+    int64_t tokens = 0;           // tokens counted
+    bool filled = false;
+    cu::DevBuf arena;             // the cached experts' stacks
+    GluWeights stack;
+    int64_t cached = 0;
+    std::vector<int32_t> slot_of;  // [E] position in the stacks, or -1
+    std::vector<uint8_t> on_gpu;   // [E]
+    MoeWeights cpu_view;           // the layer's weights with on_gpu as MoeWeights::elsewhere
+    int64_t slots = 0, hits = 0;   // since the fill
+  };
+  // Counts the routing until the layer's warm-up is over, then fills its cache (the most often routed
+  // experts, ties to the lower id). The cache to use for this step, or null: none, not filled yet,
+  // nothing cached, an expert source (the experts are not host views), or a step of more rows than
+  // the decode GEMVs take (prefill: its rows all go to the CPU, grouped by expert there).
+  HotCache* hot_cache(const MoeWeights& w, int64_t R, int64_t K, const int32_t* idxh, ExpertSource* source) {
+    if (opt_.hot_experts == 0 || source != nullptr) return nullptr;
+    HotCache& hc = hot_[&w];
+    const int64_t E = int64_t(w.experts.size());
+    if (!hc.filled) {
+      hc.counts.resize(size_t(E), 0);
+      for (int64_t i = 0; i < R * K; ++i) {
+        const int32_t e = idxh[i];
+        if (e < 0 || e >= E) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+        ++hc.counts[size_t(e)];
+      }
+      hc.tokens += R;
+      if (hc.tokens < opt_.hot_warmup_tokens) return nullptr;
+      fill_hot(w, hc);
+    }
+    return hc.cached > 0 && R <= cu::kGemvMaxT ? &hc : nullptr;
+  }
+
+  void fill_hot(const MoeWeights& w, HotCache& hc) {
+    const int64_t E = int64_t(w.experts.size());
+    const GluWeights& f = w.experts.front();
+    const size_t per = data_bytes(f.gate) + scale_bytes(f.gate) + data_bytes(f.up) + scale_bytes(f.up) +
+                       data_bytes(f.down) + scale_bytes(f.down) + 3 * 256;
+    int64_t C = 0;
+    if (opt_.hot_experts > 0) {
+      C = std::clamp<int64_t>(int64_t(std::llround(opt_.hot_experts * double(E))), 0, E);
+    } else {  // auto: the free memory but 1 GiB, shared evenly by the layers not filled yet
+      int64_t unfilled = 0;
+      for (const auto& [lw, c] : hot_) unfilled += !c.filled;
+      unfilled = std::max<int64_t>(unfilled, moe_layers_ - filled_layers());
+      const size_t free_b = cu::device_info().free_bytes, reserve = size_t(1) << 30;
+      const size_t budget = free_b > reserve ? (free_b - reserve) / size_t(std::max<int64_t>(unfilled, 1)) : 0;
+      C = std::min<int64_t>(E, int64_t(budget / per));
+    }
+    hc.slot_of.assign(size_t(E), -1);
+    hc.on_gpu.assign(size_t(E), 0);
+    hc.filled = true;
+    hc.cached = C;
+    if (C == 0) return;
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return hc.counts[size_t(a)] > hc.counts[size_t(b)]; });
+    order.resize(size_t(C));
+    std::sort(order.begin(), order.end());  // the stacks in ascending expert id
+    std::vector<const WeightMat*> g, u, d;
+    for (size_t i = 0; i < order.size(); ++i) {
+      const GluWeights& ew = w.experts[size_t(order[i])];
+      g.push_back(&ew.gate), u.push_back(&ew.up), d.push_back(&ew.down);
+      hc.slot_of[size_t(order[i])] = int32_t(i);
+      hc.on_gpu[size_t(order[i])] = 1;
+    }
+    Uploader sizing(nullptr);
+    sizing.stack(g), sizing.stack(u), sizing.stack(d);
+    cu::sync(stream_);
+    hc.arena = cu::DevBuf(sizing.used() + 256, "hot-expert cache");
+    Uploader up(hc.arena.as<char>());
+    hc.stack = {up.stack(g), up.stack(u), up.stack(d)};
+    cu::sync();
+    hc.cpu_view = w;
+    hc.cpu_view.elsewhere = hc.on_gpu.data();
+  }
+  int64_t filled_layers() const {
+    int64_t n = 0;
+    for (const auto& [lw, c] : hot_) n += c.filled;
+    return n;
+  }
+
+  // A decode step with a filled cache: the cached experts' slots run on the GPU (GEMV kernels, ids
+  // mapped onto the cache's stacks, the others -1 and skipped) while the CPU computes the other slots
+  // into host terms; those come over, the GPU's rows replace the cached slots', and the GPU sums each
+  // row's terms in top-k slot order (moe_combine).
+  void routed_hot(const MoeWeights& w, HotCache& hc, int64_t latent, const SituParams& situ, const float* z,
+                  const float* zh, const int32_t* idxh, const float* wt, const float* wth, int64_t R, int64_t K,
+                  float* agg) {
+    const int64_t n = R * K, I = w.experts.front().gate.rows;
+    hot_ids_host_.resize(size_t(n));
+    for (int64_t i = 0; i < n; ++i) {
+      hot_ids_host_[size_t(i)] = hc.slot_of[size_t(idxh[i])];
+      hc.hits += hot_ids_host_[size_t(i)] >= 0;
+    }
+    hc.slots += n;
+    const int32_t* ids = hot_ids_dev_.as<int32_t>();
+    cu::h2d(hot_ids_dev_.get(), hot_ids_host_.data(), size_t(n) * 4, stream_);
+    float *hg = moe_buf_.as<float>(), *hu = hg + n * I, *tg = hu + n * I, *td = tg + n * latent;
+    const WeightMat &G = hc.stack.gate, &U = hc.stack.up;
+    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {
+      cu::expert_glu(G, U, I, ids, n, z, K, situ.beta, situ.linear_beta, hg, stream_);
+    } else {
+      cu::expert_matmul(G, I, ids, n, z, K, hg, cu::Precision::F32, stream_);
+      cu::expert_matmul(U, I, ids, n, z, K, hu, cu::Precision::F32, stream_);
+      cu::situ_glu(hg, hu, n * I, situ.beta, situ.linear_beta, hg, stream_);
+    }
+    cu::expert_matmul(hc.stack.down, latent, ids, n, hg, 1, tg, cu::Precision::F32, stream_);
+    // Meanwhile, on the host: every slot of an expert that is not cached.
+    cpu_->moe_routed(hc.cpu_view, latent, situ, zh, idxh, wth, R, K, host_terms_, nullptr, host_terms_);
+    cu::h2d(td, host_terms_, size_t(n * latent) * 4, stream_);
+    cu::copy_rows_where(tg, ids, n, latent, td, stream_);
+    cu::moe_combine(td, wt, R, K, latent, agg, stream_);
+    cu::sync(stream_);  // host_terms_ and hot_ids_host_ are rewritten by the next layer
   }
 
   // Experts from a source (streamed from disk into host memory): the experts the step's rows
@@ -838,6 +981,11 @@ class CudaBackend final : public Backend {
   bool capturing_ = false;
   std::unique_ptr<Backend> cpu_;  // experts_on_cpu: the CPU backend that computes the routed experts
   float* host_moe_ = nullptr;     // its pinned buffers: z, agg [R, latent], weights [R, K], ids [R, K]
+  float* host_terms_ = nullptr;   // hot experts: the host's slot outputs [kGemvMaxT * K, latent]
+  cu::DevBuf hot_ids_dev_;        // hot experts: each slot's position in the cache's stacks, or -1
+  std::vector<int32_t> hot_ids_host_;
+  std::map<const MoeWeights*, HotCache> hot_;
+  int64_t moe_layers_ = 0;
 };
 
 }  // namespace

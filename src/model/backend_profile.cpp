@@ -135,6 +135,7 @@ class ProfilingBackend final : public Backend {
   void argmax_rows(const float* logits, int64_t R, int64_t V, int32_t* out) override {
     timed("argmax_rows", [&] { in_->argmax_rows(logits, R, V, out); });
   }
+  HotExpertStats hot_expert_stats() const override { return in_->hot_expert_stats(); }
 
  private:
   // An op's time: on a backend with device marks, the device time between a mark before and one

@@ -126,13 +126,17 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
 }
 
 GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context) {
-  uint64_t bytes = 0;
+  uint64_t bytes = 0, routed = 0;
   for_each_weight(
       m.weights(),
       [&](const WeightMat& w, WeightRole role) {
         if ((o.experts_resident && !o.experts_on_cpu) || role != WeightRole::RoutedExpert) bytes += weight_bytes(w);
+        if (role == WeightRole::RoutedExpert) routed += weight_bytes(w);
       },
       [&](const FVec& v) { bytes += weight_bytes(v); });
+  // A fraction of the host's routed experts cached on the GPU (--hot-experts F; auto fills what is
+  // left over when it fills, so it is not planned).
+  if (o.experts_on_cpu && o.hot_experts > 0) bytes += uint64_t(double(routed) * std::min(o.hot_experts, 1.0));
   return gpu_memory_plan(m.config(), bytes, o, context);
 }
 

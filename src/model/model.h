@@ -43,7 +43,16 @@ struct GpuOptions {
   // and each MoE layer sends its [rows x latent] activations and routing to the host and the
   // routed sum back (issue 20's hybrid placement; no CUDA-graph replay).
   bool experts_on_cpu = false;
+  // With experts_on_cpu: a GPU cache of the most often routed experts (issue 20). 0: none; (0, 1]: that
+  // fraction of each MoE layer's routed experts; kHotExpertsAuto: as many as the GPU memory left over
+  // holds (all but 1 GiB of what is free when the cache fills). The routing of the first
+  // hot_warmup_tokens tokens of each layer picks them; each step's slots of cached experts then run on
+  // the GPU while the CPU computes the others, and the GPU sums both (top-k slot order).
+  double hot_experts = 0;
+  int64_t hot_warmup_tokens = 64;
+  static constexpr double kHotExpertsAuto = -1;
 };
+
 
 // GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).
 struct GpuMemoryPlan {

@@ -92,7 +92,12 @@ struct MoeWeights {
   // expert-parallel split, model/parallel.h: the others are empty views, held by other ranks, and
   // moe_routed leaves them out of the sum). -1: all of them.
   int64_t local_begin = 0, local_end = -1;
-  bool is_local(int64_t e) const { return e >= local_begin && (local_end < 0 || e < local_end); }
+  // Experts another device computes for this model (the GPU's cache of hot experts in the hybrid
+  // placement, GpuOptions::hot_experts): [experts] flags, left out as another rank's are; null: none.
+  const uint8_t* elsewhere = nullptr;
+  bool is_local(int64_t e) const {
+    return e >= local_begin && (local_end < 0 || e < local_end) && !(elsewhere && elsewhere[e]);
+  }
 };
 
 // Block AttnRes site: fold = w_norm ⊙ w_proj, folded at bind time (§3.3).

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -144,14 +145,28 @@ std::string trunk_fp8_summary(const TrunkFp8Report& r) {
 }
 
 GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident,
-                           bool experts_on_cpu) {
+                           bool experts_on_cpu, double hot_experts) {
   GpuOptions o;
   o.graphs = graphs;
   o.experts_resident = experts_resident;
   o.experts_on_cpu = experts_on_cpu;
-  o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, 512);
+  o.hot_experts = hot_experts;
+  o.tokens_per_call = std::clamp<int64_t>(tokens_per_call, 1, kGpuMaxTokensPerCall);
   o.initial_context = std::clamp<int64_t>(ctx_tokens, 16, 32768);
   return o;
+}
+
+double parse_hot_experts(const std::string& value, bool experts_on_cpu) {
+  if (value.empty() || value == "0") return 0;
+  if (!experts_on_cpu)
+    fail("--hot-experts goes with --cpu-experts (a GPU cache for the routed experts the CPU computes; without "
+         "--cpu-experts every routed expert is on the GPU already)");
+  if (value == "auto") return GpuOptions::kHotExpertsAuto;
+  char* end = nullptr;
+  const double f = std::strtod(value.c_str(), &end);
+  if (end == value.c_str() || *end != '\0' || !(f > 0 && f <= 1))
+    fail("--hot-experts: '" + value + "' is not a fraction in (0, 1] or auto");
+  return f;
 }
 
 std::vector<int32_t> eos_ids_from_dir(const Model& m, const std::string& dir) {

@@ -84,13 +84,20 @@ void prefault_weights(const LoadedCheckpoint& lc, const std::function<void(uint6
 // processes (Model::process_rank_weights), false (nothing read) otherwise.
 bool prefault_process_rank(const Model& m, const std::function<void(uint64_t, uint64_t)>& progress);
 
-// GPU options for steps of up to tokens_per_call rows (clamped to 1..512) and sequences expected to
+// The most rows a GPU step takes (--ubatch above it runs in pieces of this many): every workspace
+// grows with it (k3 info --ubatch shows the sum; use_gpu refuses what does not fit).
+constexpr int64_t kGpuMaxTokensPerCall = 8192;
+// GPU options for steps of up to tokens_per_call rows (clamped to 1..kGpuMaxTokensPerCall) and sequences expected to
 // reach ctx_tokens (cache pages reserved up front: clamped to 16..32768; the cache grows).
 // experts_resident false (--ram-budget): only the trunk goes to the GPU; each step uploads the
 // routed experts it selects from the expert cache.
 // experts_on_cpu (--cpu-experts): the routed experts stay in host memory and the CPU computes them.
+// hot_experts (--hot-experts, with experts_on_cpu): GpuOptions::hot_experts.
 GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tokens, bool experts_resident = true,
-                           bool experts_on_cpu = false);
+                           bool experts_on_cpu = false, double hot_experts = 0);
+// --hot-experts VALUE: "" or "0" -> 0 (none), "auto" -> GpuOptions::kHotExpertsAuto, a fraction in
+// (0, 1]; a one-line error otherwise, or without experts_on_cpu.
+double parse_hot_experts(const std::string& value, bool experts_on_cpu);
 
 // End-of-sequence ids: config.json's eos_token_id and generation_config.json's eos_token_id (an int
 // or a list), those inside the model's vocabulary, without repeats, in that order.

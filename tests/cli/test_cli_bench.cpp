@@ -96,7 +96,8 @@ TEST(CliBench, MarkdownRows) {
     ASSERT_EQ(c.size(), 6u) << ls[4 + i];
     EXPECT_EQ(c[0], "tiny");
     EXPECT_NE(c[1].find("iB"), std::string::npos) << c[1];
-    EXPECT_EQ(c[3], "1");
+    // "1", or "1 (0.93 used)" when other processes kept the core busy (the pool shrank its team).
+    EXPECT_TRUE(c[3] == "1" || c[3].rfind("1 (", 0) == 0) << c[3];
     EXPECT_EQ(c[4], want[i]);
     const size_t pm = c[5].find(" ± ");
     ASSERT_NE(pm, std::string::npos) << c[5];

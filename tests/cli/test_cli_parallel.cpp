@@ -111,6 +111,21 @@ TEST(CliPlacement, CpuExpertsWithoutTheGpuIsAOneLineError) {
   }
 }
 
+// --hot-experts (the GPU's cache of hot experts) goes with --cpu-experts and takes a fraction in (0, 1]
+// or auto; --ram-budget excludes it. One line each, before anything loads, on every command that has it.
+TEST(CliPlacement, HotExpertsNeedCpuExpertsAndAFraction) {
+  const std::string nano = model("models/k3-nano");
+  for (const std::string sub : {"run", "bench", "serve"}) {
+    std::string tail = sub == "run" ? " -p hi -n 2" : sub == "bench" ? " -p 4 -n 2 -r 1" : " --port 0";
+    expect_error(run_k3(sub + " " + nano + " --hot-experts 0.5" + tail), sub, "--hot-experts goes with --cpu-experts");
+    for (const std::string bad : {"1.5", "-0.25", "half", "0.5x"})
+      expect_error(run_k3(sub + " " + nano + " --device cuda --cpu-experts --hot-experts " + bad + tail), sub,
+                   "is not a fraction in (0, 1] or auto");
+  }
+  expect_error(run_k3("run " + nano + " --device cuda --cpu-experts --hot-experts auto --ram-budget 1G -p hi -n 2"),
+               "run", "--hot-experts caches routed experts held in host RAM");
+}
+
 // k3 bench --tp/--ep: the ranks as threads; the json says how it was split; --profile (one
 // backend's ops) and the GPU are refused with it in one line.
 TEST(CliParallel, BenchSplitsAndSaysSo) {

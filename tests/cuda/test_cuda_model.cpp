@@ -265,6 +265,57 @@ TEST(CudaModel, ExpertsOnTheCpuGiveTheSameTokens) {
   }
 }
 
+// The hybrid placement with a GPU cache of hot experts (GpuOptions::hot_experts): half of each MoE
+// layer's routed experts chosen from the first 16 tokens' routing, then every decode step runs the
+// cached experts' slots on the GPU while the CPU computes the others (MoeWeights::elsewhere; the
+// host half is HotExperts.HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole). Every decode path
+// against the CPU exact path at the fp32 gate, greedy ids identical to all-GPU and to the
+// uncached hybrid; the cache's stats: every layer filled with half its experts, some slots hit.
+TEST(CudaModel, HotExpertCacheGivesTheSameTokens) {
+  K3_REQUIRE_GPU();
+  for (const fs::path& dir : {ours("tiny"), nano()}) {
+    if (!fs::exists(dir / "config.json")) GTEST_SKIP() << "absent: " << dir;
+    SCOPED_TRACE(dir.filename().string());
+    auto cpu = k3::Model::load(dir.string());
+    auto all_gpu = gpu_model(dir);
+    auto hot = k3::Model::load(dir.string());
+    k3::GpuOptions o;
+    o.initial_context = 64;
+    o.experts_on_cpu = true;
+    o.hot_experts = 0.5;
+    o.hot_warmup_tokens = 16;
+    hot->use_gpu(o);
+    std::vector<int32_t> ids;
+    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
+    const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 20);  // fills the cache (>= 16 tokens)
+    const auto want = greedy(*all_gpu, prompt, 16, mode(kF32));
+    EXPECT_EQ(greedy(*hot, prompt, 16, mode(kF32)), want) << "fp32 greedy: hot experts vs all on the GPU";
+    const k3::HotExpertStats st = hot->backend().hot_expert_stats();
+    int64_t moe_layers = 0, experts = 0;
+    for (const k3::LayerWeights& l : cpu->weights().layers)
+      if (!l.dense_ffn && !l.moe.experts.empty()) ++moe_layers, experts += int64_t(l.moe.experts.size());
+    std::printf("[gate] hot experts %-40s %lld of %lld experts cached in %lld layers, %lld of %lld slots hit (%.1f%%)\n",
+                dir.filename().string().c_str(), (long long)st.cached, (long long)st.experts, (long long)st.layers,
+                (long long)st.hits, (long long)st.slots, 100.0 * st.hit_rate());
+    EXPECT_EQ(st.layers, moe_layers);
+    EXPECT_EQ(st.experts, experts);
+    EXPECT_GT(st.slots, 0);
+    EXPECT_GT(st.hits, 0);
+    EXPECT_LT(st.hits, st.slots);
+    // Decode paths through the filled cache, against the CPU exact path (the fp32 gate).
+    const auto base = full_pass(*cpu, ids, mode(k3::ops::Numerics::Exact));
+    for (size_t split : {size_t(1), size_t(20), ids.size() - 1}) {
+      const double e = rel_l2(incremental(*hot, ids, split, mode(kF32)), base);
+      report("hot experts fp32 prefill " + std::to_string(split) + " then decode", e, kFp32Tol);
+      EXPECT_LT(e, kFp32Tol);
+    }
+    if (dir == nano()) {
+      EXPECT_EQ(greedy(*hot, prompt, 16, mode(kFast)), greedy(*all_gpu, prompt, 16, mode(kFast)))
+          << "bf16 greedy: hot experts vs all on the GPU";
+    }
+  }
+}
+
 TEST(CudaModel, GraphsEqualNoGraphsBitwise) {
   K3_REQUIRE_GPU();
   auto m = gpu_model(ours("tiny"));

@@ -238,4 +238,7 @@ namespace k3::cuda {
 // (scatter; each destination row written once), i < n, rows of `width` floats, rows on the device.
 void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst, Stream s);
 void scatter_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst, Stream s);
+// dst[i] = src[i] for the rows i < n with ids[i] >= 0, the others untouched (ids on the device): the
+// GPU-computed slots of a hybrid MoE step over the host-computed ones.
+void copy_rows_where(const float* src, const int32_t* ids, int64_t n, int64_t width, float* dst, Stream s);
 }  // namespace k3::cuda

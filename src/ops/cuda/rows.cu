@@ -17,7 +17,20 @@ __global__ void move_rows(const float* __restrict__ src, const int32_t* __restri
   float* d = dst + to * width;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
+// Block i copies row i when ids[i] >= 0.
+__global__ void copy_where(const float* __restrict__ src, const int32_t* __restrict__ ids, int64_t width,
+                           float* __restrict__ dst) {
+  const int64_t i = blockIdx.x;
+  if (ids[i] < 0) return;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) dst[i * width + c] = src[i * width + c];
+}
 }  // namespace
+
+void copy_rows_where(const float* src, const int32_t* ids, int64_t n, int64_t width, float* dst, Stream s) {
+  if (n <= 0) return;
+  copy_where<<<unsigned(n), 256, 0, s>>>(src, ids, width, dst);
+  check_launch("copy_rows_where");
+}
 
 void gather_rows(const float* src, const int32_t* rows, int64_t n, int64_t width, float* dst, Stream s) {
   if (n <= 0) return;

@@ -1,0 +1,118 @@
+// The host's half of the GPU's hot-expert cache (issue 20, GpuOptions::hot_experts): the CPU backend
+// computes only the routed experts MoeWeights::elsewhere does not flag, leaves the flagged slots'
+// terms untouched, and the two halves together are bit for bit the terms of all experts: the GPU
+// then fills the flagged slots and sums every row in top-k slot order. On K3-nano's MoE layers, for
+// decode rows of several sequences (the one-row path) and a prefill chunk (grouped by expert), in
+// fp32 and fast numerics. The GPU half is CudaModel.HotExpertCacheGivesTheSameTokens.
+// Owns: nothing the engine uses.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/split_cases.h"
+#include "model/backend.h"
+#include "model/backends.h"
+#include "model/model.h"
+
+namespace {
+
+struct Step {
+  std::vector<int32_t> cu, slots, table;
+  std::vector<int64_t> pos0;
+  k3::StepView view(int64_t rows) const {
+    k3::StepView v;
+    v.n_seqs = int64_t(slots.size());
+    v.rows = rows;
+    v.cu_rows = cu.data();
+    v.slots = slots.data();
+    v.pos0 = pos0.data();
+    v.block_table = table.data();
+    v.max_pages = 1;
+    v.page_tokens = 64;
+    v.n_slots = v.n_seqs;
+    v.n_pages = v.n_seqs;
+    for (size_t i = 0; i + 1 < cu.size(); ++i) v.max_rows_per_seq = std::max<int64_t>(v.max_rows_per_seq, cu[i + 1] - cu[i]);
+    return v;
+  }
+};
+
+Step make_step(const std::vector<int32_t>& rows_per_seq) {
+  Step s;
+  s.cu.push_back(0);
+  for (size_t i = 0; i < rows_per_seq.size(); ++i) {
+    s.cu.push_back(s.cu.back() + rows_per_seq[i]);
+    s.slots.push_back(int32_t(i));
+    s.pos0.push_back(0);
+    s.table.push_back(int32_t(i));
+  }
+  return s;
+}
+
+TEST(HotExperts, HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole) {
+  const auto m = k3::Model::load(k3test::split_model_dir("k3-nano"));
+  const k3::ModelDims& d = m->dims();
+  std::mt19937 rng(7);
+  for (const std::vector<int32_t>& shape : {std::vector<int32_t>{1, 1, 1, 1, 1}, std::vector<int32_t>{6}}) {
+    const Step st = make_step(shape);
+    const int64_t R = st.cu.back(), K = d.moe.top_k, L = d.moe.latent;
+    for (k3::StepNumerics num : {k3::StepNumerics::F32, k3::StepNumerics::Fast}) {
+      SCOPED_TRACE("rows " + std::to_string(R) + (num == k3::StepNumerics::Fast ? " fast" : " fp32"));
+      const auto be = k3::make_cpu_backend();
+      const std::vector<int32_t> ids(size_t(R), 1);
+      int layers = 0;
+      for (const k3::LayerWeights& lw : m->weights().layers) {
+        if (lw.dense_ffn || lw.moe.experts.empty()) continue;
+        ++layers;
+        const k3::MoeWeights& w = lw.moe;
+        const int64_t E = int64_t(w.experts.size());
+        std::uniform_int_distribution<int32_t> pick(0, int32_t(E - 1));
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        std::vector<int32_t> idx(size_t(R * K));
+        for (int64_t r = 0; r < R; ++r)  // distinct experts per row, as the router gives
+          for (int64_t j = 0; j < K; ++j) {
+            int32_t e;
+            do e = pick(rng);
+            while (std::find(idx.begin() + r * K, idx.begin() + r * K + j, e) != idx.begin() + r * K + j);
+            idx[size_t(r * K + j)] = e;
+          }
+        std::vector<float> z(size_t(R * L)), wt(size_t(R * K), 0.25f);
+        for (float& x : z) x = nd(rng);
+        std::vector<uint8_t> hot(static_cast<size_t>(E)), cold(static_cast<size_t>(E));
+        for (int64_t e = 0; e < E; ++e) hot[size_t(e)] = e % 3 == 0, cold[size_t(e)] = !hot[size_t(e)];
+        const float kUntouched = std::nanf("");
+        const auto terms_of = [&](const uint8_t* elsewhere) {
+          k3::MoeWeights v = w;
+          v.elsewhere = elsewhere;
+          std::vector<float> t(size_t(R * K * L), kUntouched), agg(size_t(R * L));
+          be->begin_step(st.view(R), ids.data(), num, false);
+          be->moe_routed(v, L, d.moe.situ, z.data(), idx.data(), wt.data(), R, K, agg.data(), nullptr, t.data());
+          be->end_step();
+          return t;
+        };
+        const auto all = terms_of(nullptr), host = terms_of(hot.data()), gpu = terms_of(cold.data());
+        int64_t hot_slots = 0;
+        for (int64_t s = 0; s < R * K; ++s) {
+          const bool is_hot = hot[size_t(idx[size_t(s)])];
+          hot_slots += is_hot;
+          const float* a = all.data() + s * L;
+          const float* h = host.data() + s * L;
+          const float* g = gpu.data() + s * L;
+          const float* mine = is_hot ? g : h;    // the half that computes this slot
+          const float* other = is_hot ? h : g;   // the half that must leave it alone
+          EXPECT_EQ(0, std::memcmp(mine, a, size_t(L) * 4)) << "slot " << s << " differs from all experts'";
+          for (int64_t c = 0; c < L; ++c) ASSERT_TRUE(std::isnan(other[c])) << "slot " << s << " written by the other half";
+        }
+        EXPECT_GT(hot_slots, 0);
+        EXPECT_LT(hot_slots, R * K);
+      }
+      EXPECT_GT(layers, 0);
+    }
+  }
+}
+
+}  // namespace
