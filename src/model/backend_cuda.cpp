@@ -621,16 +621,8 @@ class CudaBackend final : public Backend {
     hc.slots += n;
     const int32_t* ids = hot_ids_dev_.as<int32_t>();
     cu::h2d(hot_ids_dev_.get(), hot_ids_host_.data(), size_t(n) * 4, stream_);
-    float *hg = moe_buf_.as<float>(), *hu = hg + n * I, *tg = hu + n * I, *td = tg + n * latent;
-    const WeightMat &G = hc.stack.gate, &U = hc.stack.up;
-    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {
-      cu::expert_glu(G, U, I, ids, n, z, K, situ.beta, situ.linear_beta, hg, stream_);
-    } else {
-      cu::expert_matmul(G, I, ids, n, z, K, hg, cu::Precision::F32, stream_);
-      cu::expert_matmul(U, I, ids, n, z, K, hu, cu::Precision::F32, stream_);
-      cu::situ_glu(hg, hu, n * I, situ.beta, situ.linear_beta, hg, stream_);
-    }
-    cu::expert_matmul(hc.stack.down, latent, ids, n, hg, 1, tg, cu::Precision::F32, stream_);
+    float *tg = moe_buf_.as<float>() + 2 * n * I, *td = tg + n * latent;
+    expert_slots(hc.stack, I, latent, situ, ids, n, z, K, tg);
     // Meanwhile, on the host: every slot of an expert that is not cached.
     cpu_->moe_routed(hc.cpu_view, latent, situ, zh, idxh, wth, R, K, host_terms_, nullptr, host_terms_);
     cu::h2d(td, host_terms_, size_t(n * latent) * 4, stream_);
@@ -822,17 +814,27 @@ class CudaBackend final : public Backend {
   void routed_gemv(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                    const float* wt, int64_t n, int64_t K, float* agg) {
     const int64_t I = w.experts.front().gate.rows;
-    float *hg = moe_buf_.as<float>(), *hu = hg + n * K * I, *ye = hu + n * K * I;
-    const WeightMat &G = w.stacked.gate, &U = w.stacked.up;
-    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {  // gate, up and SiTU in one kernel
-      cu::expert_glu(G, U, I, idx, n * K, z, K, situ.beta, situ.linear_beta, hg, stream_);
-    } else {
-      cu::expert_matmul(G, I, idx, n * K, z, K, hg, cu::Precision::F32, stream_);
-      cu::expert_matmul(U, I, idx, n * K, z, K, hu, cu::Precision::F32, stream_);
-      cu::situ_glu(hg, hu, n * K * I, situ.beta, situ.linear_beta, hg, stream_);
-    }
-    cu::expert_matmul(w.stacked.down, latent, idx, n * K, hg, 1, ye, cu::Precision::F32, stream_);
+    float* ye = moe_buf_.as<float>() + 2 * n * K * I;
+    expert_slots(w.stacked, I, latent, situ, idx, n * K, z, K, ye);
     cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
+  }
+
+  // Each slot's expert output, unweighted, through the decode kernels: slot i is row i / K of z and
+  // expert ids[i] of `stack` (-1: skipped, y's row left as it is); the GLU (gate, up and SiTU in one
+  // kernel when the two stacks share a shape), then down into y [n, latent]. Scratch: the first
+  // 2 n I floats of moe_buf_ (y must lie past them).
+  void expert_slots(const GluWeights& stack, int64_t I, int64_t latent, const SituParams& situ, const int32_t* ids,
+                    int64_t n, const float* z, int64_t K, float* y) {
+    float *hg = moe_buf_.as<float>(), *hu = hg + n * I;
+    const WeightMat &G = stack.gate, &U = stack.up;
+    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {
+      cu::expert_glu(G, U, I, ids, n, z, K, situ.beta, situ.linear_beta, hg, stream_);
+    } else {
+      cu::expert_matmul(G, I, ids, n, z, K, hg, cu::Precision::F32, stream_);
+      cu::expert_matmul(U, I, ids, n, z, K, hu, cu::Precision::F32, stream_);
+      cu::situ_glu(hg, hu, n * I, situ.beta, situ.linear_beta, hg, stream_);
+    }
+    cu::expert_matmul(stack.down, latent, ids, n, hg, 1, y, cu::Precision::F32, stream_);
   }
 
   // A rank of an expert-parallel split (model/layers.cpp): each slot's output of this rank's experts,
@@ -851,17 +853,7 @@ class CudaBackend final : public Backend {
     if (!ep_ids_) ep_ids_ = cu::DevBuf(size_t(opt_.tokens_per_call * K) * 4, "expert-parallel ids");
     cu::h2d(ep_ids_.get(), ep_ids_host_.data(), size_t(n) * 4, stream_);
     const int32_t* ids = ep_ids_.as<int32_t>();
-    const int64_t I = w.stacked.gate.rows / (e - b);
-    float *hg = moe_buf_.as<float>(), *hu = hg + n * I;
-    const WeightMat &G = w.stacked.gate, &U = w.stacked.up;
-    if (G.fmt == U.fmt && G.rows == U.rows && G.cols == U.cols) {
-      cu::expert_glu(G, U, I, ids, n, z, K, situ.beta, situ.linear_beta, hg, stream_);
-    } else {
-      cu::expert_matmul(G, I, ids, n, z, K, hg, cu::Precision::F32, stream_);
-      cu::expert_matmul(U, I, ids, n, z, K, hu, cu::Precision::F32, stream_);
-      cu::situ_glu(hg, hu, n * I, situ.beta, situ.linear_beta, hg, stream_);
-    }
-    cu::expert_matmul(w.stacked.down, latent, ids, n, hg, 1, terms, cu::Precision::F32, stream_);
+    expert_slots(w.stacked, w.stacked.gate.rows / (e - b), latent, situ, ids, n, z, K, terms);
   }
 
   // The same for one sequence's chunk, grouped by expert on the host: each selected expert is one

@@ -73,6 +73,19 @@ std::unique_ptr<k3::Model> gpu_model(const fs::path& dir, bool graphs = true) {
   return m;
 }
 
+// The hybrid placement (issue 20): the trunk on the GPU, the routed experts in host memory computed
+// by the CPU, and with hot > 0 that fraction of them also cached on the GPU after `warmup` tokens.
+std::unique_ptr<k3::Model> hybrid_model(const fs::path& dir, double hot, int64_t warmup = 64) {
+  auto m = k3::Model::load(dir.string());
+  k3::GpuOptions o;
+  o.initial_context = 64;
+  o.experts_on_cpu = true;
+  o.hot_experts = hot;
+  o.hot_warmup_tokens = warmup;
+  m->use_gpu(o);
+  return m;
+}
+
 // Greedy with the pick made on the device (ForwardOptions::argmax_out): no logits come back.
 std::vector<int32_t> greedy_on_device(const k3::Model& m, const std::vector<int32_t>& prompt, int n,
                                       k3::ForwardOptions o) {
@@ -243,11 +256,7 @@ TEST(CudaModel, ExpertsOnTheCpuGiveTheSameTokens) {
     SCOPED_TRACE(dir.filename().string());
     auto cpu = k3::Model::load(dir.string());
     auto all_gpu = gpu_model(dir);
-    auto hybrid = k3::Model::load(dir.string());
-    k3::GpuOptions o;
-    o.initial_context = 64;
-    o.experts_on_cpu = true;
-    hybrid->use_gpu(o);
+    auto hybrid = hybrid_model(dir, 0);
     std::vector<int32_t> ids;
     for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
     const auto base = full_pass(*cpu, ids, mode(k3::ops::Numerics::Exact));
@@ -278,13 +287,7 @@ TEST(CudaModel, HotExpertCacheGivesTheSameTokens) {
     SCOPED_TRACE(dir.filename().string());
     auto cpu = k3::Model::load(dir.string());
     auto all_gpu = gpu_model(dir);
-    auto hot = k3::Model::load(dir.string());
-    k3::GpuOptions o;
-    o.initial_context = 64;
-    o.experts_on_cpu = true;
-    o.hot_experts = 0.5;
-    o.hot_warmup_tokens = 16;
-    hot->use_gpu(o);
+    auto hot = hybrid_model(dir, 0.5, 16);
     std::vector<int32_t> ids;
     for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
     const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 20);  // fills the cache (>= 16 tokens)
