@@ -153,14 +153,13 @@ __global__ void __launch_bounds__(kThreads, 2) mla_tc_attend_kernel(TcArgs a) {
     }
   }
 
-  uint16_t* stage[2] = {smem, smem + C::tile_elems};
-  load_tile<DQ, DV>(stage[0], stage[0] + kBN * C::ldk, a, h, 0, key_end);
+  load_tile<DQ, DV>(smem, smem + kBN * C::ldk, a, h, 0, key_end);
   cp_async_commit();
   for (int j = 0; j < n_tiles; ++j) {
-    uint16_t* sK = stage[j & 1];
+    uint16_t* sK = smem + (j & 1) * C::tile_elems;  // stage j % 2
     uint16_t* sV = sK + kBN * C::ldk;
     if (j + 1 < n_tiles) {
-      uint16_t* nK = stage[(j + 1) & 1];
+      uint16_t* nK = smem + ((j + 1) & 1) * C::tile_elems;
       load_tile<DQ, DV>(nK, nK + kBN * C::ldk, a, h, (j + 1) * kBN, key_end);
     }
     cp_async_commit();
