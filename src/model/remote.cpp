@@ -155,6 +155,8 @@ void RemoteLink::use_gpu(const GpuOptions& o) {
   put(msg, o.initial_context);
   put(msg, uint8_t(o.experts_resident));
   put(msg, uint8_t(o.experts_on_cpu));
+  put(msg, o.hot_experts);
+  put(msg, o.hot_warmup_tokens);
   send(msg);
 }
 
@@ -338,6 +340,8 @@ void follow(Model& rank, Communicator& comm, const io::Checkpoint& ckpt) {
             o.initial_context = rd.get<int64_t>();
             o.experts_resident = rd.get<uint8_t>() != 0;
             o.experts_on_cpu = rd.get<uint8_t>() != 0;
+            o.hot_experts = rd.get<double>();
+            o.hot_warmup_tokens = rd.get<int64_t>();
             snaps.clear();  // their memory is the CPU backend's, which goes
             pools.clear();
             rank.use_gpu_rank(o);
