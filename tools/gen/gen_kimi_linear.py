@@ -263,7 +263,19 @@ def dry_run(p: dict, dtype: str) -> None:
           f"{p['shards']} shards")
 
 
-def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16") -> dict:
+def _write_shard(work) -> Tuple[str, List[Tuple[str, int]]]:
+    """One shard in memory at a time (kl-full: ~3.6 GB per MoE layer); its file name and tensor sizes."""
+    out, s, n, items, seed, dtype = work
+    tensors = {name: make_tensor(name, shape, kind, seed, dtype) for name, shape, kind in items}
+    fn = "model.safetensors" if n == 1 else f"model-{s + 1:05d}-of-{n:05d}.safetensors"
+    save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
+    sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
+    if n > 4:
+        print(f"  wrote {fn} ({len(tensors)} tensors)", flush=True)
+    return fn, sizes
+
+
+def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16", jobs: int = 1) -> dict:
     p = PRESETS[preset]
     os.makedirs(out, exist_ok=True)
     cfg = make_config(p, dtype)
@@ -278,17 +290,21 @@ def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16") -> d
     for item in inventory(p):
         by_shard.setdefault(shard_of(item[0], p), []).append(item)
     weight_map, total = {}, 0
-    for s in range(n):  # one shard in memory at a time (kl-full: ~3.6 GB per MoE layer)
-        items = by_shard.get(s, [])
-        tensors = {name: make_tensor(name, shape, kind, seed, dtype) for name, shape, kind in items}
-        fn = "model.safetensors" if n == 1 else f"model-{s + 1:05d}-of-{n:05d}.safetensors"
-        save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
-        for name, t in tensors.items():
-            weight_map[name] = fn
-            total += t.numel() * t.element_size()
-        if n > 4:
-            print(f"  wrote {fn} ({len(tensors)} tensors)", flush=True)
-        del tensors
+    work = [(out, s, n, by_shard.get(s, []), seed, dtype) for s in range(n)]
+    if jobs > 1 and n > 1:  # shards in parallel processes (each tensor is seeded by its name: same bytes)
+        import multiprocessing as mp
+        with mp.get_context("fork").Pool(min(jobs, n)) as pool:
+            done = pool.imap(_write_shard, work)
+            for fn, sizes in done:
+                for name, nbytes in sizes:
+                    weight_map[name] = fn
+                    total += nbytes
+    else:
+        for w in work:
+            fn, sizes = _write_shard(w)
+            for name, nbytes in sizes:
+                weight_map[name] = fn
+                total += nbytes
     if n > 1:
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
@@ -304,6 +320,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16")
     ap.add_argument("--out")
     ap.add_argument("--dry-run", action="store_true", help="print parameter counts and sizes only")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="write this many shards at once, in processes of their own (the same bytes; each holds "
+                         "one shard in memory: ~3.6 GB for a kl-full MoE layer)")
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
     if a.dry_run or not a.out:
@@ -312,7 +331,9 @@ def main(argv=None) -> int:
             print("(no --out given: nothing written)")
         return 0
     dry_run(p, a.dtype)
-    write_checkpoint(a.out, a.preset, a.seed, a.dtype)
+    if a.jobs < 1:
+        ap.error("--jobs must be >= 1")
+    write_checkpoint(a.out, a.preset, a.seed, a.dtype, a.jobs)
     print(f"wrote {a.out}")
     return 0
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 21 on the GPU machine: a full-size random-weight Kimi Linear (the released 48B-A3B shapes,
+# bf16, ~98 GB: tools/gen/gen_kimi_linear.py --preset kl-full) on one H200: decode at batch 1 against
+# the copy-bandwidth roofline (k3 bench's roofline column), prefill pp4096, and aggregate decode at
+# 32 and 128 sequences.
+# Run on the GPU machine after `bash scripts/cuda_test.sh` packed build-cuda-stage/cli.tar.xz here:
+#   run(command="bash scripts/measure_kl_full.sh", carry=["build-cuda-stage/cli.tar.xz"])
+# Where the 98 GB go: the one-GPU machine has 64 GiB of disk and 128 GiB of memory, so the checkpoint
+# is written to a memory file system (a tmpfs of KL_TMPFS_SIZE, default 110G, mounted at KL_DIR's
+# parent; the engine maps the files from there and uploads them once). It needs root to mount; when
+# that fails the script says so and stops (a machine with 128 GiB of disk, nvidia-h200-x2, can use
+# KL_DIR on its disk with KL_TMPFS_SIZE=0). KL_JOBS: shards written at once (default 4; each holds one
+# layer, ~3.6 GB). Writes $OUT (or build-cuda-stage/out): kl-full-bench.json/.md (-> docs/data/), the log.
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+source scripts/lib/device_cli.sh
+device_start || exit 2
+dir=${KL_DIR:-/mnt/kl/kl-full}
+size=${KL_TMPFS_SIZE:-110G}
+jobs=${KL_JOBS:-4}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+free -g | head -2
+if [[ $size != 0 ]]; then
+  mkdir -p "$(dirname "$dir")"
+  mountpoint -q "$(dirname "$dir")" || mount -t tmpfs -o size="$size" tmpfs "$(dirname "$dir")" ||
+    { echo "measure_kl_full.sh: cannot mount a $size tmpfs at $(dirname "$dir") (needs root); see the header"; exit 2; }
+  df -h "$(dirname "$dir")" | tail -1
+fi
+if [[ ! -f $dir/config.json ]]; then
+  t0=$(date +%s)
+  python3 tools/gen/gen_kimi_linear.py --preset kl-full --seed 1 --out "$dir" --jobs "$jobs" >/tmp/kl-gen.log 2>&1 ||
+    { tail -5 /tmp/kl-gen.log; exit 1; }
+  echo "generated kl-full in $(($(date +%s) - t0)) s: $(du -sh "$dir" | cut -f1)"
+fi
+"$k3" info -m "$dir" --ctx 4224 --ubatch 4096 | tee "$out/kl-full-info.txt" | tail -12
+# Batch 1: pp4096 and tg128 (roofline column), graphs on and off; then decode aggregates at 32 and 128.
+"$k3" bench -m "$dir" --device cuda -p 4096 -n 128 -r 3 --ubatch 4096 --no-progress \
+  --json-out "$out/kl-full-bench.json" 2>"$out/kl-full-bench.log" | tee "$out/kl-full-bench.md"
+"$k3" bench -m "$dir" --device cuda -p 0 -n 64 -d 512 -b 1,32,128 -r 3 --no-progress \
+  --json-out "$out/kl-full-batch.json" 2>>"$out/kl-full-bench.log" | tee "$out/kl-full-batch.md"
+tail -5 "$out/kl-full-bench.log"
