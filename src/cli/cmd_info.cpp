@@ -15,6 +15,8 @@
 #include "io/safetensors.h"
 #include "model/model.h"
 #include "ops/cpu/isa.h"
+#include "plan/sizes.h"
+#include "runtime/loader.h"
 #include "runtime/memory.h"
 
 namespace k3::cli {
@@ -29,7 +31,15 @@ std::string ctx_refusal(const ModelConfig& cfg, int64_t ctx) {
          std::to_string(cfg.max_position_embeddings) + "); k3 run, chat and eval refuse it";
 }
 
-int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool trunk_fp8) {
+// --cpu-experts / --hot-experts: where the GPU line puts the routed experts.
+struct ExpertPlacementFlags {
+  bool cpu = false;
+  std::string hot;
+};
+
+int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool trunk_fp8,
+             const ExpertPlacementFlags& ex) {
+  const double hot = parse_hot_experts(ex.hot, ex.cpu);  // (a bad value: its one-line error, before any output)
   const std::string dir = resolve_model_dir(model_flag);
   const ModelConfig cfg = load_model_config(dir);
   std::string report = format_arch_report(cfg, ctx);
@@ -97,10 +107,26 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
     const int64_t gat = ctx > 0 ? ctx : 4096;
     GpuOptions go;
     go.tokens_per_call = ubatch;
-    const GpuMemoryPlan g = gpu_memory_plan(cfg, weights, go, gat);
+    go.experts_on_cpu = ex.cpu;
+    go.hot_experts = hot;
+    // With --cpu-experts the routed experts stay in host RAM (the CPU computes them): the GPU holds
+    // the rest, plus the hot-expert cache's fraction of them (--hot-experts F; auto is not planned).
+    size_t gpu_weights = weights;
+    double routed = 0;
+    if (ex.cpu) {
+      routed = plan::model_sizes(cfg, dir).experts_total_bytes();
+      gpu_weights = size_t(std::max(0.0, double(weights) - routed + (hot > 0 ? hot * routed : 0.0)));
+    }
+    const GpuMemoryPlan g = gpu_memory_plan(cfg, gpu_weights, go, gat);
     std::printf(
-        "GPU memory to run at %lld tokens (--device cuda%s)\n", (long long)gat,
+        "GPU memory to run at %lld tokens (--device cuda%s%s)\n", (long long)gat,
+        ex.cpu ? (hot > 0 ? " --cpu-experts --hot-experts " + ex.hot : hot < 0 ? std::string(" --cpu-experts --hot-experts auto") : std::string(" --cpu-experts")).c_str() : "",
         trunk_fp8 ? "; with --trunk-fp8: what it will need, refused today: its FP8 kernels are not built yet" : "");
+    if (ex.cpu)
+      std::printf("  routed experts %s in host RAM, computed by the CPU cores%s\n", human_bytes(uint64_t(routed)).c_str(),
+                  hot > 0   ? ("; " + human_bytes(uint64_t(hot * routed)) + " of them cached on the GPU too").c_str()
+                  : hot < 0 ? "; a GPU cache of hot ones fills the memory left over (not planned)"
+                            : "");
     std::printf("  weights %s + state %s + MLA cache %s + workspace %s = %s\n", human_bytes(g.weights).c_str(),
                 human_bytes(g.state_fixed).c_str(), human_bytes(g.state_per_token * size_t(gat)).c_str(),
                 human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
@@ -130,8 +156,12 @@ int cmd_info(int argc, char** argv) {
       ->check(CLI::Range(int64_t(0), int64_t(1) << 40));
   app.add_option("--ubatch", ubatch, "prefill tokens per step the plan is sized for, as `k3 run --ubatch` (default 512)")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
+  ExpertPlacementFlags ex;
+  app.add_flag("--cpu-experts", ex.cpu,
+               "plan the GPU line for --device cuda --cpu-experts: the routed experts in host RAM, computed by the CPU");
+  add_hot_experts_option(&app, ex.hot);
   if (const auto code = parse_flags(app, argc, argv)) return *code;
-  return run_guarded("k3 info", [&] { return run_info(model, ctx, ubatch, trunk_fp8); });
+  return run_guarded("k3 info", [&] { return run_info(model, ctx, ubatch, trunk_fp8, ex); });
 }
 
 }  // namespace k3::cli

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
+#include <regex>
 #include <string>
 
 #include "common/run_cmd.h"
@@ -124,6 +126,34 @@ TEST(CliPlacement, HotExpertsNeedCpuExpertsAndAFraction) {
   }
   expect_error(run_k3("run " + nano + " --device cuda --cpu-experts --hot-experts auto --ram-budget 1G -p hi -n 2"),
                "run", "--hot-experts caches routed experts held in host RAM");
+}
+
+// k3 info --cpu-experts [--hot-experts F]: the GPU line leaves the routed experts in host RAM (and
+// adds F of them back for the cache), says so in a line of its own; the sums agree to the printed
+// precision. (That the routed bytes are the engine's own: PlanSizes.RoutedExpertBytesAreTheEnginesOwn.)
+TEST(CliPlacement, InfoPlansTheHybridSplit) {
+  const std::string nano = model("models/k3-nano");
+  const auto gpu_weights_mib = [&](const std::string& flags, double* routed_mib) {
+    const auto r = run_k3("info " + nano + flags);
+    EXPECT_EQ(r.code, 0) << r.err;
+    std::smatch m;
+    const std::string& out = r.out;
+    EXPECT_TRUE(std::regex_search(out, m, std::regex(R"(GPU memory to run[^\n]*\n(?:  routed[^\n]*\n)?  weights ([0-9.]+) MiB)")))
+        << out;
+    std::smatch rm;
+    if (routed_mib && std::regex_search(out, rm, std::regex(R"(routed experts ([0-9.]+) MiB in host RAM)")))
+      *routed_mib = std::stod(rm[1]);
+    return m.size() > 1 ? std::stod(m[1]) : -1.0;
+  };
+  double routed = -1;
+  const double all = gpu_weights_mib("", nullptr), split = gpu_weights_mib(" --cpu-experts", &routed),
+               quarter = gpu_weights_mib(" --cpu-experts --hot-experts 0.25", nullptr);
+  ASSERT_GT(routed, 0);
+  EXPECT_NEAR(split + routed, all, 0.011);
+  EXPECT_NEAR(quarter, split + 0.25 * routed, 0.011);
+  const auto hot = run_k3("info " + nano + " --cpu-experts --hot-experts 0.25");
+  EXPECT_NE(hot.out.find("of them cached on the GPU too"), std::string::npos) << hot.out;
+  expect_error(run_k3("info " + nano + " --hot-experts 0.5"), "info", "--hot-experts goes with --cpu-experts");
 }
 
 // k3 bench --tp/--ep: the ranks as threads; the json says how it was split; --profile (one

@@ -669,3 +669,30 @@ TEST(PlanSizes, NotRunnableFamilyMembersAreRefused) {
   const k3::ModelConfig c = k3::parse_model_config(text, "tied.json");
   expect_error([&] { model_sizes(c, ""); }, "tied.json: ");
 }
+
+#include "model/model.h"
+
+namespace {
+
+// The routed-expert bytes `k3 plan` and `k3 info --cpu-experts` place (model_sizes, from the headers)
+// are the engine's own: every weight the bound model visits as WeightRole::RoutedExpert, which is
+// what gpu_memory_plan leaves on the host with GpuOptions::experts_on_cpu.
+TEST(PlanSizes, RoutedExpertBytesAreTheEnginesOwn) {
+  for (const std::string rel : {"models/k3-nano", "tests/fixtures/tiny", "tests/fixtures/tiny-flat"}) {
+    SCOPED_TRACE(rel);
+    const std::string dir = std::string(K3_SOURCE_DIR) + "/" + rel;
+    const auto m = k3::Model::load(dir);
+    uint64_t routed = 0;
+    k3::for_each_weight(
+        m->weights(),
+        [&](const k3::WeightMat& w, k3::WeightRole role) {
+          if (role == k3::WeightRole::RoutedExpert) routed += k3::weight_bytes(w);
+        },
+        [](const k3::FVec&) {});
+    const ModelSizes s = model_sizes(m->config(), dir);
+    EXPECT_GT(routed, 0u);
+    EXPECT_EQ(uint64_t(s.experts_total_bytes()), routed);
+  }
+}
+
+}  // namespace
