@@ -273,6 +273,7 @@ int main(int argc, char** argv) {
         for (int64_t b = 0; b < blocks; ++b) ds.blocks.push_back(spare[size_t(b)]);
         ds.partial = spare[size_t(blocks)];
         ds.partial_empty = false;
+        ds.pending = y;  // as in the forward: the layer's first site adds the previous layer's FFN output
         const int64_t m0 = run.be->mark();
         const double t0 = now_s();
         run.step_many(

@@ -79,6 +79,24 @@ struct KdaPrepare {
   float *g, *beta;
 };
 
+// One residual site of a layer as one op (Backend::residual_norm): the pending sublayer output y
+// enters the partial sum first (partial ← partial + y, or partial ← y when the sum is empty), then
+// a = Agg(blocks ∪ {partial}) with the site's folded scores (Block AttnRes, ops.h attnres_mix; with
+// fold null, a = partial: the plain pre-norm stream), then xn = RMSNorm(a) ⊙ norm_w.
+struct ResidualNorm {
+  float* partial = nullptr;  // [R, H]
+  const float* y = nullptr;  // [R, H] to add first, or null
+  bool y_replaces = false;   // partial ← y (the partial sum was empty)
+  const float* const* blocks = nullptr;
+  int64_t n_blocks = 0;
+  const float* fold = nullptr;  // null: no mix
+  float mix_eps = 0;
+  const float* norm_w = nullptr;
+  float norm_eps = 0;
+  float* a = nullptr;  // [R, H] the mix, for a backend that composes the op from the separate ones
+  float* xn = nullptr;  // [R, H]
+};
+
 // The GPU's cache of hot experts, summed over MoE layers (Backend::hot_expert_stats).
 struct HotExpertStats {
   int64_t layers = 0, experts = 0, cached = 0;  // MoE layers filled, routed experts of them, experts cached
@@ -157,6 +175,9 @@ class Backend {
   // Block AttnRes over n_src arrays [R, H] (ops.h attnres_mix); the pointer list is host memory.
   virtual void attnres_mix(const float* const* src, int64_t n_src, int64_t R, int64_t H, const float* fold, float eps,
                            float* out) = 0;
+  // ResidualNorm for R rows of H. Default: add (or copy), attnres_mix, rmsnorm in that order (the
+  // reference for a fused version, which may differ only in the order of the norms' fp64 sums).
+  virtual void residual_norm(const ResidualNorm& p, int64_t R, int64_t H);
 
   // ---- per-sequence ops (each sequence of the step from its own slot)
   virtual void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K,

@@ -363,6 +363,10 @@ class CudaBackend final : public Backend {
                    float* out) override {
     cu::attnres_mix(src, n_src, R, H, fold, eps, out, stream_);
   }
+  void residual_norm(const ResidualNorm& p, int64_t R, int64_t H) override {
+    cu::residual_norm(p.blocks, p.n_blocks, p.partial, p.y, p.y_replaces, p.fold, p.mix_eps, p.norm_w, p.norm_eps, R, H,
+                      p.xn, stream_);
+  }
 
   // ---- per-sequence ops
   void short_conv_silu(const float* x, const StepView&, int64_t C, const float* w, int64_t K, float* state,

@@ -91,6 +91,9 @@ class ProfilingBackend final : public Backend {
                    float* out) override {
     timed("attnres_mix", [&] { in_->attnres_mix(src, n_src, R, H, fold, eps, out); });
   }
+  void residual_norm(const ResidualNorm& p, int64_t R, int64_t H) override {
+    timed("residual_norm", [&] { in_->residual_norm(p, R, H); });
+  }
   void short_conv_silu(const float* x, const StepView& s, int64_t C, const float* w, int64_t K, float* state_pool,
                        float* out) override {
     timed("short_conv_silu", [&] { in_->short_conv_silu(x, s, C, w, K, state_pool, out); });

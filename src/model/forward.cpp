@@ -46,48 +46,43 @@ void ffn_sublayer(const StepCtx& c, const ModelDims& d, const LayerWeights& w, c
     moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
 }
 
-// The plain pre-norm residual stream (block_size 0, Kimi Linear): h += attn(norm(h)); h += ffn(norm(h)).
+// The plain pre-norm residual stream (block_size 0, Kimi Linear): h += attn(norm(h)); h += ffn(norm(h)),
+// each add fused with the norm after it (the FFN's output is added by the next layer's first site).
 void plain_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
-                 float* h, float* xn, float* y, const ForwardOptions& opt) {
-  const int64_t H = d.hidden, n = c.R * H;
-  c.be.rmsnorm(h, c.R, H, w.input_norm.data(), d.eps, xn);
+                 DepthState& depth, float* a, float* xn, float* y, const ForwardOptions& opt) {
+  const int64_t H = d.hidden;
+  residual_site(c, depth, depth.pending, nullptr, w.input_norm.data(), H, d.eps, a, xn);
+  depth.pending = nullptr;
   attention_sublayer(c, d, L, w, pool, xn, y, opt);
-  c.be.add(h, y, n);
-  c.be.rmsnorm(h, c.R, H, w.post_norm.data(), d.eps, xn);
+  residual_site(c, depth, y, nullptr, w.post_norm.data(), H, d.eps, a, xn);
   ffn_sublayer(c, d, w, xn, y, opt);
-  c.be.add(h, y, n);
+  depth.pending = y;
 }
 
 }  // namespace
 
 void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
                    DepthState& depth, float* const* spare, float* a, float* xn, float* y, const ForwardOptions& opt) {
-  if (d.block_size == 0) return plain_layer(c, d, L, w, pool, depth.partial, xn, y, opt);
-  const int64_t H = d.hidden, n = c.R * H;
-  // 1. attention-site mix (pass-through while no block has been snapshotted: layer 0)
-  if (depth.blocks.empty())
-    c.be.copy(a, depth.partial, size_t(n) * 4);
-  else
-    attnres_site(c, w.attn_res, depth, H, d.eps, a);
+  if (d.block_size == 0) return plain_layer(c, d, L, w, pool, depth, a, xn, y, opt);
+  const int64_t H = d.hidden;
+  // 1. the previous layer's FFN output into the partial sum, the attention-site mix (pass-through
+  //    while no block has been snapshotted: layer 0) and the input norm, as one op
+  residual_site(c, depth, depth.pending, depth.blocks.empty() ? nullptr : &w.attn_res, w.input_norm.data(), H, d.eps,
+                a, xn);
+  depth.pending = nullptr;
   // 2. snapshot the partial sum at block starts, then start a new block
   if (L % d.block_size == 0) {
     depth.blocks.push_back(depth.partial);
     depth.partial = spare[depth.blocks.size()];
     depth.partial_empty = true;
   }
-  // 3-4. attention sublayer, added into the partial sum
-  c.be.rmsnorm(a, c.R, H, w.input_norm.data(), d.eps, xn);
+  // 3. attention sublayer
   attention_sublayer(c, d, L, w, pool, xn, y, opt);
-  if (depth.partial_empty)
-    c.be.copy(depth.partial, y, size_t(n) * 4);
-  else
-    c.be.add(depth.partial, y, n);
-  depth.partial_empty = false;
-  // 5-7. FFN-site mix (always), FFN, added into the partial sum
-  attnres_site(c, w.mlp_res, depth, H, d.eps, a);
-  c.be.rmsnorm(a, c.R, H, w.post_norm.data(), d.eps, xn);
+  // 4-6. its output into the partial sum, the FFN-site mix (always) and the post norm as one op; the FFN,
+  //      whose output the next site adds (the next layer's step 1, or settle_depth after the last layer)
+  residual_site(c, depth, y, &w.mlp_res, w.post_norm.data(), H, d.eps, a, xn);
   ffn_sublayer(c, d, w, xn, y, opt);
-  c.be.add(depth.partial, y, n);
+  depth.pending = y;
 }
 
 int64_t forward_work_floats(const ModelDims& d, int64_t R) {
@@ -253,6 +248,7 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
       be.embed(placed_.embed, ids.data(), R, depth.partial);
       for (int64_t L = 0; L < d.layers; ++L)
         decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);
+      settle_depth(c, depth, H);
       // Output aggregator over B ∪ {P} (the residual stream itself without Block AttnRes), then for
       // the rows whose logits are wanted: final norm, lm_head (rank 0's alone on a split model).
       if (role_.rank == 0) {

@@ -333,4 +333,57 @@ void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& s
   c.be.attnres_mix(src, int64_t(n), c.R, hidden, site.fold.data(), eps, out);
 }
 
+void residual_site(const StepCtx& c, DepthState& st, const float* y, const AttnResSite* mix, const float* norm_w,
+                   int64_t hidden, float eps, float* a, float* xn) {
+  if (!y && st.partial_empty) fail("internal error: a residual site over an empty partial sum");
+  ResidualNorm p;
+  p.partial = st.partial;
+  p.y = y;
+  p.y_replaces = st.partial_empty;
+  if (mix) {
+    p.blocks = st.blocks.begin();
+    p.n_blocks = int64_t(st.blocks.size());
+    p.fold = mix->fold.data();
+    p.mix_eps = eps;
+  }
+  p.norm_w = norm_w;
+  p.norm_eps = eps;
+  p.a = a;
+  p.xn = xn;
+  c.be.residual_norm(p, c.R, hidden);
+  st.partial_empty = false;
+}
+
+void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden) {
+  if (!st.pending) return;
+  const int64_t n = c.R * hidden;
+  if (st.partial_empty)
+    c.be.copy(st.partial, st.pending, size_t(n) * 4);
+  else
+    c.be.add(st.partial, st.pending, n);
+  st.pending = nullptr;
+  st.partial_empty = false;
+}
+
+void Backend::residual_norm(const ResidualNorm& p, int64_t R, int64_t H) {
+  const int64_t n = R * H;
+  if (p.y) {
+    if (p.y_replaces)
+      copy(p.partial, p.y, size_t(n) * 4);
+    else
+      add(p.partial, p.y, n);
+  }
+  const float* x = p.partial;
+  if (p.fold) {
+    const float* src[BlockList::kMaxBlocks + 1];
+    if (p.n_blocks < 0 || p.n_blocks > int64_t(BlockList::kMaxBlocks))
+      fail("Block AttnRes: more than 63 block snapshots are not supported");
+    for (int64_t j = 0; j < p.n_blocks; ++j) src[j] = p.blocks[j];
+    src[p.n_blocks] = p.partial;
+    attnres_mix(src, p.n_blocks + 1, R, H, p.fold, p.mix_eps, p.a);
+    x = p.a;
+  }
+  rmsnorm(x, R, H, p.norm_w, p.norm_eps, p.xn);
+}
+
 }  // namespace k3

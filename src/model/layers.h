@@ -130,11 +130,18 @@ struct BlockList {
 struct DepthState {
   BlockList blocks;
   float* partial = nullptr;
-  bool partial_empty = true;  // ∅ just after a snapshot
+  bool partial_empty = true;      // ∅ just after a snapshot
+  const float* pending = nullptr;  // a sublayer output not yet added to partial (the next site adds it)
 };
-// out[R, hidden] = Agg(B ∪ {P}) at one site (P omitted when empty).
+// out[R, hidden] = Agg(B ∪ {P}) at one site (P omitted when empty). Call settle_depth first.
 void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& st, int64_t hidden, float eps,
                   float* out);
+// One site as one backend op (Backend::residual_norm): y (may be null) into the partial sum, then
+// xn = RMSNorm(Agg(B ∪ {P})) ⊙ norm_w, or RMSNorm(P) ⊙ norm_w without `mix`.
+void residual_site(const StepCtx& c, DepthState& st, const float* y, const AttnResSite* mix, const float* norm_w,
+                   int64_t hidden, float eps, float* a, float* xn);
+// Adds st.pending into the partial sum (the last layer's FFN output, before the output site).
+void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden);
 
 // Workspace floats one sublayer of each kind takes for R rows (the plan; forward_work_floats sums up).
 int64_t kda_work_floats(const KdaDims& d, int64_t R);

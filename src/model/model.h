@@ -107,7 +107,9 @@ bool is_routed_expert_tensor(std::string_view name);
 
 // One decoder layer L on the step's rows (§3.3 steps 1-7): the attention-site mix, a snapshot at block
 // starts (the new partial sum is spare[blocks after the snapshot]), the attention sublayer into the
-// partial sum, the FFN-site mix, the FFN into the partial sum. a, xn, y: [R, hidden] scratch.
+// partial sum, the FFN-site mix, the FFN. Its output is left in depth.pending (y): the next layer's
+// first site adds it, fused with its mix and norm; after the last layer, settle_depth. a, xn, y: [R,
+// hidden] scratch.
 void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
                    DepthState& depth, float* const* spare, float* a, float* xn, float* y, const ForwardOptions& opt);
 

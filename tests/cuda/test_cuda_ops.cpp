@@ -321,6 +321,103 @@ TEST(CudaOps, AttnresMix) {
   }
 }
 
+// One residual site in one kernel (Backend::residual_norm) against the separate kernels in that order
+// (add or copy, attnres_mix over the blocks and the new partial sum, rmsnorm): the new partial sum
+// bit for bit, xn within kTolElementwise (only the order of the norm's fp64 sum differs; fp64 sums of
+// fp32 squares round the same nearly always), and the same bits again on a created stream.
+TEST(CudaOps, ResidualNormIsTheSeparateOps) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(227);
+  enum Y { None, Add, Replace };
+  struct Case {
+    int64_t blocks, T, H;
+    bool mix;
+    Y y;
+    bool misalign;  // pointers one float off 16 bytes: the scalar path
+  };
+  const Case cases[] = {{0, 1, 8, false, Add, false},     {0, 1, 7168, false, Add, false},
+                        {0, 3, 4096, false, None, false},  {0, 70, 256, false, Add, false},
+                        {0, 1, 7168, true, None, false},   {3, 1, 7168, true, Add, false},
+                        {3, 1, 7168, true, Replace, false}, {8, 2, 7168, true, Add, false},
+                        {2, 3, 37, true, Add, false},       {5, 1, 129, true, Replace, false},
+                        {9, 64, 1000, true, Add, false},    {9, 65, 1000, true, Add, false},
+                        {3, 200, 4096, true, Add, false},   {17, 1, 4100, true, Add, false},
+                        {31, 2, 7168, true, Add, false},    {31, 70, 512, true, Replace, false},
+                        {4, 1, 4096, true, Add, true},      {4, 90, 4096, true, Add, true},
+                        {0, 90, 4096, false, Add, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(dims({{"blocks", c.blocks}, {"T", c.T}, {"H", c.H}, {"mix", c.mix}, {"y", int64_t(c.y)},
+                       {"misalign", c.misalign}}));
+    const int64_t n = c.T * c.H, off = c.misalign ? 1 : 0;
+    std::vector<cu::DevBuf> dblk;
+    std::vector<const float*> bptr;
+    for (int64_t j = 0; j < c.blocks; ++j) {
+      dblk.push_back(up(rand_vec(rng, size_t(n + off), 0.05f, 1.0f + float(j % 5))));
+      bptr.push_back(dblk.back().as<float>() + off);
+    }
+    const auto partial0 = rand_vec(rng, size_t(n + off), 0.05f, 2.0f), y = rand_vec(rng, size_t(n + off), 0.05f, 1.5f);
+    auto dy = up(y), dfold = up(rand_vec(rng, size_t(c.H + off), 0.05f, 0.3f)),
+         dw = up(rand_vec(rng, size_t(c.H + off), 0.5f, 1.5f));
+    const float* yp = c.y == None ? nullptr : dy.as<float>() + off;
+    const float* fold = c.mix ? dfold.as<float>() + off : nullptr;
+    const float* w = dw.as<float>() + off;
+    // The separate kernels.
+    auto p_ref = up(partial0), a_ref = k3test::dev_nan(size_t(n + off)), x_ref = k3test::dev_nan(size_t(n + off));
+    float* pr = p_ref.as<float>() + off;
+    if (c.y == Add) cu::add_inplace(pr, yp, n, nullptr);
+    if (c.y == Replace) cu::d2d(pr, yp, size_t(n) * 4, nullptr);
+    const float* xr = pr;
+    if (c.mix) {
+      std::vector<const float*> src = bptr;
+      src.push_back(pr);
+      cu::attnres_mix(src.data(), int64_t(src.size()), c.T, c.H, fold, 1e-5f, a_ref.as<float>() + off, nullptr);
+      xr = a_ref.as<float>() + off;
+    }
+    cu::rmsnorm(xr, c.T, c.H, w, 1e-6f, x_ref.as<float>() + off, nullptr);
+    // The fused kernel.
+    auto p_got = up(partial0), x_got = k3test::dev_nan(size_t(n + off));
+    cu::residual_norm(bptr.data(), c.blocks, p_got.as<float>() + off, yp, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T,
+                      c.H, x_got.as<float>() + off, nullptr);
+    const auto want = down(x_ref, size_t(n + off)), got = down(x_got, size_t(n + off));
+    EXPECT_EQ(down(p_got, size_t(n + off)), down(p_ref, size_t(n + off))) << "the new partial sum";
+    const std::vector<float> gv(got.begin() + off, got.end()), wv(want.begin() + off, want.end());
+    ASSERT_EQ(count_nan(gv), 0u);
+    EXPECT_LT(rel_l2(gv, wv), kTolElementwise);
+    // Deterministic, and the same bits on a created stream (the model's launch path).
+    cu::Stream st = cu::stream_create();
+    auto p2 = up(partial0), x2 = k3test::dev_nan(size_t(n + off));
+    cu::residual_norm(bptr.data(), c.blocks, p2.as<float>() + off, yp, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T, c.H,
+                      x2.as<float>() + off, st);
+    cu::sync(st);
+    cu::stream_destroy(st);
+    EXPECT_EQ(down(x2, size_t(n + off)), got);
+  }
+  // Bad arguments: one-line k3::Errors naming the op, nothing launched.
+  std::vector<const float*> too_many(size_t(cu::kMaxAttnResSources), nullptr);
+  auto buf = k3test::dev_nan(64);
+  float* b = buf.as<float>();
+  const auto refused = [](const char* what, auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << " was accepted";
+    } catch (const k3::Error& e) {
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos);
+      EXPECT_NE(std::string(e.what()).find("residual_norm"), std::string::npos) << e.what();
+    }
+  };
+  refused("32 blocks", [&] {
+    cu::residual_norm(too_many.data(), int64_t(too_many.size()), b, nullptr, false, b + 8, 1e-5f, b + 16, 1e-6f, 1, 8,
+                      b + 24, nullptr);
+  });
+  refused("blocks without scores", [&] {
+    cu::residual_norm(too_many.data(), 1, b, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b + 24, nullptr);
+  });
+  refused("xn == partial",
+          [&] { cu::residual_norm(nullptr, 0, b, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b, nullptr); });
+  refused("no norm weight",
+          [&] { cu::residual_norm(nullptr, 0, b, nullptr, false, nullptr, 1e-5f, nullptr, 1e-6f, 1, 8, b + 8, nullptr); });
+}
+
 // ================================================================ KDA
 struct KdaRun {
   std::vector<float> o, S;
@@ -722,6 +819,15 @@ TEST(CudaOpsBench, DecodeSmallOpLatency) {
           "attnres_mix n_src=" + std::to_string(n_src) + " H=" + std::to_string(H),
           [&] { cu::attnres_mix(dptr.data(), n_src, 1, H, dw.as<float>(), 1e-5f, dout.as<float>(), s); }, dout,
           size_t(H));
+      // The same site as one kernel with its add and norm (partial = y each call, so every call is alike).
+      auto dp = up(rand_vec(rng, size_t(H), 0.05f, 2.0f)), dy = up(rand_vec(rng, size_t(H), 0.05f, 2.0f));
+      bench(
+          "residual_norm blocks=" + std::to_string(n_src - 1) + " H=" + std::to_string(H),
+          [&] {
+            cu::residual_norm(dptr.data(), n_src - 1, dp.as<float>(), dy.as<float>(), true, dw.as<float>(), 1e-5f,
+                              dw.as<float>(), 1e-6f, 1, H, dout.as<float>(), s);
+          },
+          dout, size_t(H));
     }
   }
   for (auto [E, K] : {std::pair<int64_t, int64_t>{64, 8}, {896, 16}}) {

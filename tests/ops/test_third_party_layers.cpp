@@ -428,6 +428,7 @@ void check_decoder_layer(const char* file, bool expect_mla) {
     std::vector<float> a(size_t(T * kHidden)), xn(a.size()), y(a.size());
     seq.step(T, [&](const k3::StepCtx& c) {
       k3::decoder_layer(c, d, L, w, seq.pool, depth, spare.data(), a.data(), xn.data(), y.data(), opts[oi]);
+      k3::settle_depth(c, depth, kHidden);
     });
     const std::vector<float> partial(depth.partial, depth.partial + T * kHidden);
     EXPECT_EQ(count_nan(partial), 0u);

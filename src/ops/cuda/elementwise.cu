@@ -1,7 +1,7 @@
 // CUDA elementwise ops, norms, embedding, argmax and the AttnRes mix (cuda_ops.h): each one has the
 // meaning of its CPU twin in ops/ops.h (k3::ref is what the device tests compare against).
 // Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu (+ its varlen form), kda_gate, sigmoid_*, add_inplace,
-// embed_rows, argmax_rows, attnres_mix.
+// embed_rows, argmax_rows, attnres_mix, residual_norm.
 // Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cooperative_groups.h>
@@ -664,6 +664,186 @@ void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* 
     launch(attnres_kernel<NS, 1, TH>, unsigned(T), TH, 0, s, l, n, H, fold, eps, out);
 }
 
+// ---------------------------------------------------------------- residual site
+// Backend::residual_norm in one kernel: the pending sublayer output enters the partial sum (the add
+// kernel's math, partial = partial + y, or partial = y), the AttnRes mix above over the blocks and the
+// new partial sum (MIX = false: a = the partial sum), then RMSNorm of a (the norm kernels' math:
+// fp64 sum of squares, inv = 1/sqrt(ss/H + eps) rounded to fp32, w·(a·inv)). Each thread owns the
+// same vectors i = first, first + stride, ... in every phase, so it reads back only what it wrote
+// itself (the new partial sum, then the mix in xn) and no barrier is needed between those.
+struct ResidualArgs {
+  SrcList src;  // the blocks, then the partial sum (src.p[n_src - 1] == partial)
+  int n_src;
+  int64_t H;
+  const float* fold;
+  float mix_eps;
+  float* partial;
+  const float* y;  // null: nothing to add
+  int y_replaces;
+  const float* w;
+  float norm_eps;
+  float* xn;
+};
+
+template <int VEC>
+__device__ __forceinline__ void residual_take(const ResidualArgs& a, int64_t t, int64_t first, int64_t last,
+                                              int64_t stride) {
+  if (!a.y) return;
+  using VT = typename std::conditional<VEC == 4, float4, float>::type;
+  VT* p = reinterpret_cast<VT*>(a.partial + t * a.H);
+  const VT* y = reinterpret_cast<const VT*>(a.y + t * a.H);
+  for (int64_t i = first; i < last; i += stride) {
+    VT v = y[i];
+    if (!a.y_replaces) {
+      const VT q = p[i];
+      if constexpr (VEC == 4) {
+        v.x = q.x + v.x;
+        v.y = q.y + v.y;
+        v.z = q.z + v.z;
+        v.w = q.w + v.w;
+      } else {
+        v = q + v;
+      }
+    }
+    p[i] = v;
+  }
+}
+
+// This thread's fp64 sum of squares of row[i] over its vectors.
+template <int VEC>
+__device__ __forceinline__ double residual_sumsq(const float* row, int64_t first, int64_t last, int64_t stride) {
+  double ss = 0;
+  if constexpr (VEC == 4) {
+    for (int64_t i = first; i < last; i += stride) {
+      const float4 v = reinterpret_cast<const float4*>(row)[i];
+      ss = fma(double(v.x), double(v.x), ss);
+      ss = fma(double(v.y), double(v.y), ss);
+      ss = fma(double(v.z), double(v.z), ss);
+      ss = fma(double(v.w), double(v.w), ss);
+    }
+  } else {
+    for (int64_t i = first; i < last; i += stride) ss = fma(double(row[i]), double(row[i]), ss);
+  }
+  return ss;
+}
+
+// out[i] = w[i]·(x[i]·inv) over this thread's vectors (x may be out).
+template <int VEC>
+__device__ __forceinline__ void residual_scale(const float* x, const float* w, float inv, float* out, int64_t first,
+                                               int64_t last, int64_t stride) {
+  if constexpr (VEC == 4) {
+    for (int64_t i = first; i < last; i += stride) {
+      const float4 a = reinterpret_cast<const float4*>(x)[i], b = reinterpret_cast<const float4*>(w)[i];
+      reinterpret_cast<float4*>(out)[i] = make_float4(b.x * (a.x * inv), b.y * (a.y * inv), b.z * (a.z * inv),
+                                                      b.w * (a.w * inv));
+    }
+  } else {
+    for (int64_t i = first; i < last; i += stride) out[i] = w[i] * (x[i] * inv);
+  }
+}
+
+// Larger T: one block per token (as attnres_kernel).
+template <int NS, int VEC, int THREADS, bool MIX>
+__global__ void __launch_bounds__(THREADS) residual_norm_kernel(ResidualArgs a) {
+  pdl_enter();
+  __shared__ double red[THREADS / 32][2 * NS];
+  __shared__ double nred[32];
+  __shared__ float p[NS];
+  const int64_t t = blockIdx.x, nv = a.H / VEC;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  residual_take<VEC>(a, t, threadIdx.x, nv, THREADS);
+  if constexpr (MIX) {
+    mix_partials<NS, VEC>(a.src, a.n_src, t, a.H, a.fold, threadIdx.x, nv, THREADS, lane, warp, red);
+    __syncthreads();
+    if (warp == 0) {
+      double da = 0, db = 0;
+      if (lane < a.n_src)
+        for (int w = 0; w < THREADS / 32; ++w) {
+          da += red[w][2 * lane];
+          db += red[w][2 * lane + 1];
+        }
+      mix_softmax(lane, a.n_src, da, db, a.H, a.mix_eps, p);
+    }
+    __syncthreads();
+    mix_weighted_sum<NS, VEC>(a.src, a.n_src, t, a.H, p, threadIdx.x, nv, THREADS, a.xn);
+  }
+  const float* x = (MIX ? a.xn : a.partial) + t * a.H;
+  const double ss = block_sum(residual_sumsq<VEC>(x, threadIdx.x, nv, THREADS), nred);
+  const float inv = float(1.0 / sqrt(ss / double(a.H) + double(a.norm_eps)));
+  residual_scale<VEC>(x, a.w, inv, a.xn + t * a.H, threadIdx.x, nv, THREADS);
+}
+
+// Small T (decode): one cluster per token, as attnres_cluster_kernel; the norm's sum of squares is
+// reduced over the cluster the same way (each block's partial, then every block sums them in rank order).
+template <int NS, int VEC, bool MIX>
+__global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThreads)
+    residual_norm_cluster_kernel(ResidualArgs a) {
+  pdl_enter();
+  __shared__ double red[kMixThreads / 32][2 * NS];
+  __shared__ double part[2 * NS];
+  __shared__ double nred[32];
+  __shared__ double npart, ntotal;
+  __shared__ float p[NS];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t t = blockIdx.y, nv = a.H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
+  const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  residual_take<VEC>(a, t, i0 + threadIdx.x, i1, kMixThreads);
+  if constexpr (MIX) {
+    mix_partials<NS, VEC>(a.src, a.n_src, t, a.H, a.fold, i0 + threadIdx.x, i1, kMixThreads, lane, warp, red);
+    __syncthreads();
+    if (int(threadIdx.x) < 2 * a.n_src) {
+      double s = 0;
+      for (int w = 0; w < kMixThreads / 32; ++w) s += red[w][threadIdx.x];
+      part[threadIdx.x] = s;
+    }
+    cluster.sync();
+    if (warp == 0) {
+      double da = 0, db = 0;
+      if (lane < a.n_src)
+        for (int r = 0; r < kMixCluster; ++r) {
+          const double* rp = cluster.map_shared_rank(part, r);
+          da += rp[2 * lane];
+          db += rp[2 * lane + 1];
+        }
+      mix_softmax(lane, a.n_src, da, db, a.H, a.mix_eps, p);
+    }
+    __syncthreads();
+    mix_weighted_sum<NS, VEC>(a.src, a.n_src, t, a.H, p, i0 + threadIdx.x, i1, kMixThreads, a.xn);
+  }
+  const float* x = (MIX ? a.xn : a.partial) + t * a.H;
+  const double ss = block_sum(residual_sumsq<VEC>(x, i0 + threadIdx.x, i1, kMixThreads), nred);
+  if (threadIdx.x == 0) npart = ss;
+  // (also: every block has read the others' `part` before any block can leave)
+  cluster.sync();
+  if (threadIdx.x == 0) {
+    double s = 0;
+    for (int r = 0; r < kMixCluster; ++r) s += *cluster.map_shared_rank(&npart, r);
+    ntotal = s;
+  }
+  // every block has read the others' `npart`; ntotal is visible to the block
+  cluster.sync();
+  const float inv = float(1.0 / sqrt(ntotal / double(a.H) + double(a.norm_eps)));
+  residual_scale<VEC>(x, a.w, inv, a.xn + t * a.H, i0 + threadIdx.x, i1, kMixThreads);
+}
+
+template <int NS, bool MIX>
+void launch_residual(const ResidualArgs& a, int64_t T, bool vec, Stream s) {
+  constexpr int TH = NS <= 16 ? 512 : 256;
+  if (T <= kMixClusterMaxT) {
+    const dim3 grid(kMixCluster, unsigned(T));
+    if (vec)
+      launch(residual_norm_cluster_kernel<NS, 4, MIX>, grid, kMixThreads, 0, s, a);
+    else
+      launch(residual_norm_cluster_kernel<NS, 1, MIX>, grid, kMixThreads, 0, s, a);
+  } else if (vec) {
+    launch(residual_norm_kernel<NS, 4, TH, MIX>, unsigned(T), TH, 0, s, a);
+  } else {
+    launch(residual_norm_kernel<NS, 1, TH, MIX>, unsigned(T), TH, 0, s, a);
+  }
+}
+
 // Calls f(std::integral_constant<int, KT>) with the conv kernels' compile-time width for K (0: any).
 template <class F>
 void with_conv_width(int64_t K, F&& f) {
@@ -839,6 +1019,49 @@ void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, c
   else
     launch_attnres<32>(l, n, T, H, fold, eps, out, vec, s);
   check_launch("attnres_mix");
+}
+
+
+void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial, const float* y, bool y_replaces,
+                   const float* fold, float mix_eps, const float* norm_w, float norm_eps, int64_t T, int64_t H,
+                   float* xn, Stream s) {
+  const bool mix = fold != nullptr;
+  if (n_blocks < 0 || n_blocks + 1 > kMaxAttnResSources)
+    fail("residual_norm: " + std::to_string(n_blocks) + " blocks; the GPU kernel takes 0.." +
+         std::to_string(kMaxAttnResSources - 1));
+  if (!mix && n_blocks > 0) fail("residual_norm: blocks without the site's scores");
+  if (!norm_w) fail("residual_norm: no norm weight");
+  if (y == partial || xn == partial || (y && y == xn)) fail("residual_norm: y, partial and xn must not alias");
+  if (T <= 0 || H <= 0) return;
+  if (T > 0x7fffffff) fail("residual_norm: too many rows for the grid");
+  ResidualArgs a{};
+  for (int64_t j = 0; j < n_blocks; ++j) a.src.p[j] = blocks[j];
+  a.src.p[n_blocks] = partial;
+  a.n_src = int(n_blocks + 1);
+  a.H = H;
+  a.fold = fold;
+  a.mix_eps = mix_eps;
+  a.partial = partial;
+  a.y = y;
+  a.y_replaces = y_replaces ? 1 : 0;
+  a.w = norm_w;
+  a.norm_eps = norm_eps;
+  a.xn = xn;
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  bool vec = H % 4 == 0 && al16(partial) && al16(norm_w) && al16(xn) && (!y || al16(y)) && (!mix || al16(fold));
+  for (int64_t j = 0; j < n_blocks; ++j) vec = vec && al16(blocks[j]);
+  const int n = a.n_src;
+  if (!mix)
+    launch_residual<1, false>(a, T, vec, s);
+  else if (n <= 4)
+    launch_residual<4, true>(a, T, vec, s);
+  else if (n <= 8)
+    launch_residual<8, true>(a, T, vec, s);
+  else if (n <= 16)
+    launch_residual<16, true>(a, T, vec, s);
+  else
+    launch_residual<32, true>(a, T, vec, s);
+  check_launch("residual_norm");
 }
 
 }  // namespace k3::cuda
