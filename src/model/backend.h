@@ -163,6 +163,12 @@ class Backend {
   // y[i] = W[i]·x[i] for n weights, each with its own input.
   virtual void matmul_many(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y) = 0;
   virtual void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) = 0;
+  // out = RMSNorm(x) ⊙ w, then out ← out · σ(gate) (gate [R, n]; out may be x). Default: the two ops.
+  virtual void rmsnorm_gate(const float* x, int64_t R, int64_t n, const float* w, float eps, const float* gate,
+                            float* out) {
+    rmsnorm(x, R, n, w, eps, out);
+    sigmoid_mul(out, gate, R * n);
+  }
   virtual void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) = 0;
   virtual void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) = 0;
   virtual void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,

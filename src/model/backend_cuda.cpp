@@ -334,6 +334,10 @@ class CudaBackend final : public Backend {
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
     cu::rmsnorm(x, R, n, w, eps, out, stream_);
   }
+  void rmsnorm_gate(const float* x, int64_t R, int64_t n, const float* w, float eps, const float* gate,
+                    float* out) override {
+    cu::rmsnorm_gate(x, R, n, w, eps, gate, out, stream_);
+  }
   void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
     cu::l2norm_scale(x, rows, n, eps, scale, stream_);
   }

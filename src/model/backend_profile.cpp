@@ -65,6 +65,10 @@ class ProfilingBackend final : public Backend {
   void rmsnorm(const float* x, int64_t R, int64_t n, const float* w, float eps, float* out) override {
     timed("rmsnorm", [&] { in_->rmsnorm(x, R, n, w, eps, out); });
   }
+  void rmsnorm_gate(const float* x, int64_t R, int64_t n, const float* w, float eps, const float* gate,
+                    float* out) override {
+    timed("rmsnorm_gate", [&] { in_->rmsnorm_gate(x, R, n, w, eps, gate, out); });
+  }
   void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) override {
     timed("l2norm_scale", [&] { in_->l2norm_scale(x, rows, n, eps, scale); });
   }

@@ -199,8 +199,7 @@ void kda_sublayer(const StepCtx& c, const KdaDims& d, const KdaWeights& w, const
   float* o = c.work.take(R * C);
   be.kda(q, k, v, g, b, c.seqs, H, D, D, algo, chunk, st.S, o);
   // Per-head RMSNorm first, then the sigmoid gate, then o_proj (§6.4 trap 6).
-  be.rmsnorm(o, R * H, D, w.o_norm.data(), d.norm_eps, o);
-  be.sigmoid_mul(o, r, R * C);
+  be.rmsnorm_gate(o, R * H, D, w.o_norm.data(), d.norm_eps, r, o);
   project_out(c, w.o_proj, o, RankRole::KdaCols, out);
 }
 

@@ -91,6 +91,44 @@ TEST(CudaOps, Rmsnorm) {
   }
 }
 
+// RMSNorm with the sigmoid output gate in one kernel (KDA's o_norm then gate): the bits of rmsnorm
+// then sigmoid_gate_mul, in place and not, on the fused shapes (n % 4 == 0, n <= 512, aligned) and
+// on the fallback (the two kernels).
+TEST(CudaOps, RmsnormGateIsNormThenGate) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(231);
+  for (auto [T, n, off] : {std::tuple<int64_t, int64_t, int64_t>{96, 128, 0},
+                           {5, 64, 0},
+                           {3, 256, 0},
+                           {2, 512, 0},
+                           {7, 100, 0},
+                           {3, 37, 0},
+                           {4, 1024, 0},
+                           {6, 128, 1}}) {
+    for (bool with_w : {false, true}) {
+      SCOPED_TRACE(dims({{"T", T}, {"n", n}, {"offset", off}, {"w", with_w}}));
+      const size_t len = size_t(T * n + off);
+      const auto x = rand_vec(rng, len, 0.05f, 3.0f), g = rand_vec(rng, len, 0.05f, 4.0f);
+      const auto w = rand_vec(rng, size_t(n + off), 0.5f, 1.5f);
+      auto dx = up(x), dg = up(g), dw = up(w), dref = k3test::dev_nan(len), dout = k3test::dev_nan(len);
+      const float* wp = with_w ? dw.as<float>() + off : nullptr;
+      cu::rmsnorm(dx.as<float>() + off, T, n, wp, 1e-6f, dref.as<float>() + off, nullptr);
+      cu::sigmoid_gate_mul(dref.as<float>() + off, dg.as<float>() + off, T * n, nullptr);
+      cu::rmsnorm_gate(dx.as<float>() + off, T, n, wp, 1e-6f, dg.as<float>() + off, dout.as<float>() + off, nullptr);
+      // (the elements from `off` on: the one before is the NaN fill or the input)
+      const auto tail = [&](const cu::DevBuf& b) {
+        const auto v = down(b, len);
+        return std::vector<float>(v.begin() + off, v.end());
+      };
+      const auto want = tail(dref), got = tail(dout);
+      ASSERT_EQ(count_nan(got), 0u);
+      EXPECT_EQ(got, want);
+      cu::rmsnorm_gate(dx.as<float>() + off, T, n, wp, 1e-6f, dg.as<float>() + off, dx.as<float>() + off, nullptr);
+      EXPECT_EQ(tail(dx), want) << "in place";
+    }
+  }
+}
+
 TEST(CudaOps, L2normScale) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(202);
@@ -378,11 +416,15 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
     auto p_got = up(partial0), x_got = k3test::dev_nan(size_t(n + off));
     cu::residual_norm(bptr.data(), c.blocks, p_got.as<float>() + off, yp, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T,
                       c.H, x_got.as<float>() + off, nullptr);
-    const auto want = down(x_ref, size_t(n + off)), got = down(x_got, size_t(n + off));
-    EXPECT_EQ(down(p_got, size_t(n + off)), down(p_ref, size_t(n + off))) << "the new partial sum";
-    const std::vector<float> gv(got.begin() + off, got.end()), wv(want.begin() + off, want.end());
-    ASSERT_EQ(count_nan(gv), 0u);
-    EXPECT_LT(rel_l2(gv, wv), kTolElementwise);
+    // (the elements from `off` on: the one before is the NaN fill or the input)
+    const auto tail = [&](const cu::DevBuf& b) {
+      const auto v = down(b, size_t(n + off));
+      return std::vector<float>(v.begin() + off, v.end());
+    };
+    const auto want = tail(x_ref), got = tail(x_got);
+    EXPECT_EQ(tail(p_got), tail(p_ref)) << "the new partial sum";
+    ASSERT_EQ(count_nan(got), 0u);
+    EXPECT_LT(rel_l2(got, want), kTolElementwise);
     // Deterministic, and the same bits on a created stream (the model's launch path).
     cu::Stream st = cu::stream_create();
     auto p2 = up(partial0), x2 = k3test::dev_nan(size_t(n + off));
@@ -390,7 +432,7 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
                       x2.as<float>() + off, st);
     cu::sync(st);
     cu::stream_destroy(st);
-    EXPECT_EQ(down(x2, size_t(n + off)), got);
+    EXPECT_EQ(tail(x2), got);
   }
   // Bad arguments: one-line k3::Errors naming the op, nothing launched.
   std::vector<const float*> too_many(size_t(cu::kMaxAttnResSources), nullptr);

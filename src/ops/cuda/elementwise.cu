@@ -128,10 +128,12 @@ __global__ void norm_rows_block(const float* x, int64_t rows, int64_t n, const f
 // loaded once into registers (all loads issued before the first use), so a row costs one memory
 // latency, then the reduction, then the stores. Same per-element math as above; only the order of
 // the fp64 partial sums differs.
-// Warp per row, RC float4 per lane (n <= 128·RC); 4 rows per 128-thread block.
-template <bool L2, int RC>
+// Warp per row, RC float4 per lane (n <= 128·RC); 4 rows per 128-thread block. GATE (RMSNorm only):
+// then × σ(gate) of the same element (gate [rows, n]), the sigmoid_gate_mul kernel's math.
+template <bool L2, int RC, bool GATE = false>
 __global__ void __launch_bounds__(128)
-    norm_rows_warp_vec(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out) {
+    norm_rows_warp_vec(const float* x, int64_t rows, int64_t n, const float* w, float eps, float scale, float* out,
+                       const float* gate = nullptr) {
   pdl_enter();
   const int64_t r = int64_t(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (r >= rows) return;
@@ -156,9 +158,14 @@ __global__ void __launch_bounds__(128)
       const int i = lane + 32 * c;
       if (i >= nv) continue;
       const float4 a = v[c];
-      orow[i] =
+      float4 o =
           w ? make_float4(wv[c].x * (a.x * inv), wv[c].y * (a.y * inv), wv[c].z * (a.z * inv), wv[c].w * (a.w * inv))
             : make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv);
+      if constexpr (GATE) {
+        const float4 g = reinterpret_cast<const float4*>(gate + r * n)[i];
+        o = make_float4(o.x * sigmoidf_(g.x), o.y * sigmoidf_(g.y), o.z * sigmoidf_(g.z), o.w * sigmoidf_(g.w));
+      }
+      orow[i] = o;
     }
   }
 }
@@ -216,11 +223,11 @@ void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float 
   if (vec && n <= 512) {
     const unsigned blocks = unsigned((rows + 3) / 4);
     if (n <= 128)
-      launch(norm_rows_warp_vec<L2, 1>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+      launch(norm_rows_warp_vec<L2, 1>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out, nullptr);
     else if (n <= 256)
-      launch(norm_rows_warp_vec<L2, 2>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+      launch(norm_rows_warp_vec<L2, 2>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out, nullptr);
     else
-      launch(norm_rows_warp_vec<L2, 4>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out);
+      launch(norm_rows_warp_vec<L2, 4>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out, nullptr);
   } else if (vec && n <= 8192) {
     const int64_t nv = n / 4;
     const int threads = int(std::min<int64_t>(1024, std::max<int64_t>(64, ((nv + 1) / 2 + 31) / 32 * 32)));
@@ -876,6 +883,25 @@ void check_conv_width(const char* what, int64_t K) {
 // ================================================================ host API
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s) {
   launch_norm<false>(x, T, n, w, eps, 1.0f, out, s, "rmsnorm");
+}
+
+void rmsnorm_gate(const float* x, int64_t rows, int64_t n, const float* w, float eps, const float* gate, float* out,
+                  Stream s) {
+  if (rows <= 0 || n <= 0) return;
+  if (gate == out && x != out) fail("rmsnorm_gate: the gate must not be the output");
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!(n % 4 == 0 && n <= 512 && al16(x) && al16(out) && al16(gate) && (!w || al16(w)))) {
+    rmsnorm(x, rows, n, w, eps, out, s);  // (other shapes: the two kernels)
+    return sigmoid_gate_mul(out, gate, rows * n, s);
+  }
+  const unsigned blocks = unsigned((rows + 3) / 4);
+  if (n <= 128)
+    launch(norm_rows_warp_vec<false, 1, true>, blocks, 128, 0, s, x, rows, n, w, eps, 1.0f, out, gate);
+  else if (n <= 256)
+    launch(norm_rows_warp_vec<false, 2, true>, blocks, 128, 0, s, x, rows, n, w, eps, 1.0f, out, gate);
+  else
+    launch(norm_rows_warp_vec<false, 4, true>, blocks, 128, 0, s, x, rows, n, w, eps, 1.0f, out, gate);
+  check_launch("rmsnorm_gate");
 }
 
 void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Stream s) {
