@@ -40,7 +40,13 @@ int main(int argc, char** argv) {
       min_s = std::atof(argv[i]);
   }
   if (!level.empty()) {
-    const k3::ops::CpuIsa want = level == "avx2" ? k3::ops::CpuIsa::Avx2 : k3::ops::CpuIsa::Avx512;
+    k3::ops::CpuIsa want{};
+    try {
+      want = k3::ops::parse_cpu_isa(level);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "k3_gemm_bench: %s\n", e.what());
+      return 2;
+    }
     if (int(want) > int(k3::ops::cpu_isa_detected())) {
       std::fprintf(stderr, "k3_gemm_bench: level %s is not available on this CPU\n", level.c_str());
       return 2;

@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   const auto pq = rnd(rng, size_t(512 * heads * (nope + rope)), -1, 1);
   std::vector<float> po(size_t(512 * heads * vd));
 
-  for (auto level : {k3::ops::CpuIsa::Scalar, k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512}) {
+  for (auto level : {k3::ops::CpuIsa::Scalar, k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512, k3::ops::CpuIsa::Amx}) {
     if (int(level) > int(k3::ops::cpu_isa_detected())) continue;
     k3::ops::set_cpu_isa(level);
     const char* ln = k3::ops::cpu_isa_name(level);

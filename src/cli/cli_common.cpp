@@ -83,8 +83,8 @@ void RunEngineFlags::add(CLI::App* app) {
                   "fast: SIMD fp32 + bf16-rounded activations in prefill GEMMs and MXFP4 GEMVs; fp32: SIMD fp32; "
                   "exact: scalar kernels with fp64 sums (reference grade, slow) (default fast)")
       ->check(CLI::IsMember({"fast", "fp32", "exact"}));
-  app->add_option("--cpu-isa", cpu_isa, "CPU kernel level: avx512, avx2 or scalar (default: the best this CPU has)")
-      ->check(CLI::IsMember({"avx512", "avx2", "scalar"}));
+  app->add_option("--cpu-isa", cpu_isa, "CPU kernel level: amx, avx512, avx2 or scalar (default: the best this CPU has)")
+      ->check(CLI::IsMember({"amx", "avx512", "avx2", "scalar"}));
   app->add_option("--device", device,
                   "cpu, or cuda: run on the NVIDIA GPU (weights uploaded once; --numerics fast = bf16 tensor-core "
                   "GEMMs, fp32 = parity mode) (default cpu)")

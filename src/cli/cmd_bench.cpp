@@ -75,7 +75,7 @@ const char* kHelpFooter =
     "\n"
     "Roofline (per thread count, measured in the same run before the tests): streaming read\n"
     "bandwidth and the peak multiply-add rate of the widest product of the CPU level (vdpbf16ps on\n"
-    "avx512). tgN: t/s x bytes one decode step reads (weights touched: trunk + top-k experts +\n"
+    "avx512, tdpbf16ps tiles on amx). tgN: t/s x bytes one decode step reads (weights touched: trunk + top-k experts +\n"
     "lm_head, KDA state read+write, MLA cache at the depth) / bandwidth. ppN: t/s x weight FLOPs\n"
     "per token (2 x active weight parameters, the lm_head counted once per --ubatch piece, since\n"
     "only the last token's logits are computed; attention not counted) / peak. On the CPU both\n"
@@ -189,7 +189,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
       ->option_text("MODE");
   app.add_option("--numerics", f.numerics, "fast, fp32 or exact (see docs/performance.md) (default fast)")
       ->option_text("MODE");
-  app.add_option("--cpu-isa", f.cpu_isa, "avx512, avx2 or scalar kernels (default: the best this CPU has)")
+  app.add_option("--cpu-isa", f.cpu_isa, "amx, avx512, avx2 or scalar kernels (default: the best this CPU has)")
       ->option_text("LEVEL");
   app.add_option("--device", f.device, "cpu or cuda (NVIDIA GPU; fast = bf16, fp32 = parity) (default cpu)")
       ->option_text("DEV");

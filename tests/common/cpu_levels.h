@@ -18,7 +18,8 @@ inline void PrintTo(CpuIsa l, std::ostream* os) { *os << cpu_isa_name(l); }
 namespace k3test {
 
 inline auto all_cpu_levels() {
-  return ::testing::Values(k3::ops::CpuIsa::Scalar, k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512);
+  return ::testing::Values(k3::ops::CpuIsa::Scalar, k3::ops::CpuIsa::Avx2, k3::ops::CpuIsa::Avx512,
+                           k3::ops::CpuIsa::Amx);
 }
 
 inline std::string cpu_level_name(const ::testing::TestParamInfo<k3::ops::CpuIsa>& i) {

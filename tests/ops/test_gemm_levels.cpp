@@ -145,7 +145,10 @@ TEST(GemmIsa, DetectedLevelIsReported) {
   std::printf("detected CPU level: %s\n", k3::ops::cpu_isa_name(best));
   EXPECT_EQ(k3::ops::parse_cpu_isa(k3::ops::cpu_isa_name(best)), best);
   EXPECT_THROW(k3::ops::parse_cpu_isa("sse9"), std::exception);
-  if (best != CpuIsa::Avx512) {
+  if (best != CpuIsa::Amx) {
+    EXPECT_THROW(k3::ops::set_cpu_isa(CpuIsa::Amx), std::exception);
+  }
+  if (int(best) < int(CpuIsa::Avx512)) {
     EXPECT_THROW(k3::ops::set_cpu_isa(CpuIsa::Avx512), std::exception);
   }
 }
@@ -228,7 +231,9 @@ TEST_P(GemmLevels, ResultDoesNotDependOnThreadCount) {
 TEST_P(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
   const CpuIsa level = GetParam();
   std::mt19937 rng(80);
-  for (const Case& c : {Case{k3::WFormat::BF16, 75, 200, 20}, Case{k3::WFormat::MXFP4, 70, 256, 20}}) {
+  // (and on the amx level: partial 32-row groups, one or two 16-token tiles, BF16 rows read in place)
+  for (const Case& c : {Case{k3::WFormat::BF16, 75, 200, 20}, Case{k3::WFormat::MXFP4, 70, 256, 20},
+                        Case{k3::WFormat::BF16, 77, 256, 70}, Case{k3::WFormat::MXFP4, 45, 288, 70}}) {
     SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(c));
     k3test::OwnedW W = k3test::make_weight(rng, c.fmt, c.rows, c.cols);
     const auto X = k3test::rand_vec(rng, size_t(c.T * c.cols));
@@ -236,12 +241,36 @@ TEST_P(GemmLevels, FastGemmTokenDoesNotDependOnBatch) {
     k3::ops::matmul(k3::ops::kFast, W.w, X.data(), c.T, all.data());
     ASSERT_EQ(count_nan(all), 0u);
     // Tokens [3, 3 + n) alone, for n = 4 (a short tile), 9 (a full tile and a short one), 17.
-    for (int64_t n : {4, 9, 17}) {
+    for (int64_t n : {4, 9, 17, 40, 67}) {
+      if (3 + n > c.T) continue;
       auto part = nan_vec(size_t(n * c.rows));
       k3::ops::matmul(k3::ops::kFast, W.w, X.data() + 3 * c.cols, n, part.data());
       EXPECT_EQ(std::memcmp(part.data(), all.data() + 3 * c.rows, part.size() * 4), 0) << "n = " << n;
     }
   }
+}
+
+// The fast GEMM over a grid of shapes (row groups and token tiles cut everywhere, column tails, the
+// 256-token passes): every output within kTolFastVsRounded of the product of the rounded activations.
+TEST_P(GemmLevels, FastGemmMatchesRoundedTwinOverShapes) {
+  const CpuIsa level = GetParam();
+  std::mt19937 rng(90);
+  for (auto fmt : {k3::WFormat::BF16, k3::WFormat::MXFP4})
+    for (int64_t rows : {16, 33, 96, 130})
+      for (int64_t cols : {64, 96, 200, 576, 1024})
+        for (int64_t T : {4, 16, 31, 48, 100, 300}) {
+          if (fmt == k3::WFormat::MXFP4 && cols % 32 != 0) continue;
+          SCOPED_TRACE(std::string(k3::ops::cpu_isa_name(level)) + " " + name(Case{fmt, rows, cols, T}));
+          k3test::OwnedW W = k3test::make_weight(rng, fmt, rows, cols);
+          const auto X = k3test::rand_vec(rng, size_t(T * cols));
+          std::vector<float> Xr(X.size());
+          for (size_t i = 0; i < X.size(); ++i) Xr[i] = k3::bf16_to_f32(k3::f32_to_bf16(X[i]));
+          auto y = nan_vec(size_t(T * rows)), y_rounded = nan_vec(y.size());
+          k3::ops::matmul(k3::ops::kFast, W.w, X.data(), T, y.data());
+          k3::ref::matmul(W.w, Xr.data(), T, y_rounded.data());
+          ASSERT_EQ(count_nan(y), 0u);
+          ASSERT_LT(rel_l2(y, y_rounded), kTolFastVsRounded);
+        }
 }
 
 // Exact numerics run the scalar kernels on every level: bit-identical results to the scalar level.
@@ -335,7 +364,7 @@ TEST_P(GemmLevels, FastMxfp4GemmSpecialScales) {
 // (every output array, including the tail blocks beyond the last whole 128-column group).
 TEST(GemmIsa, Q8QuantiserMatchesScalarTwin) {
 #if defined(__x86_64__)  // where src/ops builds the x86 kernels
-  if (k3::ops::cpu_isa_detected() != CpuIsa::Avx512)
+  if (int(k3::ops::cpu_isa_detected()) < int(CpuIsa::Avx512))
     GTEST_SKIP() << "this CPU lacks the avx512 level (best: " << k3::ops::cpu_isa_name(k3::ops::cpu_isa_detected())
                  << ")";
   std::mt19937 rng(83);

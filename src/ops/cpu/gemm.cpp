@@ -47,6 +47,8 @@ int64_t gemv_chunk_rows(int64_t bytes) {
 const cpu::GemmKernels* kernels_for(CpuIsa isa) {
 #if defined(K3_HAVE_X86_KERNELS)
   switch (isa) {
+    case CpuIsa::Amx:
+      return &cpu::avx512::kGemmAmx;
     case CpuIsa::Avx512:
       return &cpu::avx512::kGemm;
     case CpuIsa::Avx2:
@@ -293,7 +295,7 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     uint32_t* const Xp = bf16_packed_x(size_t(tpad * np / 2));
     par::parallel_for_each(
         ngroups, [&](int64_t g) { K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp); }, parallel);
-    const auto rows_buffer = [&] { return bf16_row_tile(size_t(6 * np)); };
+    const auto rows_buffer = [&] { return bf16_row_tile(size_t(16 * np + 512)); };
     for (int64_t t0 = 0; t0 < T; t0 += tb)
       par::parallel_for_each_setup(
           nchunks, rows_buffer,

@@ -552,6 +552,94 @@ void gemm_bf16(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np,
   }
 }
 
+// ------------------------------------------------------------------ GEMM bf16 on AMX tiles (fast)
+// The Amx level's gemm_bf16, same contract as gemm_bf16 above. C = rows x tokens: the weights are
+// the A tiles (16 rows x 16 pairs from a panel of 32 rows as bf16 pairs, zero beyond the rows and
+// columns), the packed activations are the B tiles as
+// pack_x_bf16 leaves them (pair kp of 16 tokens at Xp + kp * tpad: 64 bytes, one tile row per pair),
+// and tdpbf16ps adds each output's products pair by pair in column order into its fp32 accumulator.
+// An output reads only its own row and token, so it does not depend on T, the other tokens or
+// [r0, r1). A block is 32 rows x 32 tokens: 4 accumulator tiles and 2 + 2 operand tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void amx_tiles_on() {
+  TileConfig c;
+  __builtin_memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = 16;
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// The 16 x 16 outputs of accumulator tile `tile` (rows r.., tokens t..) into Y, those inside nr x nt.
+inline void amx_store(const float* c, int64_t nr, int64_t nt, float* Y, int64_t ldy) {
+  for (int64_t j = 0; j < nt; ++j)
+    for (int64_t i = 0; i < nr; ++i) Y[j * ldy + i] = c[i * 16 + j];
+}
+
+void gemm_bf16_amx(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np, int64_t T, int64_t r0,
+                   int64_t r1, float* Y, int64_t ldy, uint32_t* scratch) {
+  if (T <= 0 || r1 <= r0) return;
+  amx_tiles_on();
+  const int64_t nkp = np / 2, nk = np / 32, t16 = (T + 15) / 16 * 16;
+  const int64_t xs = 4 * tpad;  // bytes from one pair's 16 tokens to the next pair's
+  alignas(64) float c[4][256];
+  for (int64_t r = r0; r < r1; r += 32) {
+    const int64_t nr = r1 - r < 32 ? r1 - r : 32;
+    // The panel: the 32 rows as bf16 pairs (MXFP4 decoded; BF16 copied, which measured faster than
+    // reading the rows in place: their stride is often a multiple of 4 KiB, so the 16 rows of a tile
+    // load share L1 sets; the panel's stride is one cache line more), zero rows past r1.
+    const int64_t ps = nkp + 16;
+    for (int64_t i = 0; i < 32; ++i)
+      for (int64_t b = 0; b < nk; ++b)
+        _mm512_store_si512(scratch + i * ps + 16 * b, i < nr ? pairs_of(W, r + i, b) : _mm512_setzero_si512());
+    const uint8_t* a0 = reinterpret_cast<const uint8_t*>(scratch);
+    const uint8_t* a1 = a0 + 64 * ps;
+    const int64_t as = 4 * ps;  // bytes from one panel row to the next
+    for (int64_t t = 0; t < t16; t += 32) {
+      const bool two = t + 16 < t16;  // a second 16-token tile
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(Xp + t);
+      for (int64_t k = 0; k < nk; ++k) {
+        _tile_loadd(4, a0 + 64 * k, as);
+        _tile_loadd(5, a1 + 64 * k, as);
+        _tile_loadd(6, x + 16 * k * xs, xs);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, x + 16 * k * xs + 64, xs);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      const int64_t nt0 = T - t < 16 ? T - t : 16;
+      float* y = Y + t * ldy + r;
+      amx_store(c[0], nr < 16 ? nr : 16, nt0, y, ldy);
+      if (nr > 16) amx_store(c[1], nr - 16, nt0, y + 16, ldy);
+      if (two) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        const int64_t nt1 = T - t - 16 < 16 ? T - t - 16 : 16;
+        amx_store(c[2], nr < 16 ? nr : 16, nt1, y + 16 * ldy, ldy);
+        if (nr > 16) amx_store(c[3], nr - 16, nt1, y + 16 * ldy + 16, ldy);
+      }
+    }
+  }
+  _tile_release();
+}
+
 constexpr int kDenseTile = 8;     // rows per dense GEMV tile (32 zmm registers hold 16 accumulators)
 #include "ops/cpu/gemm_rows.inc"  // gemv_dense, gemv_mxfp4, gemv, gemm_f32 over the kernels above
 
@@ -697,9 +785,38 @@ double flops_probe(int64_t iters) {
   return double(iters) * 12 * 32 * 2 + (sink == 12345.0f ? 1 : 0);
 }
 
+double flops_probe_amx(int64_t iters) {
+  // Four accumulator tiles, each tdpbf16ps 16 x 16 outputs x 16 pairs; a quarter of the calls of the
+  // vdpbf16ps probe's iterations (each does 16 times the work of its 12 vector products).
+  amx_tiles_on();
+  alignas(64) uint16_t one[16 * 32];
+  for (uint16_t& v : one) v = 0x3c00;  // bf16 2^-7
+  _tile_loadd(4, one, 64);
+  _tile_loadd(5, one, 64);
+  _tile_loadd(6, one, 64);
+  _tile_loadd(7, one, 64);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t n = iters / 4 > 0 ? iters / 4 : 1;
+  for (int64_t it = 0; it < n; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float c[256];
+  _tile_stored(0, c, 64);
+  _tile_release();
+  return double(n) * 4 * 16 * 16 * 32 * 2 + (c[0] == 12345.0f ? 1 : 0);
+}
+
 }  // namespace
 
 const GemmKernels kGemm = {gemv,          true,        gemm_f32,   pack_x_bf16, gemm_bf16,
                            gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe, gemv_multi};
+const GemmKernels kGemmAmx = {gemv,          true,        gemm_f32,   pack_x_bf16,     gemm_bf16_amx,
+                              gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe_amx, gemv_multi};
 
 }  // namespace k3::ops::cpu::avx512

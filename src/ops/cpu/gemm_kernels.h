@@ -29,7 +29,7 @@ struct GemmKernels {
   // (t0 % 16 == 0; up to ceil16(t1) zero filled; columns in [cols, cols_pad) zero; cols_pad = cols
   // rounded up to 32). gemm_bf16 computes rows [r0, r1) for tokens [0, T); each output is one
   // accumulation over the pairs in order, so it does not depend on T, the other tokens or [r0, r1).
-  // scratch: >= 6 * cols_pad uint32 on a 64-byte boundary (MXFP4 rows decoded to bf16 pairs).
+  // scratch: >= 16 * cols_pad + 512 uint32 on a 64-byte boundary (rows decoded to bf16 pairs).
   // nullptr when the ISA has no bf16 dot product.
   void (*pack_x_bf16)(const float* X, int64_t cols, int64_t cols_pad, int64_t tpad, int64_t t0, int64_t t1,
                       uint32_t* Xp);
@@ -77,6 +77,7 @@ extern const GemmKernels kGemm;
 }
 namespace avx512 {
 extern const GemmKernels kGemm;
+extern const GemmKernels kGemmAmx;  // kGemm with gemm_bf16 and flops_probe on AMX tiles
 }
 
 }  // namespace k3::ops::cpu

@@ -3,6 +3,11 @@
 
 #include <atomic>
 #include <cstdlib>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "core/error.h"
 
@@ -30,6 +35,25 @@ bool has_avx512() {
   return false;
 #endif
 }
+
+// AMX tiles with BF16 (CPUID.(7,0):EDX bits 22 and 24), and the kernel's grant of the tile data
+// state to this process (arch_prctl ARCH_REQ_XCOMP_PERM: Linux >= 5.16; without it the first tile
+// instruction faults). Asked once; the grant is for every thread of the process.
+bool has_amx() {
+#if defined(__x86_64__) && defined(K3_HAVE_X86_KERNELS) && defined(__linux__)
+  static const bool ok = [] {
+    if (!has_avx512()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
 }  // namespace
 
 const char* cpu_isa_name(CpuIsa isa) {
@@ -40,11 +64,14 @@ const char* cpu_isa_name(CpuIsa isa) {
       return "avx2";
     case CpuIsa::Avx512:
       return "avx512";
+    case CpuIsa::Amx:
+      return "amx";
   }
   return "?";
 }
 
 CpuIsa cpu_isa_detected() {
+  if (has_amx()) return CpuIsa::Amx;
   if (has_avx512()) return CpuIsa::Avx512;
   if (has_avx2()) return CpuIsa::Avx2;
   return CpuIsa::Scalar;
@@ -54,7 +81,8 @@ CpuIsa parse_cpu_isa(const std::string& name) {
   if (name == "scalar") return CpuIsa::Scalar;
   if (name == "avx2") return CpuIsa::Avx2;
   if (name == "avx512") return CpuIsa::Avx512;
-  fail("unknown CPU level '" + name + "' (expected scalar, avx2 or avx512)");
+  if (name == "amx") return CpuIsa::Amx;
+  fail("unknown CPU level '" + name + "' (expected scalar, avx2, avx512 or amx)");
 }
 
 void set_cpu_isa(CpuIsa isa) {

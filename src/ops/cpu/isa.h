@@ -16,12 +16,14 @@ namespace k3::ops {
 //   Scalar  plain C++ (the compiler's baseline x86-64 / any architecture)
 //   Avx2    AVX2 + FMA + F16C
 //   Avx512  AVX-512 F/BW/VL/DQ + BF16 (vdpbf16ps) + VNNI (vpdpbusd) + FMA + F16C
-enum class CpuIsa : uint8_t { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+//   Amx     Avx512 + AMX tiles with BF16 (tdpbf16ps; Intel Xeon 4th generation on), granted by the
+//           kernel (Linux >= 5.16): the fast-numerics prefill GEMMs on the tiles, all else as Avx512
+enum class CpuIsa : uint8_t { Scalar = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
 
-const char* cpu_isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512"
+const char* cpu_isa_name(CpuIsa isa);  // "scalar", "avx2", "avx512", "amx"
 CpuIsa cpu_isa_detected();             // best level this CPU (and this build) supports
 // The level the kernels use now: the detected one, capped by the environment variable
-// K3_CPU_ISA=scalar|avx2|avx512 when set (k3::Error naming the value if it is unknown or the CPU
+// K3_CPU_ISA=scalar|avx2|avx512|amx when set (k3::Error naming the value if it is unknown or the CPU
 // lacks it). Resolved once, on first use.
 CpuIsa cpu_isa();
 // Forces a level (tests, `--cpu-isa`); k3::Error if this CPU cannot run it. Not thread-safe with

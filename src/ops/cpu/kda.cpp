@@ -19,6 +19,7 @@ namespace cpu {
 const AttnKernels* attn_kernels(const Exec& x) {
 #if defined(K3_HAVE_X86_KERNELS)
   switch (x.level()) {  // Scalar (nullptr) under Numerics::Exact
+    case CpuIsa::Amx:  // (the tiles serve the GEMMs only)
     case CpuIsa::Avx512:
       return &avx512::kAttn;
     case CpuIsa::Avx2:

@@ -20,6 +20,7 @@ double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock:
 
 const cpu::GemmKernels* probes() {
 #if defined(K3_HAVE_X86_KERNELS)
+  if (cpu_isa() == CpuIsa::Amx) return &cpu::avx512::kGemmAmx;
   if (cpu_isa() == CpuIsa::Avx512) return &cpu::avx512::kGemm;
   if (cpu_isa() == CpuIsa::Avx2) return &cpu::avx2::kGemm;
 #endif
@@ -79,7 +80,9 @@ double ReadProbe::measure(int reps) const {
 
 const char* peak_kind() {
   const cpu::GemmKernels* K = probes();
-  return !K ? "fp32 scalar" : cpu_isa() == CpuIsa::Avx512 ? "bf16 vdpbf16ps" : "fp32 fma";
+  if (!K) return "fp32 scalar";
+  if (cpu_isa() == CpuIsa::Amx) return "bf16 amx tiles";
+  return cpu_isa() == CpuIsa::Avx512 ? "bf16 vdpbf16ps" : "fp32 fma";
 }
 
 double measure_peak_gflops(int threads, int reps) {
