@@ -63,17 +63,19 @@ tests = [r["test"] for r in runs["avx512"][0]["results"]]
 rows = []
 for ti, test in enumerate(tests):
     ts = {lv: [d["results"][ti]["avg_ts"] for d in runs[lv]] for lv in runs}
-    peak = {lv: [d["results"][ti].get("roofline_ratio") for d in runs[lv]] for lv in runs}
+    peak = {lv: [d["results"][ti]["roofline"]["ratio"] for d in runs[lv]] for lv in runs}
+    peak_gflops = {lv: [d["results"][ti]["roofline"]["peak_gflops"] for d in runs[lv]] for lv in runs}
     ratios = [b / a for a, b in zip(ts["avx512"], ts["amx"])]
     rows.append({"test": test, "avx512_ts": ts["avx512"], "amx_ts": ts["amx"],
                  "amx_vs_avx512_median": statistics.median(ratios), "amx_vs_avx512_range": [min(ratios), max(ratios)],
-                 "ratio_of_own_peak": peak})
+                 "ratio_of_own_peak": peak, "own_peak_gflops": peak_gflops})
 prof = {}
 for lv in ("avx512", "amx"):
     r = json.load(open(f"{tmp}/{lv}-profile.json"))["results"][0]
     total = sum(o["ms"] for o in r["profile"]["ops"])
     prof[lv] = {"pp512_ts": r["avg_ts"], "ops_ms": {o["op"]: round(o["ms"], 2) for o in r["profile"]["ops"]},
-                "matmul_share": sum(o["ms"] for o in r["profile"]["ops"] if o["op"].startswith("matmul")) / total}
+                "matmul_share": sum(o["ms"] for o in r["profile"]["ops"] if o["op"].startswith("matmul")) / total,
+                "moe_routed_share": sum(o["ms"] for o in r["profile"]["ops"] if o["op"] == "moe_routed") / total}
 b = runs["amx"][0]["build"]
 out = {"what": "k3 bench ppN on the K3-shaped cpu-bench checkpoint, fast numerics, --cpu-isa avx512 vs amx "
                "(the prefill GEMMs on AMX tiles), alternating rounds of -r 3; ratio = median over rounds of amx/avx512 t/s; "
@@ -84,8 +86,10 @@ out = {"what": "k3 bench ppN on the K3-shaped cpu-bench checkpoint, fast numeric
 json.dump(out, open("docs/data/cpu-amx-prefill.json", "w"), indent=1)
 for r in rows:
     print(f'{r["test"]}: avx512 {statistics.median(r["avx512_ts"]):.1f} t/s, amx {statistics.median(r["amx_ts"]):.1f} t/s, '
-          f'amx/avx512 {r["amx_vs_avx512_median"]:.2f}x')
+          f'amx/avx512 {r["amx_vs_avx512_median"]:.2f}x; of own peak: avx512 {statistics.median(r["ratio_of_own_peak"]["avx512"]):.1%}, '
+          f'amx {statistics.median(r["ratio_of_own_peak"]["amx"]):.1%}')
 for lv, p in prof.items():
-    print(lv, "pp512 matmul share of the profiled step:", round(p["matmul_share"], 3))
+    print(lv, "pp512 shares of the profiled step: trunk matmuls", round(p["matmul_share"], 3), "routed experts",
+          round(p["moe_routed_share"], 3))
 print("wrote docs/data/cpu-amx-prefill.json")
 PY
