@@ -28,9 +28,6 @@ constexpr int64_t kParallelMin = int64_t(1) << 17;
 // Prefill GEMMs walk tokens in blocks so the block's activations stay in L2 while W streams by.
 constexpr int64_t kTokenBlock = 64;
 constexpr int64_t kRowBlock = 16;
-// The bf16 GEMM (fast numerics) hands out rows in chunks of this many (8 of its 6-row tiles, 4 of
-// its 12-row ones).
-constexpr int64_t kBf16RowChunk = 48;
 
 // Buffers of the bf16 GEMM (the packed activations, one row tile), the per-thread scratch of
 // ops/cpu/scratch.h: a prefill makes hundreds of these calls, and fresh allocations of this size
@@ -291,7 +288,7 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
     // dynamic order (a shared machine's cores rarely run at one speed).
     const int64_t np = (cols + 31) / 32 * 32, tpad = (T + 15) / 16 * 16, ngroups = tpad / 16;
     const int64_t tb = std::clamp<int64_t>((int64_t(512) << 10) / (2 * np) / 64 * 64, 64, 256);
-    const int64_t nchunks = (rows + kBf16RowChunk - 1) / kBf16RowChunk;
+    const int64_t chunk = K.gemm_bf16_rows, nchunks = (rows + chunk - 1) / chunk;
     uint32_t* const Xp = bf16_packed_x(size_t(tpad * np / 2));
     par::parallel_for_each(
         ngroups, [&](int64_t g) { K.pack_x_bf16(X, cols, np, tpad, 16 * g, std::min(T, 16 * g + 16), Xp); }, parallel);
@@ -301,8 +298,8 @@ void gemm_threaded(const cpu::GemmKernels& K, const WeightMat& W, const float* X
           nchunks, rows_buffer,
           [&](int64_t c) {
             uint32_t* const rows_buf = rows_buffer();
-            K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * kBf16RowChunk,
-                        std::min(rows, (c + 1) * kBf16RowChunk), Y + t0 * rows, rows, rows_buf);
+            K.gemm_bf16(W, Xp + t0, tpad, np, std::min(tb, T - t0), c * chunk, std::min(rows, (c + 1) * chunk),
+                        Y + t0 * rows, rows, rows_buf);
           },
           parallel);
     return;

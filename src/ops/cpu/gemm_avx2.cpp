@@ -253,6 +253,6 @@ double flops_probe(int64_t iters) {
 
 }  // namespace
 
-const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, nullptr, read_probe, flops_probe, nullptr};
+const GemmKernels kGemm = {gemv, false, gemm_f32, nullptr, nullptr, nullptr, nullptr, read_probe, flops_probe, nullptr, 0};
 
 }  // namespace k3::ops::cpu::avx2

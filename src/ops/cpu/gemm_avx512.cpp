@@ -814,9 +814,12 @@ double flops_probe_amx(int64_t iters) {
 
 }  // namespace
 
+// (gemm_bf16: 48-row chunks, whole 6- and 12-row tiles; gemm_bf16_amx: 64, two 32-row groups)
 const GemmKernels kGemm = {gemv,          true,        gemm_f32,   pack_x_bf16, gemm_bf16,
-                           gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe, gemv_multi};
+                           gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe, gemv_multi,
+                           48};
 const GemmKernels kGemmAmx = {gemv,          true,        gemm_f32,   pack_x_bf16,     gemm_bf16_amx,
-                              gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe_amx, gemv_multi};
+                              gemv_mxfp4_q8, quantize_q8, read_probe, flops_probe_amx, gemv_multi,
+                              64};
 
 }  // namespace k3::ops::cpu::avx512

@@ -57,6 +57,8 @@ struct GemmKernels {
   // x[t]) or null, for every t alike. nullptr where the level has none (T separate GEMVs then).
   void (*gemv_multi)(const WeightMat& W, const float* const* x, const float* const* xp, int64_t T, int64_t r0,
                      int64_t r1, float* Y, int64_t ldy);
+  // Rows per gemm_bf16 call handed to a thread (a multiple of the kernel's row tile; 0: no gemm_bf16).
+  int64_t gemm_bf16_rows;
 };
 
 // The BF16 GEMV head (see GemmKernels::gemv): the columns before the rows' first 64-byte boundary,
