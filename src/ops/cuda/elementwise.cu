@@ -582,21 +582,15 @@ __device__ __forceinline__ void mix_weighted_sum(const SrcList& src, int n_src, 
   }
 }
 
-// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
-// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
-// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
-// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
-template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
-__global__ void __launch_bounds__(THREADS)
-    attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
-  pdl_enter();
-  __shared__ double red[THREADS / 32][2 * NS];
-  __shared__ float p[NS];
-  const int64_t t = blockIdx.x, nv = H / VEC;
+// The block-per-token kernels' mix weights p[0, n_src) of token t: the block's partial dots and sums
+// of squares, then warp 0 (lane j sums source j over the warps) does the fp64 softmax across the
+// lanes. Ends with a block barrier: p is ready.
+template <int NS, int VEC, int THREADS>
+__device__ __forceinline__ void mix_block_weights(const SrcList& src, int n_src, int64_t t, int64_t H,
+                                                  const float* fold, float eps, double (*red)[2 * NS], float* p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  mix_partials<NS, VEC>(src, n_src, t, H, fold, threadIdx.x, nv, THREADS, lane, warp, red);
+  mix_partials<NS, VEC>(src, n_src, t, H, fold, threadIdx.x, H / VEC, THREADS, lane, warp, red);
   __syncthreads();
-  // Warp 0: lane j sums source j over the warps, then the softmax across the lanes (fp64).
   if (warp == 0) {
     double a = 0, b = 0;
     if (lane < n_src)
@@ -607,7 +601,21 @@ __global__ void __launch_bounds__(THREADS)
     mix_softmax(lane, n_src, a, b, H, eps, p);
   }
   __syncthreads();
-  mix_weighted_sum<NS, VEC>(src, n_src, t, H, p, threadIdx.x, nv, THREADS, out);
+}
+
+// Larger T (prefill): one block per token, one pass over the sources for every score: each thread
+// keeps fp64 partial dots and sums of squares of its elements per source (registers: NS source
+// slots, unrolled), the block sums them, warp 0 does the fp64 softmax (as the CPU kernel), then the
+// fp32 weighted sum of the RAW sources in source order. VEC = 4: 16-byte loads.
+template <int NS, int VEC, int THREADS>  // source slots: n_src <= NS
+__global__ void __launch_bounds__(THREADS)
+    attnres_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
+  pdl_enter();
+  __shared__ double red[THREADS / 32][2 * NS];
+  __shared__ float p[NS];
+  const int64_t t = blockIdx.x;
+  mix_block_weights<NS, VEC, THREADS>(src, n_src, t, H, fold, eps, red, p);
+  mix_weighted_sum<NS, VEC>(src, n_src, t, H, p, threadIdx.x, H / VEC, THREADS, out);
 }
 
 // Small T (decode): one cluster of kMixCluster blocks per token, block r owning the r-th
@@ -620,17 +628,14 @@ __global__ void __launch_bounds__(THREADS)
 constexpr int kMixCluster = 8, kMixThreads = 128;
 constexpr int64_t kMixClusterMaxT = 64;
 
+// The cluster kernels' mix weights p[0, n_src) of token t: each block's partial dots over its slice
+// [i0, i1) into `part`, a cluster barrier, then warp 0 sums the blocks' partials in rank order and
+// does the softmax. The caller syncs before reading p, and keeps `part` alive with a later cluster
+// barrier until every block has read it.
 template <int NS, int VEC>
-__global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThreads)
-    attnres_cluster_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
-  pdl_enter();
-  __shared__ double red[kMixThreads / 32][2 * NS];
-  __shared__ double part[2 * NS];
-  __shared__ float p[NS];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const int64_t t = blockIdx.y, nv = H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
-  const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
+__device__ __forceinline__ void mix_cluster_weights(cg::cluster_group& cluster, const SrcList& src, int n_src,
+                                                    int64_t t, int64_t H, const float* fold, float eps, int64_t i0,
+                                                    int64_t i1, double (*red)[2 * NS], double* part, float* p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   mix_partials<NS, VEC>(src, n_src, t, H, fold, i0 + threadIdx.x, i1, kMixThreads, lane, warp, red);
   __syncthreads();
@@ -650,7 +655,21 @@ __global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThread
       }
     mix_softmax(lane, n_src, a, b, H, eps, p);
   }
-  cluster.sync();
+}
+
+template <int NS, int VEC>
+__global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThreads)
+    attnres_cluster_kernel(SrcList src, int n_src, int64_t H, const float* fold, float eps, float* out) {
+  pdl_enter();
+  __shared__ double red[kMixThreads / 32][2 * NS];
+  __shared__ double part[2 * NS];
+  __shared__ float p[NS];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int64_t t = blockIdx.y, nv = H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
+  const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
+  mix_cluster_weights<NS, VEC>(cluster, src, n_src, t, H, fold, eps, i0, i1, red, part, p);
+  cluster.sync();  // p is ready, and every block has read the others' `part`
   mix_weighted_sum<NS, VEC>(src, n_src, t, H, p, i0 + threadIdx.x, i1, kMixThreads, out);
 }
 
@@ -757,21 +776,9 @@ __global__ void __launch_bounds__(THREADS) residual_norm_kernel(ResidualArgs a) 
   __shared__ double nred[32];
   __shared__ float p[NS];
   const int64_t t = blockIdx.x, nv = a.H / VEC;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   residual_take<VEC>(a, t, threadIdx.x, nv, THREADS);
   if constexpr (MIX) {
-    mix_partials<NS, VEC>(a.src, a.n_src, t, a.H, a.fold, threadIdx.x, nv, THREADS, lane, warp, red);
-    __syncthreads();
-    if (warp == 0) {
-      double da = 0, db = 0;
-      if (lane < a.n_src)
-        for (int w = 0; w < THREADS / 32; ++w) {
-          da += red[w][2 * lane];
-          db += red[w][2 * lane + 1];
-        }
-      mix_softmax(lane, a.n_src, da, db, a.H, a.mix_eps, p);
-    }
-    __syncthreads();
+    mix_block_weights<NS, VEC, THREADS>(a.src, a.n_src, t, a.H, a.fold, a.mix_eps, red, p);
     mix_weighted_sum<NS, VEC>(a.src, a.n_src, t, a.H, p, threadIdx.x, nv, THREADS, a.xn);
   }
   const float* x = (MIX ? a.xn : a.partial) + t * a.H;
@@ -795,28 +802,10 @@ __global__ void __cluster_dims__(kMixCluster, 1, 1) __launch_bounds__(kMixThread
   const int rank = int(cluster.block_rank());
   const int64_t t = blockIdx.y, nv = a.H / VEC, chunk = (nv + kMixCluster - 1) / kMixCluster;
   const int64_t i0 = rank * chunk, i1 = i0 + chunk < nv ? i0 + chunk : nv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   residual_take<VEC>(a, t, i0 + threadIdx.x, i1, kMixThreads);
   if constexpr (MIX) {
-    mix_partials<NS, VEC>(a.src, a.n_src, t, a.H, a.fold, i0 + threadIdx.x, i1, kMixThreads, lane, warp, red);
-    __syncthreads();
-    if (int(threadIdx.x) < 2 * a.n_src) {
-      double s = 0;
-      for (int w = 0; w < kMixThreads / 32; ++w) s += red[w][threadIdx.x];
-      part[threadIdx.x] = s;
-    }
-    cluster.sync();
-    if (warp == 0) {
-      double da = 0, db = 0;
-      if (lane < a.n_src)
-        for (int r = 0; r < kMixCluster; ++r) {
-          const double* rp = cluster.map_shared_rank(part, r);
-          da += rp[2 * lane];
-          db += rp[2 * lane + 1];
-        }
-      mix_softmax(lane, a.n_src, da, db, a.H, a.mix_eps, p);
-    }
-    __syncthreads();
+    mix_cluster_weights<NS, VEC>(cluster, a.src, a.n_src, t, a.H, a.fold, a.mix_eps, i0, i1, red, part, p);
+    __syncthreads();  // p is ready (`part` stays alive until the norm's cluster barrier below)
     mix_weighted_sum<NS, VEC>(a.src, a.n_src, t, a.H, p, i0 + threadIdx.x, i1, kMixThreads, a.xn);
   }
   const float* x = (MIX ? a.xn : a.partial) + t * a.H;
