@@ -132,7 +132,7 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
                 human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
     std::printf("  %s\n", refused.empty() ? gpu_fit_line(g.total()).c_str() : refused.c_str());
   }
-  std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512 to choose)\n",
+  std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512|amx to choose)\n",
               ops::cpu_isa_name(ops::cpu_isa()), ops::cpu_isa_name(ops::cpu_isa_detected()));
   return 0;
 }
