@@ -579,9 +579,13 @@ void amx_tiles_on() {
 }
 
 // The 16 x 16 outputs of accumulator tile `tile` (rows r.., tokens t..) into Y, those inside nr x nt.
+// (transposed in registers: token j's 16 outputs are one masked 64-byte store)
 inline void amx_store(const float* c, int64_t nr, int64_t nt, float* Y, int64_t ldy) {
-  for (int64_t j = 0; j < nt; ++j)
-    for (int64_t i = 0; i < nr; ++i) Y[j * ldy + i] = c[i * 16 + j];
+  __m512i v[16];
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(c + 16 * i);
+  transpose16(v);
+  const __mmask16 m = tail16(nr);
+  for (int64_t j = 0; j < nt; ++j) _mm512_mask_storeu_ps(Y + j * ldy, m, _mm512_castsi512_ps(v[j]));
 }
 
 void gemm_bf16_amx(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np, int64_t T, int64_t r0,
