@@ -38,6 +38,9 @@ run b-h100-fp8 --gpus 1xH100-80G $SERVER --trunk-fp8 --batch 8
 # (c) CPU only, 1.5 TiB of RAM; and (c') with 1.5e12 bytes (decimal 1.5 TB = 1397 GiB).
 run c-cpu-1.5tib --gpus none $SERVER --batch 32
 run c-cpu-1.5e12 --gpus none --ram 1397G --cpu-bw 921.6G --cores 96 --disk 7G --batch 32
+# (c-amx) CPU only on a 2-socket Xeon with AMX tiles (2 x 56-core Xeon Platinum 8480+, 2 x 8 channels of
+#     DDR5-4800 = 614.4 GB/s, 1.5 TiB): the prefill GEMMs at the amx level's per-core rates.
+run c-cpu-xeon-amx --gpus none --ram 1.5T --cpu-bw 614.4G --cores 112 --disk 7G --cpu-isa amx --batch 32
 # Issue 23: 2 nodes x 8 H200, TP16 / EP16 over NVLink + InfiniBand NDR (50 GB/s per GPU).
 run tp16-ep16-2x8h200 --nodes 2 --gpus 8xH200 --tp 16 --ep 16 $DGX --calibration $REC --batch 32
 # (b) at batch 32: the planner falls back to CPU only (recorded to show why).

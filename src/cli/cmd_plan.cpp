@@ -137,6 +137,10 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--cpu-bw", f.machine.cpu_bw, "host memory bandwidth per node, bytes/s (e.g. 400G)")
       ->option_text("RATE");
   app.add_option("--cores", f.machine.cores, "CPU cores per node (default: this machine's)")->option_text("N");
+  app.add_option("--cpu-isa", f.machine.cpu_isa,
+                 "the cores' kernel level for the prefill GEMMs: avx512, or amx (Xeons with AMX tiles) "
+                 "(default: this machine's level; avx512 for a machine described by flags)")
+      ->option_text("LEVEL");
   app.add_option("--pcie", f.machine.pcie, "host <-> GPU rate per GPU and direction (default: the GPU's datasheet)")
       ->option_text("RATE");
   app.add_option("--disk", f.machine.disk, "sequential read rate of the expert disk (default 7G, assumed)")

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "ops/cpu/isa.h"
 #include "plan/units.h"
 #include "runtime/memory.h"
 #ifdef K3_HAVE_CUDA
@@ -132,6 +133,7 @@ DetectedMachine detect_machine() {
   d.cores = int(std::max(1u, std::thread::hardware_concurrency()));
   d.ram_bytes = mem_total_bytes();
   d.cpu_name = cpu_model_name();
+  d.cpu_amx = ops::cpu_isa_detected() == ops::CpuIsa::Amx;
 #ifdef K3_HAVE_CUDA
   d.gpu_count = cuda::device_count();
   if (d.gpu_count == 0) {
@@ -203,6 +205,15 @@ Machine build_machine(const MachineFlags& f, const DetectedMachine& here) {
   else
     m.cores = {here.cores, "detected: hardware threads"};
   m.cpu_name = f.cores.empty() && f.cpu_bw.empty() ? here.cpu_name : "";
+  if (f.cpu_isa == "amx" || f.cpu_isa == "avx512")
+    m.cpu_amx = {f.cpu_isa == "amx", "--cpu-isa " + f.cpu_isa};
+  else if (!f.cpu_isa.empty())
+    fail("--cpu-isa " + f.cpu_isa + ": expected avx512 or amx (the CPU level of the planned cores)");
+  else if (f.any_description())
+    m.cpu_amx = {false, "assumed avx512 (pass --cpu-isa amx for cores with AMX tiles)"};
+  else
+    m.cpu_amx = {here.cpu_amx, std::string("detected: this CPU's kernel level is ") +
+                                   (here.cpu_amx ? "amx" : "not amx")};
   if (!f.cpu_bw.empty())
     m.cpu_bw = {parse_rate(f.cpu_bw, "--cpu-bw"), "--cpu-bw " + f.cpu_bw};
   else

@@ -53,6 +53,7 @@ struct Machine {
   Sourced<uint64_t> ram;               // host RAM per node
   std::optional<uint64_t> ram_budget;  // --ram-budget: host bytes the weights may use (per node)
   Sourced<int> cores;                  // CPU cores per node
+  Sourced<bool> cpu_amx;               // the cores run the prefill GEMMs on AMX tiles (the amx level)
   Sourced<double> cpu_bw;              // host memory bandwidth per node, bytes/s (nominal)
   Sourced<double> pcie;                // host <-> GPU, per GPU and direction (nominal)
   Sourced<double> disk;                // sequential read of the expert store (nominal)
@@ -65,6 +66,7 @@ struct Machine {
 // The flags that describe a machine (empty string: not given).
 struct MachineFlags {
   std::string gpus, gpu_mem, ram, ram_budget, cpu_bw, cores, pcie, disk, net, nvlink;
+  std::string cpu_isa;  // "avx512" | "amx" (empty: this machine's level, or avx512 for a described machine)
   int nodes = 1;
   bool any_description() const {
     return !gpus.empty() || !ram.empty() || !cpu_bw.empty() || !cores.empty() || !pcie.empty() || !disk.empty() ||
@@ -78,6 +80,7 @@ struct DetectedMachine {
   int cores = 0;
   uint64_t ram_bytes = 0;
   std::string cpu_name;
+  bool cpu_amx = false;  // the kernels' detected level is amx
   int gpu_count = 0;
   std::optional<GpuSpec> gpu;  // a table entry when the device name matches one, else its own figures
   std::string gpu_note;        // "no GPU: ...", "CUDA backend not built (K3_CUDA=OFF)", or the device

@@ -300,7 +300,7 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
   if (L.kind == "cpu") {
     set_chunk(std::min<int64_t>(f.prompt, kMaxChunk));
     const double U = double(f.chunk);
-    f.cpu = U * (f.flops_trunk / r.cpu_bf16_flops.value + f.flops_experts / r.cpu_expert_flops.value);
+    f.cpu = U * (f.flops_trunk / r.cpu_bf16_prefill_flops.value + f.flops_experts / r.cpu_expert_prefill_flops.value);
     f.disk = nm * expected_distinct_experts(s.experts, s.top_k, U) * s.expert_bytes * (1 - L.f_ram) / r.disk_Bps.value;
     f.seconds = double(f.chunks) * (f.cpu + f.disk);
     f.choice = "CPU only: chunks of " + std::to_string(f.chunk) + " tokens, compute + expert reads from disk";
@@ -331,7 +331,8 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
       f.a_gpu = trunk_gpu + U * L.hit * f.flops_experts / L.ep / r.gpu_expert_gemm_flops.value + comm;
       const double miss_bytes = nm * D * miss * share * s.expert_bytes;
       f.a_cpu =
-          std::max(U * miss * share * f.flops_experts / r.cpu_expert_flops.value, miss_bytes / r.cpu_expert_Bps.value) +
+          std::max(U * miss * share * f.flops_experts / r.cpu_expert_prefill_flops.value,
+                   miss_bytes / r.cpu_expert_Bps.value) +
           miss_bytes * (1 - L.f_ram) / r.disk_Bps.value;
       f.a_pcie =
           nm * U * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value + nm * r.lat.sync.value;
@@ -372,8 +373,8 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
               fl(f.flops_experts).substr(0, fl(f.flops_experts).size() - 2));
   if (L.kind == "cpu") {
     A.push_back(line("chunk", "chunk x (trunk FLOPs / CPU BF16 FLOP rate + expert FLOPs / CPU expert FLOP rate)",
-                     std::to_string(f.chunk) + " x (" + num(f.flops_trunk) + " / " + fl(r.cpu_bf16_flops.value) +
-                         " + " + num(f.flops_experts) + " / " + fl(r.cpu_expert_flops.value) + ")",
+                     std::to_string(f.chunk) + " x (" + num(f.flops_trunk) + " / " + fl(r.cpu_bf16_prefill_flops.value) +
+                         " + " + num(f.flops_experts) + " / " + fl(r.cpu_expert_prefill_flops.value) + ")",
                      f.cpu));
     A.push_back(line("disk per chunk", "MoE layers x distinct(chunk) x expert bytes x (1 - in RAM) / disk rate",
                      num(nm) + " x " + num(expected_distinct_experts(s.experts, s.top_k, double(f.chunk))) + " x " +
@@ -406,7 +407,7 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
                      "max(chunk x (1 - hit) x expert FLOPs / CPU expert FLOP rate, miss bytes / CPU "
                      "expert rate) + disk",
                      std::to_string(f.chunk) + " x " + num(1 - L.hit) + " x " + num(f.flops_experts) + " / " +
-                         fl(r.cpu_expert_flops.value),
+                         fl(r.cpu_expert_prefill_flops.value),
                      f.a_cpu));
     A.push_back(line("A: PCIe + sync per chunk",
                      "MoE layers x chunk x (2 x latent x 4 B + k x 8 B) / PCIe + MoE "

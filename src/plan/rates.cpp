@@ -53,6 +53,13 @@ const Efficiency kCpuCoreExpertFlops{108e9,
 const Efficiency kCpuCoreBf16Flops{71.4e9,
                                    "per core, BF16 GEMM of 256 rows on 1 thread "
                                    "(docs/data/calibration-devvm-1thread.json)"};
+// The same two on AMX tiles (the amx level; decode GEMVs do not use the tiles).
+const Efficiency kCpuCoreExpertFlopsAmx{553e9,
+                                        "per core, MXFP4 expert GEMM of 64 rows on 1 thread, amx level "
+                                        "(docs/data/calibration-devvm-1thread-amx.json)"};
+const Efficiency kCpuCoreBf16FlopsAmx{243e9,
+                                      "per core, BF16 GEMM of 256 rows on 1 thread, amx level "
+                                      "(docs/data/calibration-devvm-1thread-amx.json)"};
 
 namespace {
 
@@ -165,6 +172,17 @@ Rates derive_rates(const Machine& m, const Calibration* cal, const Latencies& la
     };
     r.cpu_expert_flops = per_core(kCpuCoreExpertFlops);
     r.cpu_bf16_flops = per_core(kCpuCoreBf16Flops);
+  }
+  r.cpu_expert_prefill_flops = r.cpu_expert_flops;
+  r.cpu_bf16_prefill_flops = r.cpu_bf16_flops;
+  if (!cpu_cal && m.cpu_amx.value) {  // (a calibration measured the GEMMs at its own level)
+    r.cpu_expert_prefill_flops = {double(m.cores.value) * kCpuCoreExpertFlopsAmx.value,
+                                  std::to_string(m.cores.value) + " cores x " +
+                                      human_flops(kCpuCoreExpertFlopsAmx.value) + " (" +
+                                      kCpuCoreExpertFlopsAmx.why + ")"};
+    r.cpu_bf16_prefill_flops = {double(m.cores.value) * kCpuCoreBf16FlopsAmx.value,
+                                std::to_string(m.cores.value) + " cores x " + human_flops(kCpuCoreBf16FlopsAmx.value) +
+                                    " (" + kCpuCoreBf16FlopsAmx.why + ")"};
   }
   if (disk_cal) {
     r.disk_Bps = from_cal(*cal, "disk.seq_read_Bps", cal->disk->seq_read_Bps);

@@ -155,6 +155,7 @@ std::string format_json(const ReportInput& in) {
              {"ram", sourced(double(m.ram.value), m.ram.source)},
              {"ram_budget", m.ram_budget ? Json(double(*m.ram_budget)) : Json(nullptr)},
              {"cores", {{"value", m.cores.value}, {"source", m.cores.source}}},
+             {"cpu_isa", {{"value", m.cpu_amx.value ? "amx" : "avx512"}, {"source", m.cpu_amx.source}}},
              {"cpu_bw", sourced(m.cpu_bw.value, m.cpu_bw.source)},
              {"disk", sourced(m.disk.value, m.disk.source)}};
   if (m.gpu) {
@@ -180,6 +181,8 @@ std::string format_json(const ReportInput& in) {
   add("cpu_expert_gemm_flops", r.cpu_expert_flops);
   add("cpu_bf16_gemv_Bps", r.cpu_bf16_Bps);
   add("cpu_bf16_gemm_flops", r.cpu_bf16_flops);
+  add("cpu_expert_prefill_gemm_flops", r.cpu_expert_prefill_flops);
+  add("cpu_bf16_prefill_gemm_flops", r.cpu_bf16_prefill_flops);
   add("cpu_mem_read_Bps", r.cpu_mem_Bps);
   add("disk_Bps", r.disk_Bps);
   add("sync_s", r.lat.sync);
@@ -248,7 +251,8 @@ std::string format_text(const ReportInput& in) {
   else
     o += "          no GPU" + (in.gpu_note.empty() ? "" : " (" + in.gpu_note + ")") + "\n";
   o += "          host " + human_bytes(m.ram.value) + " RAM (" + m.ram.source + "), " + std::to_string(m.cores.value) +
-       " cores (" + m.cores.source + ")" + (m.cpu_name.empty() ? "" : ", " + m.cpu_name) + "\n";
+       " cores (" + m.cores.source + ")" + (m.cpu_name.empty() ? "" : ", " + m.cpu_name) + ", prefill GEMMs on " +
+       (m.cpu_amx.value ? "amx tiles" : "avx512") + " (" + m.cpu_amx.source + ")\n";
   if (m.ram_budget) o += "          --ram-budget " + human_bytes(*m.ram_budget) + " for weights\n";
   o += "rates: " + r.mode + "\n";
   if (m.gpu) {
@@ -267,6 +271,10 @@ std::string format_text(const ReportInput& in) {
   o += rate_row("CPU expert GEMM", r.cpu_expert_flops, true);
   o += rate_row("CPU BF16 GEMV", r.cpu_bf16_Bps, false);
   o += rate_row("CPU BF16 GEMM", r.cpu_bf16_flops, true);
+  if (r.cpu_expert_prefill_flops.value != r.cpu_expert_flops.value) {
+    o += rate_row("CPU expert GEMM, prefill", r.cpu_expert_prefill_flops, true);
+    o += rate_row("CPU BF16 GEMM, prefill", r.cpu_bf16_prefill_flops, true);
+  }
   o += rate_row("CPU memory read", r.cpu_mem_Bps, false);
   o += rate_row("disk", r.disk_Bps, false);
   if (m.gpu) {

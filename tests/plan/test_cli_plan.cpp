@@ -93,6 +93,29 @@ TEST(CliPlan, Fp8TrunkAndMultiGpu) {
   EXPECT_GT(j["plan"]["decode_batch1"]["collectives_s"].get<double>(), 0);
 }
 
+// --cpu-isa amx: the cores' prefill GEMMs at the amx level's per-core rates (the 1-thread amx
+// calibration record), decode unchanged (its rows run as GEMVs); the prefill of a CPU-only plan is
+// faster by what the rates say, and the machine line names the level and its source.
+TEST(CliPlan, AmxCoresSpeedUpPrefillOnly) {
+  const std::string cpu = "--config " + quote(kK3) + " --gpus none --ram 1.5T --cpu-bw 614.4G --cores 112 --batch 1";
+  const nlohmann::json a = plan_json(cpu + " --cpu-isa avx512"), x = plan_json(cpu + " --cpu-isa amx");
+  EXPECT_EQ(a["machine"]["cpu_isa"]["value"], "avx512");
+  EXPECT_EQ(x["machine"]["cpu_isa"]["value"], "amx");
+  EXPECT_EQ(x["machine"]["cpu_isa"]["source"], "--cpu-isa amx");
+  EXPECT_DOUBLE_EQ(x["plan"]["decode_batch1"]["tokens_per_s"].get<double>(),
+                   a["plan"]["decode_batch1"]["tokens_per_s"].get<double>());
+  const double pa = a["plan"]["prefill"]["tokens_per_s"].get<double>(),
+               px = x["plan"]["prefill"]["tokens_per_s"].get<double>();
+  EXPECT_GT(px, 2.5 * pa) << "avx512 " << pa << " t/s, amx " << px << " t/s";
+  EXPECT_NE(x["rates"]["cpu_expert_prefill_gemm_flops"]["source"].get<std::string>().find(
+                "calibration-devvm-1thread-amx.json"),
+            std::string::npos);
+  EXPECT_EQ(a["rates"]["cpu_expert_prefill_gemm_flops"]["value"], a["rates"]["cpu_expert_gemm_flops"]["value"]);
+  // A described machine without the flag is avx512, and says so.
+  EXPECT_EQ(plan_json(cpu)["machine"]["cpu_isa"]["value"], "avx512");
+  expect_one_line_error(cpu + " --cpu-isa sse2", "--cpu-isa sse2: expected avx512 or amx");
+}
+
 TEST(CliPlan, BadInputsAreOneLineErrors) {
   const std::string k3 = "--config " + quote(kK3);
   expect_one_line_error(k3 + " --gpus 8xB300", "unknown GPU 'B300'");

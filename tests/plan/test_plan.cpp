@@ -85,6 +85,8 @@ Rates round_rates() {
   r.cpu_expert_flops = v(1e13);
   r.cpu_bf16_Bps = v(4e11);
   r.cpu_bf16_flops = v(5e12);
+  r.cpu_expert_prefill_flops = r.cpu_expert_flops;  // (cores without AMX tiles: the same GEMMs)
+  r.cpu_bf16_prefill_flops = r.cpu_bf16_flops;
   r.cpu_mem_Bps = v(4e11);
   r.disk_Bps = v(5e9);
   r.lat = {v(2e-5), v(1.5e-5), v(3e-5)};
@@ -402,7 +404,7 @@ TEST(PlanArithmetic, PrefillPicksStreamingOrCpuExpertsByTheRates) {
   q.prompt = 4096;
   Rates r = round_rates();
   // A large GPU (room for the chunk's workspace and the staging) and a slow CPU: streaming wins.
-  r.cpu_expert_flops = v(1e11);
+  r.cpu_expert_flops = r.cpu_expert_prefill_flops = v(1e11);
   const Plan a = evaluate(k3cfg(), s, one_gpu(400e9), r, q, "hybrid", 1, 1);
   ASSERT_TRUE(a.fits);
   EXPECT_TRUE(a.prefill.b_possible);

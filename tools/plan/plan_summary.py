@@ -19,6 +19,7 @@ CASES = [
     ("b-h100-fp8-batch32", "(b) at batch 32 (the state does not fit the GPU)"),
     ("c-cpu-1.5tib", "(c) CPU only, 1.5 TiB RAM"),
     ("c-cpu-1.5e12", "(c') CPU only, 1.5e12 B RAM"),
+    ("c-cpu-xeon-amx", "(c-amx) CPU only, 2-socket Xeon with AMX, 1.5 TiB"),
     ("tp16-ep16-2x8h200", "2 x 8 H200, TP16 / EP16"),
     ("hybrid-1x8h200", "1 x 8 H200, hybrid (planner's choice)"),
 ]
