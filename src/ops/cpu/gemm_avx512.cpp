@@ -555,8 +555,8 @@ void gemm_bf16(const WeightMat& W, const uint32_t* Xp, int64_t tpad, int64_t np,
 // ------------------------------------------------------------------ GEMM bf16 on AMX tiles (fast)
 // The Amx level's gemm_bf16, same contract as gemm_bf16 above. C = rows x tokens: the weights are
 // the A tiles (16 rows x 16 pairs from a panel of 32 rows as bf16 pairs, zero beyond the rows and
-// columns), the packed activations are the B tiles as
-// pack_x_bf16 leaves them (pair kp of 16 tokens at Xp + kp * tpad: 64 bytes, one tile row per pair),
+// columns), the packed activations are the B tiles as pack_x_bf16 leaves them (pair kp of 16 tokens
+// at Xp + kp * tpad: 64 bytes, one tile row per pair),
 // and tdpbf16ps adds each output's products pair by pair in column order into its fp32 accumulator.
 // An output reads only its own row and token, so it does not depend on T, the other tokens or
 // [r0, r1). A block is 32 rows x 32 tokens: 4 accumulator tiles and 2 + 2 operand tiles.
@@ -578,8 +578,8 @@ void amx_tiles_on() {
   _tile_loadconfig(&c);
 }
 
-// The 16 x 16 outputs of accumulator tile `tile` (rows r.., tokens t..) into Y, those inside nr x nt.
-// (transposed in registers: token j's 16 outputs are one masked 64-byte store)
+// A stored 16 x 16 accumulator tile c (rows x tokens) into Y, the outputs inside nr x nt; transposed
+// in registers, so token j's outputs are one masked 64-byte store.
 inline void amx_store(const float* c, int64_t nr, int64_t nt, float* Y, int64_t ldy) {
   __m512i v[16];
   for (int i = 0; i < 16; ++i) v[i] = _mm512_load_si512(c + 16 * i);
