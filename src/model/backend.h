@@ -97,6 +97,20 @@ struct ResidualNorm {
   float* xn = nullptr;  // [R, H]
 };
 
+// The MoE's two elementwise tails after the routed experts, independent of each other, as one op
+// (Backend::moe_tail): agg [R, latent] <- RMSNorm(agg) (x) norm_w (norm_w null: no norm) and the shared
+// experts' GLU g <- situ_glu(g, u) over n_situ elements (0: none).
+struct MoeTail {
+  float* agg = nullptr;
+  int64_t latent = 0;
+  const float* norm_w = nullptr;
+  float eps = 0;
+  float* g = nullptr;
+  const float* u = nullptr;
+  int64_t n_situ = 0;
+  float b1 = 0, b2 = 0;
+};
+
 // The GPU's cache of hot experts, summed over MoE layers (Backend::hot_expert_stats).
 struct HotExpertStats {
   int64_t layers = 0, experts = 0, cached = 0;  // MoE layers filled, routed experts of them, experts cached
@@ -171,6 +185,11 @@ class Backend {
   }
   virtual void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale) = 0;
   virtual void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) = 0;
+  // MoeTail for R rows. Default: the two ops (the reference for a fused version: the same bits).
+  virtual void moe_tail(const MoeTail& p, int64_t R) {
+    if (p.norm_w) rmsnorm(p.agg, R, p.latent, p.norm_w, p.eps, p.agg);
+    if (p.n_situ > 0) situ_glu(p.g, p.u, p.n_situ, p.b1, p.b2, p.g);
+  }
   virtual void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
                         float lower_bound, float* g) = 0;
   virtual void sigmoid(float* x, int64_t n) = 0;                         // x ← σ(x)

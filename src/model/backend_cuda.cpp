@@ -344,6 +344,9 @@ class CudaBackend final : public Backend {
   void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
     cu::situ_glu(g, u, n, b1, b2, out, stream_);
   }
+  void moe_tail(const MoeTail& p, int64_t R) override {
+    cu::moe_tail(p.agg, p.norm_w ? R : 0, p.latent, p.norm_w, p.eps, p.g, p.u, p.n_situ, p.b1, p.b2, stream_);
+  }
   void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias, float lb,
                 float* g) override {
     cu::kda_gate(f, R, H, D, A_log, dt_bias, lb, g, stream_);

@@ -75,6 +75,9 @@ class ProfilingBackend final : public Backend {
   void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out) override {
     timed("glu_activation", [&] { in_->situ_glu(g, u, n, b1, b2, out); });
   }
+  void moe_tail(const MoeTail& p, int64_t R) override {
+    timed("moe_tail", [&] { in_->moe_tail(p, R); });
+  }
   void kda_gate(const float* f, int64_t R, int64_t H, int64_t D, const float* A_log, const float* dt_bias,
                 float lower_bound, float* g) override {
     timed("kda_gate", [&] { in_->kda_gate(f, R, H, D, A_log, dt_bias, lower_bound, g); });

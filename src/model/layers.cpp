@@ -292,8 +292,12 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
   const int64_t n = R * d.hidden;
   // RMSNorm on the aggregate, then up to full width; the shared experts' down-projection on the
   // full-width input alongside, added unweighted.
-  if (d.latent_norm) be.rmsnorm(agg, R, d.latent, w.lat_norm.data(), d.norm_eps, agg);
-  if (shared) be.situ_glu(sg, su, R * Is, d.situ.beta, d.situ.linear_beta, sg);
+  {
+    MoeTail t;
+    if (d.latent_norm) t.agg = agg, t.latent = d.latent, t.norm_w = w.lat_norm.data(), t.eps = d.norm_eps;
+    if (shared) t.g = sg, t.u = su, t.n_situ = R * Is, t.b1 = d.situ.beta, t.b2 = d.situ.linear_beta;
+    be.moe_tail(t, R);
+  }
   if (!lat) {  // the routed sum is already in `out`; the shared experts are added to it
     if (shared) {
       project_out(c, w.shared.down, sg, RankRole::SharedInter, sh);

@@ -129,6 +129,44 @@ TEST(CudaOps, RmsnormGateIsNormThenGate) {
   }
 }
 
+// The MoE tail in one launch (the latent RMSNorm of the routed sum in place, the shared experts'
+// SiTU GLU): the bits of rmsnorm and situ_glu, on the fused shapes, on the fallbacks (n % 4, an
+// unaligned row, n > 8192) and with either half absent.
+TEST(CudaOps, MoeTailIsNormAndSitu) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(241);
+  struct Case {
+    int64_t rows, n, n_situ, off;
+  };
+  for (const Case cs : {Case{1, 3584, 4096, 0}, Case{1, 256, 3, 0}, Case{64, 512, 64 * 1536, 0},
+                        Case{512, 3584, 512 * 2048, 0}, Case{3, 102, 700, 0}, Case{2, 128, 300, 1},
+                        Case{1, 9216, 50, 0}, Case{4, 512, 0, 0}, Case{0, 512, 1000, 0}}) {
+    SCOPED_TRACE(dims({{"rows", cs.rows}, {"n", cs.n}, {"n_situ", cs.n_situ}, {"offset", cs.off}}));
+    const size_t la = size_t(cs.rows * cs.n + cs.off), ls = size_t(std::max<int64_t>(cs.n_situ, 1));
+    const auto a = rand_vec(rng, la, 0.05f, 3.0f), w = rand_vec(rng, size_t(cs.n + cs.off), 0.5f, 1.5f);
+    const auto g = rand_vec(rng, ls, 0.05f, 6.0f), u = rand_vec(rng, ls, 0.05f, 6.0f);
+    auto da = up(a), dw = up(w), dg = up(g), du = up(u);
+    auto ra = up(a), rg = up(g);
+    float* wp = dw.as<float>() + cs.off;
+    // the reference: the two kernels
+    cu::rmsnorm(ra.as<float>() + cs.off, cs.rows, cs.n, wp, 1e-6f, ra.as<float>() + cs.off, nullptr);
+    cu::situ_glu(rg.as<float>(), du.as<float>(), cs.n_situ, 4.0f, 25.0f, rg.as<float>(), nullptr);
+    cu::moe_tail(da.as<float>() + cs.off, cs.rows, cs.n, wp, 1e-6f, dg.as<float>(), du.as<float>(), cs.n_situ, 4.0f,
+                 25.0f, nullptr);
+    const auto got_a = down(da, la), got_g = down(dg, ls);
+    ASSERT_EQ(count_nan(got_a), 0u);
+    ASSERT_EQ(count_nan(got_g), 0u);
+    EXPECT_EQ(got_a, down(ra, la)) << "the norm";
+    EXPECT_EQ(got_g, down(rg, ls)) << "the SiTU GLU";
+    if (cs.rows > 0 && cs.n_situ > 0) {  // and against the fp64 twins: the test of the two kernels holds
+      std::vector<float> ref_g(ls);
+      k3::ref::situ_glu(g.data(), u.data(), cs.n_situ, 4.0f, 25.0f, ref_g.data());
+      EXPECT_LT(rel_l2(got_g, ref_g), kTolElementwise);
+    }
+  }
+  EXPECT_THROW(cu::moe_tail(nullptr, -1, 8, nullptr, 1e-6f, nullptr, nullptr, 0, 0, 0, nullptr), k3::Error);
+}
+
 TEST(CudaOps, L2normScale) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(202);

@@ -78,6 +78,11 @@ void expert_gemm_grouped(const WeightMat* const* W, float* const* Y, int n_mats,
 void rmsnorm(const float* x, int64_t T, int64_t n, const float* w, float eps, float* out, Stream s);  // w may be null
 void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Stream s);
 void situ_glu(const float* g, const float* u, int64_t n, float b1, float b2, float* out, Stream s);
+// The MoE's two tails in one launch (model/backend.h MoeTail): agg [rows, n] <- RMSNorm(agg) (x) w (none
+// when rows or n is 0) and g <- situ_glu(g, u) over n_situ elements (none when 0). The bits of rmsnorm
+// and situ_glu; shapes the fused kernel does not take (n % 4, n > 8192, unaligned) run those two.
+void moe_tail(float* agg, int64_t rows, int64_t n, const float* w, float eps, float* g, const float* u, int64_t n_situ,
+              float b1, float b2, Stream s);
 void short_conv_silu(const float* x, int64_t T, int64_t C, const float* w, int64_t K, float* state, float* out,
                      Stream s);
 void kda_gate(const float* f, int64_t T, int64_t H, int64_t D, const float* A_log, const float* dt_bias,

@@ -1,7 +1,7 @@
 // CUDA elementwise ops, norms, embedding, argmax and the AttnRes mix (cuda_ops.h): each one has the
 // meaning of its CPU twin in ops/ops.h (k3::ref is what the device tests compare against).
 // Owns: rmsnorm, l2norm_scale, situ_glu, short_conv_silu (+ its varlen form), kda_gate, sigmoid_*, add_inplace,
-// embed_rows, argmax_rows, attnres_mix, residual_norm.
+// embed_rows, argmax_rows, attnres_mix, residual_norm, moe_tail.
 // Must not: sync, allocate, or read host memory at run time (decode steps are captured as graphs).
 // Launches: programmatic dependent launch on created streams (launch() below; graph-safe).
 #include <cooperative_groups.h>
@@ -170,13 +170,12 @@ __global__ void __launch_bounds__(128)
   }
 }
 
-// Block per row, at most 2 float4 per thread (n <= 8192 with 1024 threads).
+// Block per row, at most 2 float4 per thread (n <= 8192 with 1024 threads): row r of the block's
+// norm (norm_rows_block_vec; moe_tail_kernel's first blocks).
 template <bool L2>
-__global__ void __launch_bounds__(1024)
-    norm_rows_block_vec(const float* x, int64_t n, const float* w, float eps, float scale, float* out) {
-  pdl_enter();
+__device__ __forceinline__ void norm_row_block_vec(const float* x, int64_t n, const float* w, float eps, float scale,
+                                                   float* out, int64_t r) {
   __shared__ double red[32];
-  const int64_t r = blockIdx.x;
   const int nv = int(n / 4), tid = threadIdx.x, nt = blockDim.x;
   const float4* xr = reinterpret_cast<const float4*>(x + r * n);
   const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -212,6 +211,19 @@ __global__ void __launch_bounds__(1024)
   put(tid + nt, v1, w1);
 }
 
+template <bool L2>
+__global__ void __launch_bounds__(1024)
+    norm_rows_block_vec(const float* x, int64_t n, const float* w, float eps, float scale, float* out) {
+  pdl_enter();
+  norm_row_block_vec<L2>(x, n, w, eps, scale, out, blockIdx.x);
+}
+
+// The block-per-row norm's thread count for rows of n (n % 4 == 0, n <= 8192).
+int norm_block_threads(int64_t n) {
+  const int64_t nv = n / 4;
+  return int(std::min<int64_t>(1024, std::max<int64_t>(64, ((nv + 1) / 2 + 31) / 32 * 32)));
+}
+
 // Short rows (KDA heads of 128, LoRA latents of 512): a warp per row; long rows (the 7168-wide
 // hidden state): a block per row, sized so that each thread owns at most two float4.
 template <bool L2>
@@ -229,9 +241,7 @@ void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float 
     else
       launch(norm_rows_warp_vec<L2, 4>, blocks, 128, 0, s, x, rows, n, w, eps, scale, out, nullptr);
   } else if (vec && n <= 8192) {
-    const int64_t nv = n / 4;
-    const int threads = int(std::min<int64_t>(1024, std::max<int64_t>(64, ((nv + 1) / 2 + 31) / 32 * 32)));
-    launch(norm_rows_block_vec<L2>, unsigned(rows), threads, 0, s, x, n, w, eps, scale, out);
+    launch(norm_rows_block_vec<L2>, unsigned(rows), norm_block_threads(n), 0, s, x, n, w, eps, scale, out);
   } else if (n <= 1024) {
     const int64_t per = kEwThreads / 32;
     launch(norm_rows_warp<L2>, unsigned((rows + per - 1) / per), kEwThreads, 0, s, x, rows, n, w, eps, scale, out);
@@ -242,12 +252,29 @@ void launch_norm(const float* x, int64_t rows, int64_t n, const float* w, float 
 }
 
 // ---------------------------------------------------------------- elementwise
-__global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
-  pdl_enter();
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+// Elements i0, i0 + stride, ... of the SiTU GLU (each element alone: any grid gives the same bits).
+__device__ __forceinline__ void situ_glu_elems(const float* g, const float* u, int64_t n, float b1, float b2, float* out,
+                                               int64_t i0, int64_t stride) {
+  for (int64_t i = i0; i < n; i += stride) {
     const float gi = g[i], ui = u[i];  // read both before the write: out may alias g
     out[i] = situ_glu_value(gi, ui, b1, b2);
   }
+}
+
+__global__ void situ_glu_kernel(const float* g, const float* u, int64_t n, float b1, float b2, float* out) {
+  pdl_enter();
+  situ_glu_elems(g, u, n, b1, b2, out, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
+}
+
+// The MoE tail (moe_tail): blocks 0 .. rows-1 are the latent RMSNorm's rows (in place, block per row,
+// norm_rows_block_vec's code and thread count), the others the shared experts' SiTU GLU (g <- situ(g, u)).
+// Two independent ops in one launch; each gives the bits of its own kernel.
+__global__ void __launch_bounds__(1024) moe_tail_kernel(float* agg, int64_t rows, int64_t n, const float* w, float eps,
+                                                        float* g, const float* u, int64_t n_situ, float b1, float b2) {
+  pdl_enter();
+  if (int64_t(blockIdx.x) < rows) return norm_row_block_vec<false>(agg, n, w, eps, 1.0f, agg, blockIdx.x);
+  const int64_t b = int64_t(blockIdx.x) - rows, nb = int64_t(gridDim.x) - rows;
+  situ_glu_elems(g, u, n_situ, b1, b2, g, b * blockDim.x + threadIdx.x, nb * blockDim.x);
 }
 
 // The decay gate of one channel: lb·σ(exp(A_log)·(f + dt_bias)) (K3), or for lb == 0 the unbounded
@@ -891,6 +918,23 @@ void rmsnorm_gate(const float* x, int64_t rows, int64_t n, const float* w, float
   else
     launch(norm_rows_warp_vec<false, 4, true>, blocks, 128, 0, s, x, rows, n, w, eps, 1.0f, out, gate);
   check_launch("rmsnorm_gate");
+}
+
+void moe_tail(float* agg, int64_t rows, int64_t n, const float* w, float eps, float* g, const float* u, int64_t n_situ,
+              float b1, float b2, Stream s) {
+  if (rows < 0 || n_situ < 0) fail("moe_tail: negative sizes");
+  const bool norm = rows > 0 && n > 0;
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!norm || n_situ == 0 || !(n % 4 == 0 && n <= 8192 && al16(agg) && (!w || al16(w))) ||
+      n_situ > int64_t(INT32_MAX)) {  // (one of them, or shapes the fused kernel does not take: the two kernels)
+    if (norm) rmsnorm(agg, rows, n, w, eps, agg, s);
+    return situ_glu(g, u, n_situ, b1, b2, g, s);
+  }
+  if (rows > 65535) fail("moe_tail: more than 65535 rows");
+  const int threads = norm_block_threads(n);
+  const int64_t situ_blocks = std::min<int64_t>((n_situ + threads - 1) / threads, 2048);
+  launch(moe_tail_kernel, unsigned(rows + situ_blocks), threads, 0, s, agg, rows, n, w, eps, g, u, n_situ, b1, b2);
+  check_launch("moe_tail");
 }
 
 void l2norm_scale(float* x, int64_t rows, int64_t n, float eps, float scale, Stream s) {
