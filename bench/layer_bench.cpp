@@ -264,7 +264,7 @@ int main(int argc, char** argv) {
       std::vector<float*> spare;
       for (int64_t b = 0; b <= blocks + 1; ++b) spare.push_back(buffer(A.floats(rows * H, 0.0f, 1.0f)));
       float *a = buffer(std::vector<float>(size_t(rows * H))), *xn = buffer(std::vector<float>(size_t(rows * H))),
-            *y = buffer(std::vector<float>(size_t(rows * H)));
+            *y = buffer(std::vector<float>(size_t(rows * H))), *y2 = buffer(std::vector<float>(size_t(rows * H)));
       std::vector<double> times;
       for (int64_t r = 0; r <= reps; ++r) {
         std::vector<int32_t> seqs;
@@ -273,7 +273,11 @@ int main(int argc, char** argv) {
         for (int64_t b = 0; b < blocks; ++b) ds.blocks.push_back(spare[size_t(b)]);
         ds.partial = spare[size_t(blocks)];
         ds.partial_empty = false;
-        ds.pending = y;  // as in the forward: the layer's first site adds the previous layer's FFN output
+        // As in the forward: the layer's first site adds the previous layer's FFN output (the MoE's
+        // routed part and its shared experts), and the layer's MoE leaves its own two parts pending.
+        ds.pending = y;
+        ds.pending2 = y2;
+        ds.ffn_extra = y2;
         const int64_t m0 = run.be->mark();
         const double t0 = now_s();
         run.step_many(

@@ -80,12 +80,14 @@ struct KdaPrepare {
 };
 
 // One residual site of a layer as one op (Backend::residual_norm): the pending sublayer output y
-// enters the partial sum first (partial ← partial + y, or partial ← y when the sum is empty), then
+// enters the partial sum first (partial ← partial + y, or partial ← y when the sum is empty; with a
+// second part y2, y + y2 enters: the sum the FFN would have formed itself, in the same order), then
 // a = Agg(blocks ∪ {partial}) with the site's folded scores (Block AttnRes, ops.h attnres_mix; with
 // fold null, a = partial: the plain pre-norm stream), then xn = RMSNorm(a) ⊙ norm_w.
 struct ResidualNorm {
   float* partial = nullptr;  // [R, H]
-  const float* y = nullptr;  // [R, H] to add first, or null
+  float* y = nullptr;        // [R, H] to add first, or null
+  const float* y2 = nullptr;  // [R, H] its second part, or null: y + y2 enters (a backend may add it into y first)
   bool y_replaces = false;   // partial ← y (the partial sum was empty)
   const float* const* blocks = nullptr;
   int64_t n_blocks = 0;

@@ -371,7 +371,7 @@ class CudaBackend final : public Backend {
     cu::attnres_mix(src, n_src, R, H, fold, eps, out, stream_);
   }
   void residual_norm(const ResidualNorm& p, int64_t R, int64_t H) override {
-    cu::residual_norm(p.blocks, p.n_blocks, p.partial, p.y, p.y_replaces, p.fold, p.mix_eps, p.norm_w, p.norm_eps, R, H,
+    cu::residual_norm(p.blocks, p.n_blocks, p.partial, p.y, p.y2, p.y_replaces, p.fold, p.mix_eps, p.norm_w, p.norm_eps, R, H,
                       p.xn, stream_);
   }
 

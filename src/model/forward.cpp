@@ -38,12 +38,17 @@ void attention_sublayer(const StepCtx& c, const ModelDims& d, int64_t L, const L
 }
 
 // y = the layer's FFN of xn: the dense SiTU FFN or the MoE.
+// Then the FFN's output is pending for the next site: y, and the MoE's shared experts in
+// depth.ffn_extra when the caller lent it and the MoE left them there (depth.pending2).
 void ffn_sublayer(const StepCtx& c, const ModelDims& d, const LayerWeights& w, const float* xn, float* y,
-                  const ForwardOptions& opt) {
+                  const ForwardOptions& opt, DepthState& depth) {
+  bool second = false;
   if (w.dense_ffn)
     glu_sublayer(c, w.dense, d.situ, xn, y);
   else
-    moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts);
+    second = moe_sublayer(c, d.moe, w.moe, xn, y, opt.experts, depth.ffn_extra);
+  depth.pending = y;
+  depth.pending2 = second ? depth.ffn_extra : nullptr;
 }
 
 // The plain pre-norm residual stream (block_size 0, Kimi Linear): h += attn(norm(h)); h += ffn(norm(h)),
@@ -51,12 +56,11 @@ void ffn_sublayer(const StepCtx& c, const ModelDims& d, const LayerWeights& w, c
 void plain_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerWeights& w, const StatePool& pool,
                  DepthState& depth, float* a, float* xn, float* y, const ForwardOptions& opt) {
   const int64_t H = d.hidden;
-  residual_site(c, depth, depth.pending, nullptr, w.input_norm.data(), H, d.eps, a, xn);
-  depth.pending = nullptr;
+  residual_site(c, depth, depth.pending, depth.pending2, nullptr, w.input_norm.data(), H, d.eps, a, xn);
+  depth.pending = depth.pending2 = nullptr;
   attention_sublayer(c, d, L, w, pool, xn, y, opt);
-  residual_site(c, depth, y, nullptr, w.post_norm.data(), H, d.eps, a, xn);
-  ffn_sublayer(c, d, w, xn, y, opt);
-  depth.pending = y;
+  residual_site(c, depth, y, nullptr, nullptr, w.post_norm.data(), H, d.eps, a, xn);
+  ffn_sublayer(c, d, w, xn, y, opt, depth);
 }
 
 }  // namespace
@@ -67,9 +71,9 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
   const int64_t H = d.hidden;
   // 1. the previous layer's FFN output into the partial sum, the attention-site mix (pass-through
   //    while no block has been snapshotted: layer 0) and the input norm, as one op
-  residual_site(c, depth, depth.pending, depth.blocks.empty() ? nullptr : &w.attn_res, w.input_norm.data(), H, d.eps,
-                a, xn);
-  depth.pending = nullptr;
+  residual_site(c, depth, depth.pending, depth.pending2, depth.blocks.empty() ? nullptr : &w.attn_res,
+                w.input_norm.data(), H, d.eps, a, xn);
+  depth.pending = depth.pending2 = nullptr;
   // 2. snapshot the partial sum at block starts, then start a new block
   if (L % d.block_size == 0) {
     depth.blocks.push_back(depth.partial);
@@ -80,16 +84,15 @@ void decoder_layer(const StepCtx& c, const ModelDims& d, int64_t L, const LayerW
   attention_sublayer(c, d, L, w, pool, xn, y, opt);
   // 4-6. its output into the partial sum, the FFN-site mix (always) and the post norm as one op; the FFN,
   //      whose output the next site adds (the next layer's step 1, or settle_depth after the last layer)
-  residual_site(c, depth, y, &w.mlp_res, w.post_norm.data(), H, d.eps, a, xn);
-  ffn_sublayer(c, d, w, xn, y, opt);
-  depth.pending = y;
+  residual_site(c, depth, y, nullptr, &w.mlp_res, w.post_norm.data(), H, d.eps, a, xn);
+  ffn_sublayer(c, d, w, xn, y, opt, depth);
 }
 
 int64_t forward_work_floats(const ModelDims& d, int64_t R) {
   const auto g = [](int64_t n) { return (n + 15) & ~int64_t(15); };
   const int64_t H = d.hidden;
-  // depth slots + a, xn, y, h + the selected rows' hidden and logits
-  int64_t fixed = (depth_slots(d) + 4) * g(R * H) + g(R * H) + g(R * d.vocab);
+  // depth slots + a, xn, y, y2 (the MoE's shared experts, pending), h + the selected rows' hidden and logits
+  int64_t fixed = (depth_slots(d) + 5) * g(R * H) + g(R * H) + g(R * d.vocab);
   const int64_t attn =
       std::max(d.kda_layers ? kda_work_floats(d.kda, R) : 0, d.mla_layers ? mla_work_floats(d.mla, R) : 0);
   const int64_t ffn =
@@ -235,8 +238,8 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
   std::vector<float*>& spare = x.spare;
   spare.resize(size_t(depth_slots(d)));
   for (float*& p : spare) p = work.take(R * H);
-  float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *h = work.take(R * H),
-        *hs = work.take(R * H), *ls = work.take(R * V);
+  float *a = work.take(R * H), *xn = work.take(R * H), *y = work.take(R * H), *y2 = work.take(R * H),
+        *h = work.take(R * H), *hs = work.take(R * H), *ls = work.take(R * V);
   try {
     // A step can be recorded for replay when its op sequence depends on its shape only: one row per
     // sequence (no host-side grouping), and no experts fetched from a source on the host.
@@ -245,6 +248,7 @@ void Model::run_piece(StatePool& pool, std::span<const SeqStep> seqs, const std:
       DepthState depth;
       depth.partial = spare[0];
       depth.partial_empty = false;
+      depth.ffn_extra = y2;
       be.embed(placed_.embed, ids.data(), R, depth.partial);
       for (int64_t L = 0; L < d.layers; ++L)
         decoder_layer(c, d, L, placed_.layers[size_t(L)], pool, depth, spare.data(), a, xn, y, opt);

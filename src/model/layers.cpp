@@ -247,8 +247,8 @@ void glu_sublayer(const StepCtx& c, const GluWeights& w, const SituParams& p, co
   project_out(c, w.down, g, RankRole::DenseInter, out);
 }
 
-void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* x, float* out,
-                  ExpertSource* experts) {
+bool moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* x, float* out,
+                  ExpertSource* experts, float* shared_out) {
   const WorkScope scope(c.work);
   Backend& be = c.be;
   const int64_t R = c.R;
@@ -303,21 +303,25 @@ void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const
       project_out(c, w.shared.down, sg, RankRole::SharedInter, sh);
       be.add(out, sh, n);
     }
-    return;
+    return false;
   }
   if (shared && c.heads_split()) {  // the shared experts' intermediate is cut: their own projection
     be.matmul(w.up_lat, agg, R, out);
     project_out(c, w.shared.down, sg, RankRole::SharedInter, sh);
     be.add(out, sh, n);
-    return;
+    return false;
   }
+  // The shared experts' down-projection into shared_out when the caller takes it (its add then
+  // happens in the next residual site), else into sh and added here.
+  const bool leave = shared && shared_out;
   {
     const WeightMat* wv[] = {&w.up_lat, &w.shared.down};
     const float* xv[] = {agg, sg};
-    float* yv[] = {out, sh};
+    float* yv[] = {out, leave ? shared_out : sh};
     be.matmul_many(wv, xv, shared ? 2 : 1, R, yv);
   }
-  if (shared) be.add(out, sh, n);
+  if (shared && !leave) be.add(out, sh, n);
+  return leave;
 }
 
 // ---------------------------------------------------------------- AttnRes
@@ -336,12 +340,14 @@ void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& s
   c.be.attnres_mix(src, int64_t(n), c.R, hidden, site.fold.data(), eps, out);
 }
 
-void residual_site(const StepCtx& c, DepthState& st, const float* y, const AttnResSite* mix, const float* norm_w,
+void residual_site(const StepCtx& c, DepthState& st, float* y, float* y2, const AttnResSite* mix, const float* norm_w,
                    int64_t hidden, float eps, float* a, float* xn) {
   if (!y && st.partial_empty) fail("internal error: a residual site over an empty partial sum");
+  if (y2 && !y) fail("internal error: a residual site's second part without the first");
   ResidualNorm p;
   p.partial = st.partial;
   p.y = y;
+  p.y2 = y2;
   p.y_replaces = st.partial_empty;
   if (mix) {
     p.blocks = st.blocks.begin();
@@ -360,6 +366,8 @@ void residual_site(const StepCtx& c, DepthState& st, const float* y, const AttnR
 void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden) {
   if (!st.pending) return;
   const int64_t n = c.R * hidden;
+  if (st.pending2) c.be.add(st.pending, st.pending2, n);  // the FFN's own add, as without the second part
+  st.pending2 = nullptr;
   if (st.partial_empty)
     c.be.copy(st.partial, st.pending, size_t(n) * 4);
   else
@@ -370,6 +378,7 @@ void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden) {
 
 void Backend::residual_norm(const ResidualNorm& p, int64_t R, int64_t H) {
   const int64_t n = R * H;
+  if (p.y2) add(p.y, p.y2, n);  // the FFN's own add (y = out, y2 = the shared experts), then as before
   if (p.y) {
     if (p.y_replaces)
       copy(p.partial, p.y, size_t(n) * 4);

@@ -109,9 +109,12 @@ void mla_sublayer(const StepCtx& c, const MlaDims& d, const MlaWeights& w, const
 // out[R, out] = down · SiTU(gate x, up x)
 void glu_sublayer(const StepCtx& c, const GluWeights& w, const SituParams& p, const float* x, float* out);
 // Stable LatentMoE: router, latent down-projection, routed experts (the backend's moe_routed), latent
-// norm, up-projection, plus the shared experts.
-void moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* x, float* out,
-                  ExpertSource* experts);
+// norm, up-projection, plus the shared experts. With `shared_out` ([R, hidden], may be null) the
+// shared experts' down-projection is left there for the caller to add (the next residual site adds
+// out + shared_out: Backend::residual_norm's y2) where the layer's shape allows it; returns whether
+// it did (false: `out` holds the whole sum, as without shared_out).
+bool moe_sublayer(const StepCtx& c, const MoeDims& d, const MoeWeights& w, const float* x, float* out,
+                  ExpertSource* experts, float* shared_out = nullptr);
 
 // Per-row depth state of Block AttnRes (§3.3): block snapshots and the running partial sum, each an
 // [R, hidden] array in the workspace.
@@ -130,17 +133,19 @@ struct BlockList {
 struct DepthState {
   BlockList blocks;
   float* partial = nullptr;
-  bool partial_empty = true;      // ∅ just after a snapshot
-  const float* pending = nullptr;  // a sublayer output not yet added to partial (the next site adds it)
+  bool partial_empty = true;  // ∅ just after a snapshot
+  float* pending = nullptr;   // a sublayer output not yet added to partial (the next site adds it)
+  float* pending2 = nullptr;  // a second part of it (the MoE's shared experts): pending + pending2 is added
+  float* ffn_extra = nullptr;  // [R, hidden] the caller lends for pending2, or null (the FFN adds its parts)
 };
 // out[R, hidden] = Agg(B ∪ {P}) at one site (P omitted when empty). Call settle_depth first.
 void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& st, int64_t hidden, float eps,
                   float* out);
-// One site as one backend op (Backend::residual_norm): y (may be null) into the partial sum, then
-// xn = RMSNorm(Agg(B ∪ {P})) ⊙ norm_w, or RMSNorm(P) ⊙ norm_w without `mix`.
-void residual_site(const StepCtx& c, DepthState& st, const float* y, const AttnResSite* mix, const float* norm_w,
+// One site as one backend op (Backend::residual_norm): y (+ y2; either may be null) into the partial
+// sum, then xn = RMSNorm(Agg(B ∪ {P})) ⊙ norm_w, or RMSNorm(P) ⊙ norm_w without `mix`.
+void residual_site(const StepCtx& c, DepthState& st, float* y, float* y2, const AttnResSite* mix, const float* norm_w,
                    int64_t hidden, float eps, float* a, float* xn);
-// Adds st.pending into the partial sum (the last layer's FFN output, before the output site).
+// Adds st.pending (+ st.pending2) into the partial sum (the last layer's FFN output, before the output site).
 void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden);
 
 // Workspace floats one sublayer of each kind takes for R rows (the plan; forward_work_floats sums up).

@@ -400,7 +400,9 @@ TEST(CudaOps, AttnresMix) {
 // One residual site in one kernel (Backend::residual_norm) against the separate kernels in that order
 // (add or copy, attnres_mix over the blocks and the new partial sum, rmsnorm): the new partial sum
 // bit for bit, xn within kTolElementwise (only the order of the norm's fp64 sum differs; fp64 sums of
-// fp32 squares round the same nearly always), and the same bits again on a created stream.
+// fp32 squares round the same nearly always), and the same bits again on a created stream. With a
+// second part y2 (the MoE's shared experts), the reference first adds y2 into y (the MoE's own add);
+// the fused kernel leaves y as it was.
 TEST(CudaOps, ResidualNormIsTheSeparateOps) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(227);
@@ -421,9 +423,11 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
                         {31, 2, 7168, true, Add, false},    {31, 70, 512, true, Replace, false},
                         {4, 1, 4096, true, Add, true},      {4, 90, 4096, true, Add, true},
                         {0, 90, 4096, false, Add, true}};
-  for (const Case& c : cases) {
+  for (const Case& c : cases)
+  for (bool two : {false, true}) {
+    if (two && c.y == None) continue;
     SCOPED_TRACE(dims({{"blocks", c.blocks}, {"T", c.T}, {"H", c.H}, {"mix", c.mix}, {"y", int64_t(c.y)},
-                       {"misalign", c.misalign}}));
+                       {"misalign", c.misalign}, {"y2", two}}));
     const int64_t n = c.T * c.H, off = c.misalign ? 1 : 0;
     std::vector<cu::DevBuf> dblk;
     std::vector<const float*> bptr;
@@ -432,16 +436,20 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
       bptr.push_back(dblk.back().as<float>() + off);
     }
     const auto partial0 = rand_vec(rng, size_t(n + off), 0.05f, 2.0f), y = rand_vec(rng, size_t(n + off), 0.05f, 1.5f);
-    auto dy = up(y), dfold = up(rand_vec(rng, size_t(c.H + off), 0.05f, 0.3f)),
+    const auto y2 = rand_vec(rng, size_t(n + off), 0.05f, 1.0f);
+    auto dy = up(y), dy2 = up(y2), dysum = up(y), dfold = up(rand_vec(rng, size_t(c.H + off), 0.05f, 0.3f)),
          dw = up(rand_vec(rng, size_t(c.H + off), 0.5f, 1.5f));
     const float* yp = c.y == None ? nullptr : dy.as<float>() + off;
+    const float* y2p = two ? dy2.as<float>() + off : nullptr;
+    if (two) cu::add_inplace(dysum.as<float>() + off, y2p, n, nullptr);  // what the MoE added itself
+    const float* yr = c.y == None ? nullptr : dysum.as<float>() + off;
     const float* fold = c.mix ? dfold.as<float>() + off : nullptr;
     const float* w = dw.as<float>() + off;
     // The separate kernels.
     auto p_ref = up(partial0), a_ref = k3test::dev_nan(size_t(n + off)), x_ref = k3test::dev_nan(size_t(n + off));
     float* pr = p_ref.as<float>() + off;
-    if (c.y == Add) cu::add_inplace(pr, yp, n, nullptr);
-    if (c.y == Replace) cu::d2d(pr, yp, size_t(n) * 4, nullptr);
+    if (c.y == Add) cu::add_inplace(pr, yr, n, nullptr);
+    if (c.y == Replace) cu::d2d(pr, yr, size_t(n) * 4, nullptr);
     const float* xr = pr;
     if (c.mix) {
       std::vector<const float*> src = bptr;
@@ -452,8 +460,8 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
     cu::rmsnorm(xr, c.T, c.H, w, 1e-6f, x_ref.as<float>() + off, nullptr);
     // The fused kernel.
     auto p_got = up(partial0), x_got = k3test::dev_nan(size_t(n + off));
-    cu::residual_norm(bptr.data(), c.blocks, p_got.as<float>() + off, yp, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T,
-                      c.H, x_got.as<float>() + off, nullptr);
+    cu::residual_norm(bptr.data(), c.blocks, p_got.as<float>() + off, yp, y2p, c.y == Replace, fold, 1e-5f, w, 1e-6f,
+                      c.T, c.H, x_got.as<float>() + off, nullptr);
     // (the elements from `off` on: the one before is the NaN fill or the input)
     const auto tail = [&](const cu::DevBuf& b) {
       const auto v = down(b, size_t(n + off));
@@ -461,13 +469,14 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
     };
     const auto want = tail(x_ref), got = tail(x_got);
     EXPECT_EQ(tail(p_got), tail(p_ref)) << "the new partial sum";
+    EXPECT_EQ(down(dy, size_t(n + off)), y) << "y is read only";
     ASSERT_EQ(count_nan(got), 0u);
     EXPECT_LT(rel_l2(got, want), kTolElementwise);
     // Deterministic, and the same bits on a created stream (the model's launch path).
     cu::Stream st = cu::stream_create();
     auto p2 = up(partial0), x2 = k3test::dev_nan(size_t(n + off));
-    cu::residual_norm(bptr.data(), c.blocks, p2.as<float>() + off, yp, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T, c.H,
-                      x2.as<float>() + off, st);
+    cu::residual_norm(bptr.data(), c.blocks, p2.as<float>() + off, yp, y2p, c.y == Replace, fold, 1e-5f, w, 1e-6f, c.T,
+                      c.H, x2.as<float>() + off, st);
     cu::sync(st);
     cu::stream_destroy(st);
     EXPECT_EQ(tail(x2), got);
@@ -486,16 +495,19 @@ TEST(CudaOps, ResidualNormIsTheSeparateOps) {
     }
   };
   refused("32 blocks", [&] {
-    cu::residual_norm(too_many.data(), int64_t(too_many.size()), b, nullptr, false, b + 8, 1e-5f, b + 16, 1e-6f, 1, 8,
+    cu::residual_norm(too_many.data(), int64_t(too_many.size()), b, nullptr, nullptr, false, b + 8, 1e-5f, b + 16, 1e-6f, 1, 8,
                       b + 24, nullptr);
   });
   refused("blocks without scores", [&] {
-    cu::residual_norm(too_many.data(), 1, b, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b + 24, nullptr);
+    cu::residual_norm(too_many.data(), 1, b, nullptr, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b + 24, nullptr);
   });
   refused("xn == partial",
-          [&] { cu::residual_norm(nullptr, 0, b, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b, nullptr); });
+          [&] { cu::residual_norm(nullptr, 0, b, nullptr, nullptr, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b, nullptr); });
   refused("no norm weight",
-          [&] { cu::residual_norm(nullptr, 0, b, nullptr, false, nullptr, 1e-5f, nullptr, 1e-6f, 1, 8, b + 8, nullptr); });
+          [&] { cu::residual_norm(nullptr, 0, b, nullptr, nullptr, false, nullptr, 1e-5f, nullptr, 1e-6f, 1, 8, b + 8, nullptr); });
+  refused("y2 without y", [&] {
+    cu::residual_norm(nullptr, 0, b, nullptr, b + 32, false, nullptr, 1e-5f, b + 16, 1e-6f, 1, 8, b + 8, nullptr);
+  });
 }
 
 // ================================================================ KDA
@@ -904,7 +916,7 @@ TEST(CudaOpsBench, DecodeSmallOpLatency) {
       bench(
           "residual_norm blocks=" + std::to_string(n_src - 1) + " H=" + std::to_string(H),
           [&] {
-            cu::residual_norm(dptr.data(), n_src - 1, dp.as<float>(), dy.as<float>(), true, dw.as<float>(), 1e-5f,
+            cu::residual_norm(dptr.data(), n_src - 1, dp.as<float>(), dy.as<float>(), nullptr, true, dw.as<float>(), 1e-5f,
                               dw.as<float>(), 1e-6f, 1, H, dout.as<float>(), s);
           },
           dout, size_t(H));

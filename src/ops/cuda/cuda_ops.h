@@ -104,12 +104,12 @@ constexpr int kMaxAttnResSources = 32;
 void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, const float* fold, float eps, float* out,
                  Stream s);
 // One residual site (model/backend.h ResidualNorm) in one kernel: partial ← partial + y (or ← y when
-// y_replaces; y may be null), a = attnres_mix(blocks ∪ {partial}) (a = partial when fold is null; then
+// y_replaces; y may be null; with y2 non-null, y + y2 in place of y; y is not written), a = attnres_mix(blocks ∪ {partial}) (a = partial when fold is null; then
 // n_blocks must be 0), xn = RMSNorm(a) ⊙ norm_w. n_blocks + 1 <= kMaxAttnResSources; y, partial and xn
 // distinct. The same math as those ops in that order, except the order of the norm's fp64 sum.
-void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial, const float* y, bool y_replaces,
-                   const float* fold, float mix_eps, const float* norm_w, float norm_eps, int64_t T, int64_t H,
-                   float* xn, Stream s);
+void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial, const float* y, const float* y2,
+                   bool y_replaces, const float* fold, float mix_eps, const float* norm_w, float norm_eps, int64_t T,
+                   int64_t H, float* xn, Stream s);
 
 // ------------------------------------------------------------------ KDA (kda.cu)
 void kda_recurrent(const float* q, const float* k, const float* v, const float* g, const float* beta, int64_t T,

@@ -719,7 +719,8 @@ void launch_attnres(const SrcList& l, int n, int64_t T, int64_t H, const float* 
 
 // ---------------------------------------------------------------- residual site
 // Backend::residual_norm in one kernel: the pending sublayer output enters the partial sum (the add
-// kernel's math, partial = partial + y, or partial = y), the AttnRes mix above over the blocks and the
+// kernel's math, partial = partial + y, or partial = y; with a second part y2, y + y2 is added: the
+// add kernel's y + y2 first, as the MoE did), the AttnRes mix above over the blocks and the
 // new partial sum (MIX = false: a = the partial sum), then RMSNorm of a (the norm kernels' math:
 // fp64 sum of squares, inv = 1/sqrt(ss/H + eps) rounded to fp32, w·(a·inv)). Each thread owns the
 // same vectors i = first, first + stride, ... in every phase, so it reads back only what it wrote
@@ -731,7 +732,8 @@ struct ResidualArgs {
   const float* fold;
   float mix_eps;
   float* partial;
-  const float* y;  // null: nothing to add
+  const float* y;   // null: nothing to add
+  const float* y2;  // null, or y's second part
   int y_replaces;
   const float* w;
   float norm_eps;
@@ -745,8 +747,20 @@ __device__ __forceinline__ void residual_take(const ResidualArgs& a, int64_t t, 
   using VT = typename std::conditional<VEC == 4, float4, float>::type;
   VT* p = reinterpret_cast<VT*>(a.partial + t * a.H);
   const VT* y = reinterpret_cast<const VT*>(a.y + t * a.H);
+  const VT* y2 = a.y2 ? reinterpret_cast<const VT*>(a.y2 + t * a.H) : nullptr;
   for (int64_t i = first; i < last; i += stride) {
     VT v = y[i];
+    if (y2) {
+      const VT u = y2[i];
+      if constexpr (VEC == 4) {
+        v.x = v.x + u.x;
+        v.y = v.y + u.y;
+        v.z = v.z + u.z;
+        v.w = v.w + u.w;
+      } else {
+        v = v + u;
+      }
+    }
     if (!a.y_replaces) {
       const VT q = p[i];
       if constexpr (VEC == 4) {
@@ -1081,9 +1095,9 @@ void attnres_mix(const float* const* src, int64_t n_src, int64_t T, int64_t H, c
 }
 
 
-void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial, const float* y, bool y_replaces,
-                   const float* fold, float mix_eps, const float* norm_w, float norm_eps, int64_t T, int64_t H,
-                   float* xn, Stream s) {
+void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial, const float* y, const float* y2,
+                   bool y_replaces, const float* fold, float mix_eps, const float* norm_w, float norm_eps, int64_t T,
+                   int64_t H, float* xn, Stream s) {
   const bool mix = fold != nullptr;
   if (n_blocks < 0 || n_blocks + 1 > kMaxAttnResSources)
     fail("residual_norm: " + std::to_string(n_blocks) + " blocks; the GPU kernel takes 0.." +
@@ -1091,6 +1105,7 @@ void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial,
   if (!mix && n_blocks > 0) fail("residual_norm: blocks without the site's scores");
   if (!norm_w) fail("residual_norm: no norm weight");
   if (y == partial || xn == partial || (y && y == xn)) fail("residual_norm: y, partial and xn must not alias");
+  if (y2 && (!y || y2 == partial || y2 == xn)) fail("residual_norm: y2 without y, or aliasing partial or xn");
   if (T <= 0 || H <= 0) return;
   if (T > 0x7fffffff) fail("residual_norm: too many rows for the grid");
   ResidualArgs a{};
@@ -1102,12 +1117,13 @@ void residual_norm(const float* const* blocks, int64_t n_blocks, float* partial,
   a.mix_eps = mix_eps;
   a.partial = partial;
   a.y = y;
+  a.y2 = y2;
   a.y_replaces = y_replaces ? 1 : 0;
   a.w = norm_w;
   a.norm_eps = norm_eps;
   a.xn = xn;
   const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  bool vec = H % 4 == 0 && al16(partial) && al16(norm_w) && al16(xn) && (!y || al16(y)) && (!mix || al16(fold));
+  bool vec = H % 4 == 0 && al16(partial) && al16(norm_w) && al16(xn) && (!y || al16(y)) && (!y2 || al16(y2)) && (!mix || al16(fold));
   for (int64_t j = 0; j < n_blocks; ++j) vec = vec && al16(blocks[j]);
   const int n = a.n_src;
   if (!mix)
