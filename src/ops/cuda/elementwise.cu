@@ -740,6 +740,12 @@ struct ResidualArgs {
   float* xn;
 };
 
+// a + b per element (the add kernel's math: a on the left).
+__device__ __forceinline__ float vsum(float a, float b) { return a + b; }
+__device__ __forceinline__ float4 vsum(const float4& a, const float4& b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
 template <int VEC>
 __device__ __forceinline__ void residual_take(const ResidualArgs& a, int64_t t, int64_t first, int64_t last,
                                               int64_t stride) {
@@ -750,28 +756,8 @@ __device__ __forceinline__ void residual_take(const ResidualArgs& a, int64_t t, 
   const VT* y2 = a.y2 ? reinterpret_cast<const VT*>(a.y2 + t * a.H) : nullptr;
   for (int64_t i = first; i < last; i += stride) {
     VT v = y[i];
-    if (y2) {
-      const VT u = y2[i];
-      if constexpr (VEC == 4) {
-        v.x = v.x + u.x;
-        v.y = v.y + u.y;
-        v.z = v.z + u.z;
-        v.w = v.w + u.w;
-      } else {
-        v = v + u;
-      }
-    }
-    if (!a.y_replaces) {
-      const VT q = p[i];
-      if constexpr (VEC == 4) {
-        v.x = q.x + v.x;
-        v.y = q.y + v.y;
-        v.z = q.z + v.z;
-        v.w = q.w + v.w;
-      } else {
-        v = q + v;
-      }
-    }
+    if (y2) v = vsum(v, y2[i]);
+    if (!a.y_replaces) v = vsum(p[i], v);
     p[i] = v;
   }
 }
