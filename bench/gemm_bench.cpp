@@ -3,7 +3,7 @@
 // of the generated K3-shaped cpu-bench checkpoint: BF16 trunk matrices over a 128-token chunk, and
 // MXFP4 routed experts over the ~16 tokens a 128-token chunk gives each of 64 experts (top-8).
 // Rate = 2 x rows x cols x T / second; ratio = rate / probed peak.
-// Usage: k3_gemm_bench [seconds per case] [--level avx2|avx512] [--case I]   (threads: OMP_NUM_THREADS)
+// Usage: k3_gemm_bench [seconds per case] [--level scalar|avx2|avx512|amx] [--case I]   (threads: OMP_NUM_THREADS)
 
 #include <chrono>
 #include <cstdint>
@@ -39,20 +39,7 @@ int main(int argc, char** argv) {
     else
       min_s = std::atof(argv[i]);
   }
-  if (!level.empty()) {
-    k3::ops::CpuIsa want{};
-    try {
-      want = k3::ops::parse_cpu_isa(level);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "k3_gemm_bench: %s\n", e.what());
-      return 2;
-    }
-    if (int(want) > int(k3::ops::cpu_isa_detected())) {
-      std::fprintf(stderr, "k3_gemm_bench: level %s is not available on this CPU\n", level.c_str());
-      return 2;
-    }
-    k3::ops::set_cpu_isa(want);
-  }
+  if (!k3bench::select_level("k3_gemm_bench", level)) return 2;
   const int threads = k3::par::max_threads();
   const double peak = k3::ops::measure_peak_gflops(threads, 5);
   std::printf("k3_gemm_bench: %d threads, level %s, fast numerics, peak %.1f GFLOP/s (%s)\n", threads,

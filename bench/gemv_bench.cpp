@@ -7,7 +7,7 @@
 //          the rows of all the selected experts in chunks over the threads, in two regions (as
 //          moe_forward decodes), and whole experts per thread (the scheme it used before).
 // Rate = weight bytes (incl. E8M0 scales) read per second; ratio = rate / probed read bandwidth.
-// Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512]   (threads: OMP_NUM_THREADS)
+// Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512|amx]   (threads: OMP_NUM_THREADS)
 
 #include <chrono>
 #include <cstdint>
@@ -60,20 +60,7 @@ int main(int argc, char** argv) {
     else
       min_s = std::atof(argv[i]);
   }
-  if (!level.empty()) {
-    k3::ops::CpuIsa want{};
-    try {
-      want = k3::ops::parse_cpu_isa(level);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "k3_gemv_bench: %s\n", e.what());
-      return 2;
-    }
-    if (int(want) > int(k3::ops::cpu_isa_detected())) {
-      std::fprintf(stderr, "k3_gemv_bench: level %s is not available on this CPU\n", level.c_str());
-      return 2;
-    }
-    k3::ops::set_cpu_isa(want);
-  }
+  if (!k3bench::select_level("k3_gemv_bench", level)) return 2;
   const int threads = k3::par::max_threads();
   const k3::ops::Roofline roof = k3::ops::measure_roofline(threads);
   std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read bandwidth %.1f GB/s\n", threads,

@@ -1,16 +1,39 @@
 // Random weights in the stored formats for the kernel benchmarks (k3_gemv_bench, k3_gemm_bench):
 // BF16 values of magnitude 2^-9..2^-6 and MXFP4 nibbles with E8M0 scales 2^-9..2^-6, each buffer
-// at the offset mmap'd safetensors data most often has.
+// at the offset mmap'd safetensors data most often has. And the benches' --level flag.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "ops/cpu/isa.h"
 #include "ops/weight.h"
 
 namespace k3bench {
+
+// --level NAME (empty: the detected level): sets the CPU level, or prints one line naming `prog`
+// and returns false (an unknown name, or a level this CPU lacks).
+inline bool select_level(const char* prog, const std::string& level) {
+  if (level.empty()) return true;
+  k3::ops::CpuIsa want{};
+  try {
+    want = k3::ops::parse_cpu_isa(level);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", prog, e.what());
+    return false;
+  }
+  if (int(want) > int(k3::ops::cpu_isa_detected())) {
+    std::fprintf(stderr, "%s: level %s is not available on this CPU\n", prog, level.c_str());
+    return false;
+  }
+  k3::ops::set_cpu_isa(want);
+  return true;
+}
 
 struct Pool {
   std::vector<std::unique_ptr<uint8_t[]>> bufs;
