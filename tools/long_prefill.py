@@ -171,6 +171,8 @@ def main():
         # What the engine itself allocated at its peak (the plan's subject), and what the CUDA runtime
         # added on top (context, libraries: nvidia-smi's peak minus that, minus what was in use before).
         res["gpu_engine_peak_bytes"] = doc["gpu_engine_peak_bytes"]
+        if "gpu_engine_peak_by_buffer" in doc:  # what the peak was made of, by buffer
+            res["gpu_engine_peak_by_buffer"] = doc["gpu_engine_peak_by_buffer"]
         if "gpu_plan" in plan:
             res["gpu_engine_peak_vs_gpu_plan"] = doc["gpu_engine_peak_bytes"] / plan["gpu_plan"]["total"]
         if gpu_peak is not None:

@@ -132,6 +132,13 @@ void add_parallel_options(CLI::App* app, int& tp, int& ep) {
       ->group("Processes");
 }
 
+int64_t gpu_sm_count() {
+#ifdef K3_HAVE_CUDA
+  if (cuda::device_count() > 0) return cuda::device_info().multiprocessors;
+#endif
+  return GpuOptions{}.sm_count;
+}
+
 std::string gpu_fit_line(size_t need) {
 #ifdef K3_HAVE_CUDA
   if (cuda::device_count() == 0) return "no usable CUDA GPU here (" + cuda::unavailable_reason() + ")";
@@ -155,8 +162,8 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
     if (tokens_per_call > m.max_step_rows()) m.set_max_step_rows(tokens_per_call);
     return;
   }
-  const GpuOptions o =
-      gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu, hot_experts);
+  GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu, hot_experts);
+  o.sm_count = gpu_sm_count();  // (for the plan printed below)
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {

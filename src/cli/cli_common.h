@@ -127,6 +127,9 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".
 std::string gpu_fit_line(size_t need_bytes);
+// This machine's GPU's multiprocessors (GpuOptions::sm_count for the memory plan), or 132 (H100 /
+// H200 SXM) without a usable CUDA GPU.
+int64_t gpu_sm_count();
 
 // One-line stats: "prompt 12 tok | generated 50 tok | prefill 120.3 tok/s | decode 45.2 tok/s | peak RSS 1.2 GiB |
 // stop: eos"

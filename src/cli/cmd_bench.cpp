@@ -867,6 +867,7 @@ class Report {
       const k3::cuda::DeviceInfo dev = k3::cuda::device_info();
       doc_["gpu_used_bytes_at_end"] = dev.total_bytes - dev.free_bytes;
       doc_["gpu_engine_peak_bytes"] = k3::cuda::dev_bytes_peak();
+      for (const auto& [what, bytes] : k3::cuda::dev_peak_breakdown()) doc_["gpu_engine_peak_by_buffer"][what] = bytes;
     }
 #endif
     if (f_.output == "md" && !notes_.empty()) out("\n" + notes_);

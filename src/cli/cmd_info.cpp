@@ -109,6 +109,7 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
     go.tokens_per_call = ubatch;
     go.experts_on_cpu = ex.cpu;
     go.hot_experts = hot;
+    go.sm_count = gpu_sm_count();
     // With --cpu-experts the routed experts stay in host RAM (the CPU computes them): the GPU holds
     // the rest, plus the hot-expert cache's fraction of them (--hot-experts F; auto is not planned).
     size_t gpu_weights = weights;

@@ -142,9 +142,7 @@ class CudaBackend final : public Backend {
     const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
     if (d.mla_layers > 0) {
       // The attention's split plan depends on the rows, and fewer rows may take more scratch.
-      int64_t floats = 1;
-      for (int64_t r = 1; r <= R; ++r) floats = std::max(floats, cu::mla_paged_work_floats(r, r, ad));
-      mla_work_ = cu::DevBuf(size_t(floats) * 4, "MLA workspace");
+      mla_work_ = cu::DevBuf(size_t(paged_mla_work_floats_max(R, ad, cu::sm_count())) * 4, "MLA workspace");
       if (mla_tc_supported(ad)) {  // the tensor-core prefill form (fast numerics)
         mla_tc_chunk_ = mla_tc_key_chunk(ad);
         mla_tc_work_ = cu::DevBuf(size_t(mla_tc_work_bytes(mla_tc_chunk_, R, ad)), "MLA tensor-core workspace");
@@ -1013,7 +1011,9 @@ std::unique_ptr<Backend> make_cuda_backend_for_dims(const ModelDims& d, const Gp
 
 std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) {
   const cu::DeviceInfo dev = check_gpu();
-  const GpuMemoryPlan plan = gpu_memory_plan(m, o, o.initial_context);
+  GpuOptions od = o;
+  od.sm_count = dev.multiprocessors;  // (the backend sizes the MLA workspace with the device's count)
+  const GpuMemoryPlan plan = gpu_memory_plan(m, od, o.initial_context);
   // Leave headroom for the CUDA context, cuBLAS workspace, expert scratch and allocator rounding.
   const size_t headroom = size_t(512) << 20;
   if (plan.total() + headroom > dev.free_bytes)

@@ -116,9 +116,10 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
                                    d.shared_inter, d.moe.latent, d.moe.inter});
   p.workspace += (size_t(32) << 20) + size_t(R * widest) * 2;
   const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
-  // The absorbed MLA kernel's q̃ / o_lat rows and row plan (cuda::mla_paged_work_floats at the step's
-  // rows; its split partials only matter for steps of fewer rows than the GPU has block slots).
-  if (d.mla_layers > 0) p.workspace += size_t(o.tokens_per_call * (d.mla.heads * d.mla.kv_lora + 6)) * 4;
+  if (o.sm_count < 1) fail("gpu_memory_plan: sm_count must be >= 1");
+  // The absorbed MLA kernel's q̃ / o_lat rows, split partials and row plan: the most a step of up to
+  // tokens_per_call rows takes on a GPU of o.sm_count multiprocessors (ops.h, as the backend sizes it).
+  if (d.mla_layers > 0) p.workspace += size_t(paged_mla_work_floats_max(o.tokens_per_call, ad, o.sm_count)) * 4;
   if (d.mla_layers > 0 && mla_tc_supported(ad))  // the tensor-core MLA prefill and its per-sequence flags
     p.workspace += size_t(mla_tc_work_bytes(mla_tc_key_chunk(ad), o.tokens_per_call, ad)) + size_t(o.tokens_per_call) * 4;
   p.context = context;

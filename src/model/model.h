@@ -51,6 +51,10 @@ struct GpuOptions {
   double hot_experts = 0;
   int64_t hot_warmup_tokens = 64;
   static constexpr double kHotExpertsAuto = -1;
+  // The GPU's multiprocessors, for the memory plan alone (the absorbed MLA kernel splits short steps
+  // until 16 blocks per multiprocessor run, and its workspace holds the split partials): 132 (H100 /
+  // H200 SXM) unless set; the CUDA backend plans with the device's own count.
+  int64_t sm_count = 132;
 };
 
 

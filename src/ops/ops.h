@@ -16,6 +16,30 @@ struct MlaAttnDims {
   float scale = 0;  // softmax scale = (nope + rope)^-1/2
 };
 
+// The GPU's absorbed paged MLA kernel (ops/cuda/mla.cu), sized here for the same reason. A step's
+// rows are split over key ranges until 16 blocks per multiprocessor run (`sms`: the GPU's count);
+// its workspace holds q̃ / o_lat [rows, heads, kv_lora], the split partials [slots, heads, kv_lora + 2]
+// when there are more slots than rows, and the row / slot plan.
+constexpr int64_t kMlaPagedHeadGroup = 16;  // heads per block of the attention kernel (mla.cu's kHG)
+inline int64_t paged_mla_slots(int64_t rows, int64_t heads, int64_t sms) {
+  const int64_t groups = (heads + kMlaPagedHeadGroup - 1) / kMlaPagedHeadGroup;
+  const int64_t want = (16 * sms + groups - 1) / groups;
+  return rows > want ? rows : want;
+}
+inline int64_t paged_mla_work_floats(int64_t rows, const MlaAttnDims& d, int64_t sms) {
+  const int64_t slots = paged_mla_slots(rows, d.heads, sms), parts = slots > rows ? slots * d.heads : 0;
+  return rows * d.heads * d.kv_lora + parts * (d.kv_lora + 2) + 4 * rows + 2 * slots;
+}
+// The most any step of 1 .. rows rows takes (fewer rows may take more: their split partials).
+inline int64_t paged_mla_work_floats_max(int64_t rows, const MlaAttnDims& d, int64_t sms) {
+  int64_t m = 1;
+  for (int64_t r = 1; r <= rows; ++r) {
+    const int64_t f = paged_mla_work_floats(r, d, sms);
+    m = f > m ? f : m;
+  }
+  return m;
+}
+
 // The GPU's MLA prefill on the tensor cores (ops/cuda/mla_tc.cu: the expanded form in key chunks,
 // FlashAttention-style), planned here so that the memory plan (k3 info) counts what it allocates.
 // Head widths it is compiled for: (nope + rope, v) = (192, 128) (K3, Kimi Linear), (96, 64), (48, 64)

@@ -378,6 +378,7 @@ TEST(CudaModel, MemoryPlanCountsTheEnginesAllocations) {
   k3::GpuOptions o;
   o.tokens_per_call = 512;
   o.initial_context = 1024;
+  o.sm_count = k3::cuda::sm_count();
   k3::cuda::sync();
   k3::cuda::dev_reset_peak();
   const size_t before = k3::cuda::dev_bytes_live();
@@ -399,6 +400,9 @@ TEST(CudaModel, MemoryPlanCountsTheEnginesAllocations) {
               "workspace %zu, state %zu): %.4fx\n",
               peak, p.total(), p.weights, p.workspace, p.total() - p.weights - p.workspace,
               double(peak) / double(p.total()));
+  std::string by;  // what the peak was made of (before use_gpu: the loaded model's share, if any)
+  for (const auto& [what, bytes] : k3::cuda::dev_peak_breakdown()) by += " " + what + " " + std::to_string(bytes) + ";";
+  std::printf("[gate] GPU memory at the peak by buffer:%s\n", by.c_str());
   EXPECT_LE(double(peak), 1.01 * double(p.total()));
   EXPECT_GE(double(peak), 0.95 * double(p.total()));
 }

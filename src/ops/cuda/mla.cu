@@ -918,10 +918,8 @@ AttnArgs attn_args(const float* q, const float* ql, int64_t T, const MlaAttnDims
 // Partial slots of a paged launch: one per row, plus what brings the attention grid to about eight
 // waves of two blocks per SM when the rows alone are fewer (decode), so every row's key range can
 // be split in proportion to its length and the longest split stays a small part of the step.
-int64_t paged_slots(int64_t rows, int64_t heads) {
-  const int64_t groups = (heads + kHG - 1) / kHG;
-  return std::max<int64_t>(rows, (16 * int64_t(sm_count()) + groups - 1) / groups);
-}
+static_assert(kHG == kMlaPagedHeadGroup, "ops.h sizes the paged kernel's workspace with this head group");
+int64_t paged_slots(int64_t rows, int64_t heads) { return paged_mla_slots(rows, heads, sm_count()); }
 
 // Work layout of a paged launch (floats; the plan's int32 arrays at the end):
 // q̃/o_lat [rows, heads, L] | part_o [slots, heads, L] | part_m, part_z [slots, heads] (only when
@@ -1011,7 +1009,10 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
 
 int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d) {
   (void)n_seqs;  // the layout depends on the rows only (n_seqs is kept for the callers' one call shape)
-  return paged_work_floats(rows, paged_slots(rows, d.heads), d);
+  // (ops.h's formula, which the memory plan uses; paged_work below lays it out)
+  const int64_t n = paged_mla_work_floats(rows, d, sm_count());
+  if (n != paged_work_floats(rows, paged_slots(rows, d.heads), d)) fail("internal error: the MLA workspace sizes differ");
+  return n;
 }
 
 void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,

@@ -82,8 +82,14 @@ DeviceInfo device_info() {
 namespace {
 struct AllocBook {
   std::mutex mu;
-  std::unordered_map<void*, size_t> sizes;
+  std::unordered_map<void*, std::pair<size_t, std::string>> sizes;  // size, what
   size_t live = 0, peak = 0;
+  std::vector<std::pair<std::string, size_t>> at_peak;  // by `what`, when peak was reached
+  void note_peak() {  // (allocations are few and rare: set-up, pool growth)
+    std::unordered_map<std::string, size_t> by;
+    for (const auto& kv : sizes) by[kv.second.second] += kv.second.first;
+    at_peak.assign(by.begin(), by.end());
+  }
 };
 AllocBook& book() {
   static AllocBook* b = new AllocBook();  // never destroyed: buffers may be freed during exit
@@ -104,9 +110,12 @@ void* dev_alloc(size_t bytes, const char* what) {
   }
   AllocBook& b = book();
   std::lock_guard<std::mutex> lock(b.mu);
-  b.sizes[p] = bytes;
+  b.sizes[p] = {bytes, what ? what : "?"};
   b.live += bytes;
-  b.peak = std::max(b.peak, b.live);
+  if (b.live > b.peak) {
+    b.peak = b.live;
+    b.note_peak();
+  }
   return p;
 }
 
@@ -117,7 +126,7 @@ void dev_free(void* p) noexcept {
   std::lock_guard<std::mutex> lock(b.mu);
   const auto it = b.sizes.find(p);
   if (it == b.sizes.end()) return;
-  b.live -= it->second;
+  b.live -= it->second.first;
   b.sizes.erase(it);
 }
 
@@ -135,6 +144,14 @@ void dev_reset_peak() {
   AllocBook& b = book();
   std::lock_guard<std::mutex> lock(b.mu);
   b.peak = b.live;
+  b.note_peak();
+}
+std::vector<std::pair<std::string, size_t>> dev_peak_breakdown() {
+  AllocBook& b = book();
+  std::lock_guard<std::mutex> lock(b.mu);
+  std::vector<std::pair<std::string, size_t>> v = b.at_peak;
+  std::sort(v.begin(), v.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+  return v;
 }
 
 void h2d(void* dst, const void* src, size_t bytes, Stream s) {

@@ -63,6 +63,8 @@ void dev_free(void* p) noexcept;
 size_t dev_bytes_live();
 size_t dev_bytes_peak();
 void dev_reset_peak();
+// What the peak was made of: bytes by dev_alloc's `what`, largest first (the same reset).
+std::vector<std::pair<std::string, size_t>> dev_peak_breakdown();
 void h2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // async on s, then the
 void d2h(void* dst, const void* src, size_t bytes, Stream s = nullptr);  // d2h variant syncs s
 void d2d(void* dst, const void* src, size_t bytes, Stream s = nullptr);
