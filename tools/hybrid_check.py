@@ -56,14 +56,15 @@ def bench(a, tmp, name, extra):
         ops = {o["op"]: o["ms"] / prof["steps"] for o in prof["ops"]}
         res["profile_ms_per_step"] = ops
         res["profile_step_ms"] = prof["op_ms_total"] / prof["steps"]
-    if "hot_experts" in doc:
-        res["hot_experts"] = doc["hot_experts"]
+    if "expert_cache" in doc:  # k3 bench's record of the GPU's hot-expert cache
+        res["hot_experts"] = doc["expert_cache"]
     return res
 
 
-def plan(a, cal, placement):
+def plan(a, cal, placement, extra=()):
     out = run([a.k3, "plan", "-m", a.model, "--calibration", cal, "--placement", placement, "--ctx",
-               str(a.depth + a.gen), "--batch", "1", "--json"], "k3 plan --placement " + placement)
+               str(a.depth + a.gen), "--batch", "1", "--json"] + list(extra),
+              "k3 plan --placement " + " ".join([placement] + list(extra)))
     p = json.loads(out)["plan"]
     return {"kind": p["kind"], "fits": p["fits"], "why_not": p.get("why_not", ""),
             "decode_ts": p["decode_batch1"]["tokens_per_s"], "decode_terms": p["decode_batch1"]}
@@ -85,13 +86,19 @@ def main():
         cal = os.path.join(tmp, "calibration.json")
         run([a.k3, "plan", "--calibrate", "--out", cal], "k3 plan --calibrate")
         res["calibration"] = json.load(open(cal))
-        res["predicted"] = {p: plan(a, cal, p) for p in ("gpu", "hybrid", "cpu")}
+        # Each placement as the bench below runs it: the hybrid runs with no GPU cache (--cpu-experts
+        # alone) and with a quarter and a half of the experts cached (--hot-experts).
+        res["predicted"] = {"gpu": plan(a, cal, "gpu"), "hybrid": plan(a, cal, "hybrid", ["--hot-experts", "0"]),
+                            "hot25": plan(a, cal, "hybrid", ["--hot-experts", "0.25"]),
+                            "hot50": plan(a, cal, "hybrid", ["--hot-experts", "0.5"]), "cpu": plan(a, cal, "cpu")}
         gpu = ["--device", "cuda"]
+        # The CPU computes the routed experts of the hybrid runs: all the threads the CPU run gets.
+        hyb = gpu + ["--cpu-experts", "-t", str(a.threads)]
         res["measured"] = {
             "gpu": bench(a, tmp, "gpu", gpu),
-            "hybrid": bench(a, tmp, "hybrid", gpu + ["--cpu-experts"]),
-            "hot25": bench(a, tmp, "hot25", gpu + ["--cpu-experts", "--hot-experts", "0.25"]),
-            "hot50": bench(a, tmp, "hot50", gpu + ["--cpu-experts", "--hot-experts", "0.5"]),
+            "hybrid": bench(a, tmp, "hybrid", hyb),
+            "hot25": bench(a, tmp, "hot25", hyb + ["--hot-experts", "0.25"]),
+            "hot50": bench(a, tmp, "hot50", hyb + ["--hot-experts", "0.5"]),
             "cpu": bench(a, tmp, "cpu", ["--device", "cpu", "-t", str(a.threads)]),
         }
     m = res["measured"]
@@ -105,7 +112,9 @@ def main():
         derived["hybrid_step_ms"] = m["hybrid"]["step_ms"]
         derived["hybrid_vs_max"] = m["hybrid"]["step_ms"] / max(trunk, cpu_experts)
         derived["hybrid_vs_max_goal"] = 1.15
-    for name, key in (("gpu", "gpu"), ("hybrid", "hybrid"), ("cpu", "cpu")):
+    for name, key in (("gpu", "gpu"), ("hybrid", "hybrid"), ("hot25", "hot25"), ("hot50", "hot50"), ("cpu", "cpu")):
+        if key not in res["predicted"]:
+            continue
         pred = res["predicted"][key]["decode_ts"]
         derived[f"{name}_measured_vs_predicted"] = m[name]["decode_ts"] / pred if pred > 0 else None
     for hot in ("hot25", "hot50"):

@@ -581,7 +581,12 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
   check_positions(f, model.config().max_position_embeddings);
   p.mi = model_info(f, model);
   p.threads = f.threads;
-  if (p.threads.empty() || p.cuda) p.threads = {p.cuda ? 1 : par::max_threads()};  // -t is CPU-only
+  // -t is for CPU work: one host thread drives the GPU, except where the CPU cores compute the routed
+  // experts (--cpu-experts: every core unless -t says otherwise).
+  if (p.cuda && !f.cpu_experts)
+    p.threads = {1};
+  else if (p.threads.empty())
+    p.threads = {par::max_threads()};
   p.build_threads = *std::max_element(p.threads.begin(), p.threads.end());
 
   // Every test, in run order: per depth, per thread count, pp tests then tg tests, each per batch.

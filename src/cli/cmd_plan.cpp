@@ -34,6 +34,7 @@ struct PlanFlags {
   plan::MachineFlags machine;
   plan::PlanRequest req;
   double expert_hit = -1;
+  double hot_experts = -1;
   bool json = false, calibrate = false, calibrate_gpu = false, no_gpu_calibration = false;
   int threads = 0;
 };
@@ -100,6 +101,7 @@ int run_plan(const PlanFlags& f) {
   const plan::Rates rates = plan::derive_rates(m, cal ? &*cal : nullptr, lat);
   plan::PlanRequest q = f.req;
   if (f.expert_hit >= 0) q.expert_hit = f.expert_hit;
+  if (f.hot_experts >= 0) q.hot_experts = f.hot_experts;
   const plan::PlanResult res = plan::make_plan(cfg, sizes, m, rates, q);
   const plan::ReportInput in{sizes, m, rates, q, res, f.machine.gpus.empty() ? here.gpu_note : ""};
   const std::string text = f.json ? plan::format_json(in) : plan::format_text(in);
@@ -158,6 +160,10 @@ int cmd_plan(int argc, char** argv) {
   app.add_option("--expert-hit", f.expert_hit,
                  "fraction of routed-expert reads the GPU's hot-expert cache serves (default: its share of the "
                  "experts, uniform routing)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--hot-experts", f.hot_experts,
+                 "with --placement hybrid: the fraction of routed experts the GPU caches, as k3 run --cpu-experts "
+                 "--hot-experts F (0: none; default: the spare GPU memory fills)")
       ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--trunk-fp8", f.req.trunk_fp8,
                "plan the trunk in FP8 (E4M3, 128x128 block scales; planned, not yet in k3 run)");

@@ -569,7 +569,14 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
                     gb(p.gpu_reserve) + " = " + over_by(base, p.gpu_budget) + " (" + m.gpu_mem.source + ")";
       p.gpu_cache = std::max(0.0, p.gpu_budget - base);
       const double cached_rank = std::floor(p.gpu_cache / eb) * eb;
-      const double cached = std::min(experts_total, cached_rank * ep);
+      double cached = std::min(experts_total, cached_rank * ep);
+      if (q.hot_experts) {  // the run's --hot-experts F: that share, if the spare memory holds it
+        const double want = std::floor(*q.hot_experts * experts_total / eb) * eb;
+        if (want > cached)
+          p.notes.push_back("--hot-experts " + num(*q.hot_experts) + ": the spare GPU memory holds " +
+                            gb(cached) + " of the " + gb(want) + " asked for");
+        cached = std::min(cached, want);  // (the rest of the spare memory stays free: prefill chunks use it)
+      }
       p.frac_gpu = experts_total > 0 ? cached / experts_total : 1;
       if (q.expert_hit) {
         p.hit = *q.expert_hit;
@@ -624,8 +631,8 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
   // What k3 itself runs of this placement today (the planner plans ahead of the engine).
   if (kind == "hybrid" && p.frac_gpu < 1)
     p.notes.push_back(
-        "hybrid: k3 does not yet compute routed experts on the CPU beside a GPU trunk (issue 20); "
-        "k3 run --device cuda --ram-budget uploads each step's experts to the GPU instead");
+        "hybrid runs as: k3 run --device cuda --cpu-experts" +
+        (q.hot_experts ? " --hot-experts " + num(*q.hot_experts) : std::string(" --hot-experts auto")));
   if (p.world > 1)
     p.notes.push_back(
         "several GPUs: k3 splits TP/EP on the CPU backend only so far (docs/multi-gpu.md); the NCCL "
@@ -646,6 +653,10 @@ PlanResult make_plan(const ModelConfig& cfg, const ModelSizes& s, const Machine&
   if (q.ctx > s.max_positions)
     fail("--ctx " + std::to_string(q.ctx) + " exceeds the model's max_position_embeddings (" +
          std::to_string(s.max_positions) + ")");
+  if (q.hot_experts && !(*q.hot_experts >= 0 && *q.hot_experts <= 1))
+    fail("--hot-experts must be a fraction 0..1, got " + std::to_string(*q.hot_experts));
+  if (q.hot_experts && q.placement != "hybrid")
+    fail("--hot-experts plans the hybrid placement's GPU cache: use it with --placement hybrid");
   if (q.expert_hit && !(*q.expert_hit >= 0 && *q.expert_hit <= 1))
     fail("--expert-hit must be a fraction 0..1, got " + std::to_string(*q.expert_hit));
   const std::string& pl = q.placement;

@@ -29,6 +29,9 @@ struct PlanRequest {
   int64_t batch = 1;                 // decode sequences for the aggregate figure (batch 1 is always reported)
   int64_t prompt = 4096;             // prefill length
   std::optional<double> expert_hit;  // --expert-hit: fraction of routed-expert reads the GPU cache serves
+  // --hot-experts F (hybrid): the GPU caches this fraction of the routed experts, as `k3 run
+  // --cpu-experts --hot-experts F` does (0: none, as --cpu-experts alone); unset: the spare GPU memory fills.
+  std::optional<double> hot_experts;
   int tp = 0, ep = 0;                // 0: the planner chooses
   bool trunk_fp8 = false;            // plan the trunk in FP8 (--trunk-fp8: CPU today, no GPU kernels yet)
   std::string placement = "auto";    // auto | gpu | hybrid | cpu

@@ -195,6 +195,7 @@ std::string format_json(const ReportInput& in) {
                   {"batch", q.batch},
                   {"prompt", q.prompt},
                   {"expert_hit", q.expert_hit ? Json(*q.expert_hit) : Json(nullptr)},
+                  {"hot_experts", q.hot_experts ? Json(*q.hot_experts) : Json(nullptr)},
                   {"tp", q.tp},
                   {"ep", q.ep},
                   {"trunk_fp8", q.trunk_fp8},

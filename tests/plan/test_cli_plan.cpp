@@ -76,8 +76,9 @@ TEST(CliPlan, K3ConfigOnAGpuServerIsHybrid) {
   EXPECT_NE(t.out.find("placement hybrid: GPU trunk + routed experts in host RAM"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("CPU experts = max("), std::string::npos);
   EXPECT_NE(t.out.find("all on GPUs: does not fit"), std::string::npos);
-  // The plan says what k3 itself does not run yet.
-  EXPECT_NE(t.out.find("k3 does not yet compute routed experts on the CPU beside a GPU trunk"), std::string::npos);
+  // The plan says which k3 command runs the placement.
+  EXPECT_NE(t.out.find("hybrid runs as: k3 run --device cuda --cpu-experts --hot-experts auto"), std::string::npos)
+      << t.out;
 }
 
 TEST(CliPlan, Fp8TrunkAndMultiGpu) {
@@ -114,6 +115,26 @@ TEST(CliPlan, AmxCoresSpeedUpPrefillOnly) {
   // A described machine without the flag is avx512, and says so.
   EXPECT_EQ(plan_json(cpu)["machine"]["cpu_isa"]["value"], "avx512");
   expect_one_line_error(cpu + " --cpu-isa sse2", "--cpu-isa sse2: expected avx512 or amx");
+}
+
+// --hot-experts F plans the hybrid placement as `k3 run --cpu-experts --hot-experts F` runs it: K3-nano
+// fits one H200 whole, so the hybrid would otherwise cache every expert (the same as 'gpu'); with
+// 0 every routed expert is the CPU's, with 0.5 half are cached, and the decode prediction orders
+// accordingly. The flag belongs to the hybrid placement alone.
+TEST(CliPlan, HotExpertsSetTheHybridCache) {
+  const std::string base = "-m " + quote(kNano) + " --gpus 1xH200 --ram 64G --cores 16 --placement hybrid";
+  const nlohmann::json none = plan_json(base + " --hot-experts 0"), half = plan_json(base + " --hot-experts 0.5"),
+                       full = plan_json(base);
+  EXPECT_EQ(none["plan"]["expert_hit"].get<double>(), 0.0);
+  EXPECT_NEAR(half["plan"]["expert_hit"].get<double>(), 0.5, 0.05);
+  EXPECT_EQ(full["plan"]["expert_hit"].get<double>(), 1.0);
+  const auto ts = [](const nlohmann::json& j) { return j["plan"]["decode_batch1"]["tokens_per_s"].get<double>(); };
+  EXPECT_LT(ts(none), ts(half));
+  EXPECT_LT(ts(half), ts(full));
+  EXPECT_EQ(none["request"]["hot_experts"].get<double>(), 0.0);
+  expect_one_line_error("-m " + quote(kNano) + " --gpus 1xH200 --placement gpu --hot-experts 0.5",
+                        "--placement hybrid");
+  expect_one_line_error(base + " --hot-experts 1.5", "--hot-experts");
 }
 
 TEST(CliPlan, BadInputsAreOneLineErrors) {
