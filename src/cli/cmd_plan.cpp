@@ -30,7 +30,7 @@ namespace {
 
 struct PlanFlags {
   std::string model, config, calibration, out, disk_dir, calib_mem = "1G", disk_size = "1G";
-  std::string sync_us, coll_us, net_coll_us;
+  std::string sync_us, coll_us, net_coll_us, layer_us;
   plan::MachineFlags machine;
   plan::PlanRequest req;
   double expert_hit = -1;
@@ -94,6 +94,8 @@ int run_plan(const PlanFlags& f) {
   if (!f.calibration.empty()) cal = plan::read_calibration(f.calibration);
   plan::Latencies lat = plan::default_latencies();
   if (!f.sync_us.empty()) lat.sync = {plan::parse_micros(f.sync_us, "--sync-us") * 1e-6, "--sync-us " + f.sync_us};
+  if (!f.layer_us.empty())
+    lat.gpu_layer = {plan::parse_micros(f.layer_us, "--layer-us") * 1e-6, "--layer-us " + f.layer_us};
   if (!f.coll_us.empty())
     lat.coll_intra = {plan::parse_micros(f.coll_us, "--coll-us") * 1e-6, "--coll-us " + f.coll_us};
   if (!f.net_coll_us.empty())
@@ -168,6 +170,9 @@ int cmd_plan(int argc, char** argv) {
   app.add_flag("--trunk-fp8", f.req.trunk_fp8,
                "plan the trunk in FP8 (E4M3, 128x128 block scales; planned, not yet in k3 run)");
   app.add_option("--sync-us", f.sync_us, "GPU <-> CPU handoff per MoE layer, microseconds (default 20, assumed)");
+  app.add_option("--layer-us", f.layer_us,
+                 "GPU decode work per layer besides the weight reads, microseconds (default: the calibration's, "
+                 "else 72, measured on the H200)");
   app.add_option("--coll-us", f.coll_us, "latency of one collective within a node, microseconds (default 15)");
   app.add_option("--net-coll-us", f.net_coll_us, "latency of one collective across nodes, microseconds (default 30)");
   app.add_option("--calibration", f.calibration, "use the rates of a calibration file (k3 plan --calibrate)")

@@ -121,6 +121,12 @@ Calibration read_calibration(const std::string& path) {
       x.pcie_h2d_Bps = r.rate("pcie_h2d_Bps");
       x.pcie_d2h_Bps = r.rate("pcie_d2h_Bps");
     }
+    if (p->contains("layer_s") && !(*p)["layer_s"].is_null()) {
+      const Json& v = (*p)["layer_s"];
+      if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 1)
+        fail(path + ": gpu.layer_s must be a number of seconds in [0, 1]");
+      x.layer_s = v.get<double>();
+    }
     c.gpu = x;
   }
   if (!c.cpu && !c.disk && !c.gpu) fail(path + ": the calibration has no cpu, disk or gpu part");
@@ -184,6 +190,7 @@ std::string calibration_json(const Calibration& c) {
       j["gpu"]["pcie_h2d_Bps"] = nullptr;
       j["gpu"]["pcie_d2h_Bps"] = nullptr;
     }
+    j["gpu"]["layer_s"] = x.layer_s >= 0 ? Json(x.layer_s) : Json(nullptr);
   } else {
     j["gpu"] = nullptr;
   }

@@ -44,6 +44,10 @@ struct GpuCalibration {
   double expert_gemm_flops = 0;  // prefill: MXFP4 routed-expert products, FLOP/s
   // Host link (0: not measured; the planner then uses the machine's nominal PCIe rate).
   double pcie_h2d_Bps = 0, pcie_d2h_Bps = 0;
+  // Per decoder layer and decode step, the GPU time besides the weight reads (norms and residual
+  // mixes, router, state preparation, attention, the gaps between launches); 0 where trunk_gemv_Bps
+  // already holds it (rates from whole-layer timings); < 0: not recorded (the planner's default).
+  double layer_s = -1;
 };
 
 struct Calibration {

@@ -114,7 +114,8 @@ DecodeTerms decode_gpu(const Env& e, const Layout& L, int64_t B) {
   // top_k latents per token per MoE layer (EP).
   d.comm = 2.0 * double(s.layers) * allreduce_s(e, Bdp * double(s.hidden) * 2.0, L.tp) +
            2.0 * nm * alltoall_s(e, Bep / L.ep * double(s.top_k) * double(s.latent) * 2.0, L.ep);
-  d.gpu_total = d.gpu_trunk + d.gpu_state + d.gpu_experts + d.comm;
+  d.gpu_layers = double(s.layers) * r.lat.gpu_layer.value;
+  d.gpu_total = d.gpu_trunk + d.gpu_state + d.gpu_experts + d.comm + d.gpu_layers;
   // The CPU's share (hybrid): misses of the node's EP groups, from RAM or disk.
   if (L.hit < 1) {
     const double share = groups_per_node(e, L.ep) / nodes_per_group(e, L.ep);
@@ -157,6 +158,8 @@ DecodeTerms decode_gpu(const Env& e, const Layout& L, int64_t B) {
                          sec(allreduce_s(e, Bdp * double(s.hidden) * 2.0, L.tp)) + " + 2 x " + num(nm) + " x " +
                          sec(alltoall_s(e, Bep / L.ep * double(s.top_k) * double(s.latent) * 2.0, L.ep)),
                      d.comm));
+  A.push_back(line("GPU per-layer work", "layers x (norms, mixes, router, state, attention, launch gaps per layer)",
+                   std::to_string(s.layers) + " x " + sec(r.lat.gpu_layer.value), d.gpu_layers));
   if (L.hit < 1) {
     const double share = groups_per_node(e, L.ep) / nodes_per_group(e, L.ep);
     A.push_back(line("CPU experts",
@@ -180,8 +183,9 @@ DecodeTerms decode_gpu(const Env& e, const Layout& L, int64_t B) {
   const double beside = d.gpu_shared + d.gpu_experts;  // GPU work that can run while the CPU works
   d.serial = d.cpu_total > 0 ? d.gpu_total - beside + std::max(beside, d.cpu_total) + d.pcie + d.sync : d.gpu_total;
   d.ideal = std::max(d.gpu_total, d.cpu_total) + d.pcie + d.sync;
-  A.push_back(line("GPU total", "trunk + state + experts + collectives",
-                   sec(d.gpu_trunk) + " + " + sec(d.gpu_state) + " + " + sec(d.gpu_experts) + " + " + sec(d.comm),
+  A.push_back(line("GPU total", "trunk + state + experts + collectives + per-layer work",
+                   sec(d.gpu_trunk) + " + " + sec(d.gpu_state) + " + " + sec(d.gpu_experts) + " + " + sec(d.comm) +
+                       " + " + sec(d.gpu_layers),
                    d.gpu_total));
   if (d.cpu_total > 0) {
     A.push_back(line("CPU total", "CPU experts + disk", sec(d.cpu_experts) + " + " + sec(d.disk), d.cpu_total));

@@ -53,6 +53,7 @@ struct DecodeTerms {
   double gpu_state = 0;    // s: KDA state (read + written) and MLA cache of the rank's sequences
   double gpu_experts = 0;  // s: routed experts served on the GPU (resident or hot-cached)
   double comm = 0;         // s: TP all-reduces + EP all-to-alls
+  double gpu_layers = 0;   // s: per-layer GPU work besides the weight reads (layers x Latencies::gpu_layer)
   double cpu_experts = 0;  // s: routed experts computed on the CPU (from RAM)
   double disk = 0;         // s: routed experts read from disk
   double pcie = 0;         // s: activations to the CPU and back, every MoE layer

@@ -94,7 +94,13 @@ Latencies default_latencies() {
   // Assumed, not measured here: a GPU->CPU->GPU handoff is an event wait plus two small copies
   // (~10-20 us each way on PCIe); a small NCCL all-reduce / all-to-all costs ~15 us on NVLink and
   // ~30 us across InfiniBand nodes.
+  // The GPU's per-layer time: measured on the H200 (2026-12-05, docs/data/cuda-profile-gpu-bench-2026-12-05.json):
+  // the backend ops of a gpu-bench decode step other than its weight products (matmul*, moe_routed)
+  // took 36.65 ms over 64 steps of 8 layers under CUDA events: 72 us per layer.
   return {{20e-6, "assumed 20 us (--sync-us)"},
+          {72e-6,
+           "72 us measured on the H200: a decode step's ops besides the weight products, per layer "
+           "(docs/data/cuda-profile-gpu-bench-2026-12-05.json; --layer-us)"},
           {15e-6, "assumed 15 us (--coll-us)"},
           {30e-6, "assumed 30 us (--net-coll-us)"}};
 }
@@ -126,6 +132,8 @@ Rates derive_rates(const Machine& m, const Calibration* cal, const Latencies& la
       r.gpu_decode_flops = from_cal(*cal, "gpu.decode_flops", x.decode_flops);
       r.gpu_gemm_flops = from_cal(*cal, "gpu.gemm_flops", x.gemm_flops);
       r.gpu_expert_gemm_flops = from_cal(*cal, "gpu.expert_gemm_flops", x.expert_gemm_flops);
+      if (x.layer_s >= 0 && lat.gpu_layer.source.rfind("--layer-us", 0) != 0)
+        r.lat.gpu_layer = from_cal(*cal, "gpu.layer_s", x.layer_s);
     } else {
       if (g.hbm_Bps <= 0 || g.bf16_flops <= 0)
         fail("GPU " + g.name +

@@ -32,6 +32,10 @@ extern const Efficiency kCpuCoreExpertFlopsAmx, kCpuCoreBf16FlopsAmx;  // the am
 // Latencies (seconds), with the flags that set them.
 struct Latencies {
   Sourced<double> sync;        // per MoE layer and micro-batch: GPU -> CPU experts -> GPU handoff
+  // Per decoder layer and decode step on a GPU: the work besides the weight reads (norms, residual
+  // mixes, router, state preparation, attention, launch gaps). A calibration's gpu.layer_s replaces
+  // the default unless --layer-us is given.
+  Sourced<double> gpu_layer;
   Sourced<double> coll_intra;  // one collective within a node (NVLink)
   Sourced<double> coll_inter;  // one collective across nodes
 };

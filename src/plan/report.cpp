@@ -47,6 +47,7 @@ Json terms_json(const DecodeTerms& d) {
             {"gpu_state_s", d.gpu_state},
             {"gpu_experts_s", d.gpu_experts},
             {"collectives_s", d.comm},
+            {"gpu_layers_s", d.gpu_layers},
             {"cpu_experts_s", d.cpu_experts},
             {"disk_s", d.disk},
             {"pcie_s", d.pcie},
@@ -186,6 +187,7 @@ std::string format_json(const ReportInput& in) {
   add("cpu_mem_read_Bps", r.cpu_mem_Bps);
   add("disk_Bps", r.disk_Bps);
   add("sync_s", r.lat.sync);
+  if (m.gpu) rj["gpu_layer_s"] = sourced(r.lat.gpu_layer.value, r.lat.gpu_layer.source);  // (0 is a value here)
   add("collective_intra_s", r.lat.coll_intra);
   add("collective_inter_s", r.lat.coll_inter);
   rj["notes"] = r.notes;
@@ -280,6 +282,8 @@ std::string format_text(const ReportInput& in) {
   o += rate_row("disk", r.disk_Bps, false);
   if (m.gpu) {
     o += "  " + pad("GPU<->CPU sync / layer", 26) + pad(human_seconds(r.lat.sync.value), 14) + r.lat.sync.source + "\n";
+    o += "  " + pad("GPU work / layer", 26) + pad(human_seconds(r.lat.gpu_layer.value), 14) + r.lat.gpu_layer.source +
+         "\n";
     if (m.world() > 1)
       o += "  " + pad("collective latency", 26) +
            pad(human_seconds(r.lat.coll_intra.value) + " / " + human_seconds(r.lat.coll_inter.value), 14) +

@@ -137,6 +137,32 @@ TEST(CliPlan, HotExpertsSetTheHybridCache) {
   expect_one_line_error(base + " --hot-experts 1.5", "--hot-experts");
 }
 
+// The GPU's per-layer work besides the weight reads: 72 us by default (measured on the H200), the
+// calibration's gpu.layer_s where it records one (0 in the recorded H200 file, whose decode rate is
+// whole layers' time), --layer-us over both; the decode step carries layers x that.
+TEST(CliPlan, GpuLayerTermFromDefaultCalibrationOrFlag) {
+  const std::string k3 = "--config " + quote(kK3) + kServerA + " --placement hybrid";
+  const nlohmann::json def = plan_json(k3), cal = plan_json(k3 + " --calibration " + quote(kRecorded)),
+                       flag = plan_json(k3 + " --calibration " + quote(kRecorded) + " --layer-us 10");
+  EXPECT_DOUBLE_EQ(def["rates"]["gpu_layer_s"]["value"].get<double>(), 72e-6);
+  EXPECT_NE(def["rates"]["gpu_layer_s"]["source"].get<std::string>().find("measured on the H200"), std::string::npos);
+  EXPECT_DOUBLE_EQ(cal["rates"]["gpu_layer_s"]["value"].get<double>(), 0.0);
+  EXPECT_NE(cal["rates"]["gpu_layer_s"]["source"].get<std::string>().find("gpu.layer_s"), std::string::npos);
+  EXPECT_DOUBLE_EQ(flag["rates"]["gpu_layer_s"]["value"].get<double>(), 1e-5);
+  EXPECT_NEAR(def["plan"]["decode_batch1"]["gpu_layers_s"].get<double>(), 93 * 72e-6, 1e-12);
+  EXPECT_NEAR(flag["plan"]["decode_batch1"]["gpu_layers_s"].get<double>(), 93 * 1e-5, 1e-12);
+  EXPECT_EQ(cal["plan"]["decode_batch1"]["gpu_layers_s"].get<double>(), 0.0);
+  expect_one_line_error(k3 + " --layer-us -3", "--layer-us");
+  // A calibration file with a bad gpu.layer_s is refused in one line.
+  std::ifstream in(kRecorded);
+  nlohmann::json c = nlohmann::json::parse(in);
+  c["gpu"]["layer_s"] = -1;
+  const fs::path bad = fs::temp_directory_path() / ("k3plan_layer_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(bad) << c.dump();
+  expect_one_line_error(k3 + " --calibration " + quote(bad.string()), "gpu.layer_s");
+  fs::remove(bad);
+}
+
 TEST(CliPlan, BadInputsAreOneLineErrors) {
   const std::string k3 = "--config " + quote(kK3);
   expect_one_line_error(k3 + " --gpus 8xB300", "unknown GPU 'B300'");

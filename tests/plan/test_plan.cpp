@@ -89,7 +89,7 @@ Rates round_rates() {
   r.cpu_bf16_prefill_flops = r.cpu_bf16_flops;
   r.cpu_mem_Bps = v(4e11);
   r.disk_Bps = v(5e9);
-  r.lat = {v(2e-5), v(1.5e-5), v(3e-5)};
+  r.lat = {v(2e-5), v(7e-5), v(1.5e-5), v(3e-5)};
   return r;
 }
 
@@ -334,7 +334,9 @@ TEST(PlanArithmetic, HybridDecodeBatch1IsTheDocumentedFormula) {
   EXPECT_DOUBLE_EQ(d.disk, 0);  // 2 TiB of RAM holds every expert
   near_rel(d.pcie, nm * (2 * 3584 * 4 + 16 * 8) / 5e10);
   near_rel(d.sync, nm * 2e-5);
-  const double gpu = d.gpu_trunk + d.gpu_state + d.gpu_experts, beside = d.gpu_shared + d.gpu_experts;
+  near_rel(d.gpu_layers, 93 * 7e-5);  // every decoder layer's work besides its weight reads
+  const double gpu = d.gpu_trunk + d.gpu_state + d.gpu_experts + d.gpu_layers,
+               beside = d.gpu_shared + d.gpu_experts;
   near_rel(d.gpu_total, gpu);
   near_rel(d.serial, gpu - beside + std::max(beside, d.cpu_experts) + d.pcie + d.sync);
   near_rel(d.ideal, std::max(gpu, d.cpu_experts) + d.pcie + d.sync);
@@ -451,7 +453,8 @@ TEST(PlanArithmetic, TensorAndExpertParallelOverTwoNodes) {
   const double a2a_bytes = 1.0 / 16 * 16 * 3584 * 2;
   const double a2a = 3e-5 + std::max(a2a_bytes * 7 / 16 / 4e11, a2a_bytes * 8 / 16 / 4e10);
   near_rel(d.comm, 2 * 93 * ar + 2 * 92 * a2a, 1e-9);
-  near_rel(d.step, d.gpu_trunk + d.gpu_state + d.gpu_experts + d.comm, 1e-9);
+  near_rel(d.gpu_layers, 93 * 7e-5);
+  near_rel(d.step, d.gpu_trunk + d.gpu_state + d.gpu_experts + d.comm + d.gpu_layers, 1e-9);
 }
 
 // ---------------------------------------------------------------- fits

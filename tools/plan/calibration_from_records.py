@@ -84,6 +84,8 @@ def main():
             f"attention time included")
     sources["gpu.gemm_flops"] = what
     sources["gpu.expert_gemm_flops"] = what
+    sources["gpu.layer_s"] = ("0: included in gpu.trunk_gemv_Bps (the decode rate is whole layers' "
+                              "time, their norms, router and attention too)")
     sources["gpu.hbm_copy_Bps"] = f"{LAYER_GPU}: roofline.read_gbs (cuda::measure_copy_gbs in the same run)"
 
     out = {
@@ -106,6 +108,8 @@ def main():
             "expert_gemm_flops": gemm,
             "pcie_h2d_Bps": None,
             "pcie_d2h_Bps": None,
+            # the rates above are whole decode steps (every per-layer op included): no term of its own
+            "layer_s": 0.0,
         },
         "sources": sources,
     }
