@@ -131,6 +131,9 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
     std::printf("  weights %s + state %s + MLA cache %s + workspace %s = %s\n", human_bytes(g.weights).c_str(),
                 human_bytes(g.state_fixed).c_str(), human_bytes(g.state_per_token * size_t(gat)).c_str(),
                 human_bytes(g.workspace).c_str(), human_bytes(g.total()).c_str());
+    // (docs/data/long-prefill-cuda-1048512.json: nvidia-smi's peak for the process less the engine's own)
+    std::printf("  the CUDA runtime (context, cuBLAS) comes on top: about 0.6 GiB (629 MB measured on an H200, "
+                "CUDA 13)\n");
     std::printf("  %s\n", refused.empty() ? gpu_fit_line(g.total()).c_str() : refused.c_str());
   }
   std::printf("CPU kernels: %s (best on this CPU: %s; K3_CPU_ISA=scalar|avx2|avx512|amx to choose)\n",
