@@ -15,51 +15,20 @@
 #include <vector>
 
 #include "common/split_cases.h"
+#include "common/step_view.h"
 #include "model/backend.h"
 #include "model/backends.h"
 #include "model/model.h"
 
 namespace {
 
-struct Step {
-  std::vector<int32_t> cu, slots, table;
-  std::vector<int64_t> pos0;
-  k3::StepView view(int64_t rows) const {
-    k3::StepView v;
-    v.n_seqs = int64_t(slots.size());
-    v.rows = rows;
-    v.cu_rows = cu.data();
-    v.slots = slots.data();
-    v.pos0 = pos0.data();
-    v.block_table = table.data();
-    v.max_pages = 1;
-    v.page_tokens = 64;
-    v.n_slots = v.n_seqs;
-    v.n_pages = v.n_seqs;
-    for (size_t i = 0; i + 1 < cu.size(); ++i) v.max_rows_per_seq = std::max<int64_t>(v.max_rows_per_seq, cu[i + 1] - cu[i]);
-    return v;
-  }
-};
-
-Step make_step(const std::vector<int32_t>& rows_per_seq) {
-  Step s;
-  s.cu.push_back(0);
-  for (size_t i = 0; i < rows_per_seq.size(); ++i) {
-    s.cu.push_back(s.cu.back() + rows_per_seq[i]);
-    s.slots.push_back(int32_t(i));
-    s.pos0.push_back(0);
-    s.table.push_back(int32_t(i));
-  }
-  return s;
-}
-
 TEST(HotExperts, HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole) {
   const auto m = k3::Model::load(k3test::split_model_dir("k3-nano"));
   const k3::ModelDims& d = m->dims();
   std::mt19937 rng(7);
   for (const std::vector<int32_t>& shape : {std::vector<int32_t>{1, 1, 1, 1, 1}, std::vector<int32_t>{6}}) {
-    const Step st = make_step(shape);
-    const int64_t R = st.cu.back(), K = d.moe.top_k, L = d.moe.latent;
+    const k3test::HostStep st = k3test::host_step(shape);
+    const int64_t R = st.rows(), K = d.moe.top_k, L = d.moe.latent;
     for (k3::StepNumerics num : {k3::StepNumerics::F32, k3::StepNumerics::Fast}) {
       SCOPED_TRACE("rows " + std::to_string(R) + (num == k3::StepNumerics::Fast ? " fast" : " fp32"));
       const auto be = k3::make_cpu_backend();
@@ -89,7 +58,7 @@ TEST(HotExperts, HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole) {
           k3::MoeWeights v = w;
           v.elsewhere = elsewhere;
           std::vector<float> t(size_t(R * K * L), kUntouched), agg(size_t(R * L));
-          be->begin_step(st.view(R), ids.data(), num, false);
+          be->begin_step(st.view(), ids.data(), num, false);
           be->moe_routed(v, L, d.moe.situ, z.data(), idx.data(), wt.data(), R, K, agg.data(), nullptr, t.data());
           be->end_step();
           return t;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/split_cases.h"
+#include "common/step_view.h"
 #include "model/backend.h"
 #include "model/backends.h"
 #include "model/layers.h"
@@ -31,20 +32,9 @@ TEST(MoeParts, SharedExpertsLeftPendingAddUpToTheMoesOwnSum) {
       const auto be = k3::make_cpu_backend();
       k3::Workspace work(*be, int64_t(1) << 22);
       // One sequence of R rows (the MoE keeps no state: the view only sizes the step).
-      const std::vector<int32_t> cu{0, int32_t(R)}, slots{0}, table{0}, ids(size_t(R), 1);
-      const std::vector<int64_t> pos0{0};
-      k3::StepView v;
-      v.n_seqs = 1;
-      v.rows = R;
-      v.cu_rows = cu.data();
-      v.slots = slots.data();
-      v.pos0 = pos0.data();
-      v.block_table = table.data();
-      v.max_pages = 1;
-      v.page_tokens = 64;
-      v.n_slots = 1;
-      v.n_pages = 1;
-      v.max_rows_per_seq = R;
+      const k3test::HostStep st = k3test::host_step({int32_t(R)});
+      const k3::StepView v = st.view();
+      const std::vector<int32_t> ids(size_t(R), 1);
       const k3::StepCtx c{*be, v, work, R};
       int layers = 0;
       for (const k3::LayerWeights& lw : m->weights().layers) {
