@@ -340,8 +340,8 @@ void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& s
   c.be.attnres_mix(src, int64_t(n), c.R, hidden, site.fold.data(), eps, out);
 }
 
-void residual_site(const StepCtx& c, DepthState& st, float* y, float* y2, const AttnResSite* mix, const float* norm_w,
-                   int64_t hidden, float eps, float* a, float* xn) {
+void residual_site(const StepCtx& c, DepthState& st, float* y, const float* y2, const AttnResSite* mix,
+                   const float* norm_w, int64_t hidden, float eps, float* a, float* xn) {
   if (!y && st.partial_empty) fail("internal error: a residual site over an empty partial sum");
   if (y2 && !y) fail("internal error: a residual site's second part without the first");
   ResidualNorm p;

@@ -53,7 +53,7 @@ class WorkScope {
 struct RankRole {
   Communicator* comm = nullptr;  // the group of ranks; null on one rank
   int rank = 0, ranks = 1;
-  bool heads_split = false;    // tensor parallel: heads, dense FFN and shared experts cut, gathered
+  bool heads_split = false;  // tensor parallel: heads, dense FFN and shared experts cut, gathered
   // expert parallel: each rank computes its own routed experts' outputs, the ranks gather them, and
   // every rank sums each row's in ascending expert id (the one rank's additions)
   bool experts_split = false;
@@ -62,8 +62,8 @@ struct RankRole {
   // and the rows of the output projections (hidden).
   enum Cut { KdaCols, MlaCols, DenseInter, SharedInter, Hidden, kCuts };
   std::vector<int64_t> parts[kCuts];
-  std::vector<int64_t> expert_parts;  // routed experts per rank (ascending id ranges), under experts_split
-  int64_t moe_top_k = 0, moe_latent = 0;  // the routed terms of a row: top_k x latent floats
+  std::vector<int64_t> expert_parts;       // routed experts per rank (ascending id ranges), under experts_split
+  int64_t moe_top_k = 0, moe_latent = 0;   // the routed terms of a row: top_k x latent floats
   int64_t gather_floats(int64_t R) const;  // workspace a step of R rows needs for its gathers
 };
 
@@ -133,9 +133,9 @@ struct BlockList {
 struct DepthState {
   BlockList blocks;
   float* partial = nullptr;
-  bool partial_empty = true;  // ∅ just after a snapshot
-  float* pending = nullptr;   // a sublayer output not yet added to partial (the next site adds it)
-  float* pending2 = nullptr;  // a second part of it (the MoE's shared experts): pending + pending2 is added
+  bool partial_empty = true;   // ∅ just after a snapshot
+  float* pending = nullptr;    // a sublayer output not yet added to partial (the next site adds it)
+  float* pending2 = nullptr;   // a second part of it (the MoE's shared experts): pending + pending2 is added
   float* ffn_extra = nullptr;  // [R, hidden] the caller lends for pending2, or null (the FFN adds its parts)
 };
 // out[R, hidden] = Agg(B ∪ {P}) at one site (P omitted when empty). Call settle_depth first.
@@ -143,8 +143,8 @@ void attnres_site(const StepCtx& c, const AttnResSite& site, const DepthState& s
                   float* out);
 // One site as one backend op (Backend::residual_norm): y (+ y2; either may be null) into the partial
 // sum, then xn = RMSNorm(Agg(B ∪ {P})) ⊙ norm_w, or RMSNorm(P) ⊙ norm_w without `mix`.
-void residual_site(const StepCtx& c, DepthState& st, float* y, float* y2, const AttnResSite* mix, const float* norm_w,
-                   int64_t hidden, float eps, float* a, float* xn);
+void residual_site(const StepCtx& c, DepthState& st, float* y, const float* y2, const AttnResSite* mix,
+                   const float* norm_w, int64_t hidden, float eps, float* a, float* xn);
 // Adds st.pending (+ st.pending2) into the partial sum (the last layer's FFN output, before the output site).
 void settle_depth(const StepCtx& c, DepthState& st, int64_t hidden);
 

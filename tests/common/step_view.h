@@ -26,7 +26,8 @@ struct HostStep {
     v.page_tokens = 64;
     v.n_slots = v.n_seqs;
     v.n_pages = v.n_seqs;
-    for (size_t i = 0; i + 1 < cu.size(); ++i) v.max_rows_per_seq = std::max<int64_t>(v.max_rows_per_seq, cu[i + 1] - cu[i]);
+    for (size_t i = 0; i + 1 < cu.size(); ++i)
+      v.max_rows_per_seq = std::max<int64_t>(v.max_rows_per_seq, cu[i + 1] - cu[i]);
     return v;
   }
 };

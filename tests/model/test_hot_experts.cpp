@@ -71,10 +71,11 @@ TEST(HotExperts, HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole) {
           const float* a = all.data() + s * L;
           const float* h = host.data() + s * L;
           const float* g = gpu.data() + s * L;
-          const float* mine = is_hot ? g : h;    // the half that computes this slot
-          const float* other = is_hot ? h : g;   // the half that must leave it alone
+          const float* mine = is_hot ? g : h;   // the half that computes this slot
+          const float* other = is_hot ? h : g;  // the half that must leave it alone
           EXPECT_EQ(0, std::memcmp(mine, a, size_t(L) * 4)) << "slot " << s << " differs from all experts'";
-          for (int64_t c = 0; c < L; ++c) ASSERT_TRUE(std::isnan(other[c])) << "slot " << s << " written by the other half";
+          for (int64_t c = 0; c < L; ++c)
+            ASSERT_TRUE(std::isnan(other[c])) << "slot " << s << " written by the other half";
         }
         EXPECT_GT(hot_slots, 0);
         EXPECT_LT(hot_slots, R * K);

@@ -923,11 +923,9 @@ int64_t paged_slots(int64_t rows, int64_t heads) { return paged_mla_slots(rows, 
 
 // Work layout of a paged launch (floats; the plan's int32 arrays at the end):
 // q̃/o_lat [rows, heads, L] | part_o [slots, heads, L] | part_m, part_z [slots, heads] (only when
-// slots > rows) | row_seq, row_keys, row_u, row_off [rows] | slot_row, slot_j [slots].
+// slots > rows) | row_seq, row_keys, row_u, row_off [rows] | slot_row, slot_j [slots]; its size is ops.h
+// paged_mla_work_floats (the memory plan uses it too).
 int64_t paged_parts(int64_t rows, int64_t slots, const MlaAttnDims& d) { return slots > rows ? slots * d.heads : 0; }
-int64_t paged_work_floats(int64_t rows, int64_t slots, const MlaAttnDims& d) {
-  return rows * d.heads * d.kv_lora + paged_parts(rows, slots, d) * (d.kv_lora + 2) + 4 * rows + 2 * slots;
-}
 struct PagedWork {
   float *ql, *part_o, *part_m, *part_z;
   PagedPlan plan;
@@ -1009,10 +1007,7 @@ void mla_attend_absorbed(const float* q, int64_t T, const float* c, const float*
 
 int64_t mla_paged_work_floats(int64_t rows, int64_t n_seqs, const MlaAttnDims& d) {
   (void)n_seqs;  // the layout depends on the rows only (n_seqs is kept for the callers' one call shape)
-  // (ops.h's formula, which the memory plan uses; paged_work below lays it out)
-  const int64_t n = paged_mla_work_floats(rows, d, sm_count());
-  if (n != paged_work_floats(rows, paged_slots(rows, d.heads), d)) fail("internal error: the MLA workspace sizes differ");
-  return n;
+  return paged_mla_work_floats(rows, d, sm_count());  // (ops.h, shared with the memory plan; paged_work lays it out)
 }
 
 void mla_attend_absorbed_paged(const float* q, const VarlenDev& b, const PagedCacheDev& c, const WeightMat& kv_b,
