@@ -3,11 +3,13 @@
 //   trunk: BF16 matrices [rows, cols], one after another, each split across the threads
 //          (ops::matmul with T = 1, as the attention and shared-expert projections run);
 //   experts: MXFP4 GLU experts (gate, up [inter, latent], down [latent, inter]), top-k of a pool
-//          per step, fast numerics (8-bit activations through vpdpbusd where the level has it):
+//          per step, fast numerics (8-bit activations through vpdpbusd where the level has it; or
+//          --numerics fp32, fp32 activations as the hybrid placement computes them):
 //          the rows of all the selected experts in chunks over the threads, in two regions (as
 //          moe_forward decodes), and whole experts per thread (the scheme it used before).
 // Rate = weight bytes (incl. E8M0 scales) read per second; ratio = rate / probed read bandwidth.
-// Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512|amx]   (threads: OMP_NUM_THREADS)
+// Usage: k3_gemv_bench [seconds per case] [--level scalar|avx2|avx512|amx] [--numerics fast|fp32]
+//        (threads: OMP_NUM_THREADS)
 
 #include <chrono>
 #include <cstdint>
@@ -54,17 +56,20 @@ double rate(double min_s, Fn&& step) {
 int main(int argc, char** argv) {
   double min_s = 2.0;
   std::string level;
+  k3::ops::Exec ex = k3::ops::kFast;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--level") == 0 && i + 1 < argc)
       level = argv[++i];
+    else if (std::strcmp(argv[i], "--numerics") == 0 && i + 1 < argc)
+      ex = k3::ops::Exec{k3::ops::parse_numerics(argv[++i])};
     else
       min_s = std::atof(argv[i]);
   }
   if (!k3bench::select_level("k3_gemv_bench", level)) return 2;
   const int threads = k3::par::max_threads();
   const k3::ops::Roofline roof = k3::ops::measure_roofline(threads);
-  std::printf("k3_gemv_bench: %d threads, level %s, fast numerics, read bandwidth %.1f GB/s\n", threads,
-              k3::ops::cpu_isa_name(k3::ops::kFast.level()), roof.read_gbs);
+  std::printf("k3_gemv_bench: %d threads, level %s, %s numerics, read bandwidth %.1f GB/s\n", threads,
+              k3::ops::cpu_isa_name(ex.level()), k3::ops::numerics_name(ex.numerics), roof.read_gbs);
   k3bench::Pool P;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -77,7 +82,7 @@ int main(int argc, char** argv) {
     size_t next = 0;
     const double r = rate(min_s, [&] {
       const k3::WeightMat& w = W[next++ % W.size()];
-      k3::ops::matmul(k3::ops::kFast, w, x.data(), 1, y.data());
+      k3::ops::matmul(ex, w, x.data(), 1, y.data());
       return bytes_of(w);
     });
     std::printf("%-46s %8.2f GB/s %6.1f%% of read BW\n", "bf16 gemv [2048,4096], rows split", r / 1e9,
@@ -98,9 +103,9 @@ int main(int argc, char** argv) {
       k3::par::parallel_for_each(8, [&](int64_t i) {
         const Glu& g = E[size_t(ids[i])];
         float* o = out[size_t(i)].data();
-        k3::ops::matmul(k3::ops::kFast, g.gate, x.data(), 1, o);
-        k3::ops::matmul(k3::ops::kFast, g.up, x.data(), 1, o + 768);
-        k3::ops::matmul(k3::ops::kFast, g.down, o, 1, o + 1024);
+        k3::ops::matmul(ex, g.gate, x.data(), 1, o);
+        k3::ops::matmul(ex, g.up, x.data(), 1, o + 768);
+        k3::ops::matmul(ex, g.down, o, 1, o + 1024);
       });
       for (int i = 0; i < 8; ++i) {
         const Glu& g = E[size_t(ids[i])];
@@ -128,8 +133,8 @@ int main(int argc, char** argv) {
           dn[i] = &g.down, dx[i] = o, dy[i] = o + 1024;
           bytes += bytes_of(g.gate) + bytes_of(g.up) + bytes_of(g.down);
         }
-        k3::ops::matmul_shared_input(k3::ops::kFast, gu, 16, x.data(), 1, gy);
-        k3::ops::matmul_many(k3::ops::kFast, dn, dx, 8, 1, dy);
+        k3::ops::matmul_shared_input(ex, gu, 16, x.data(), 1, gy);
+        k3::ops::matmul_many(ex, dn, dx, 8, 1, dy);
         return bytes;
       });
     };

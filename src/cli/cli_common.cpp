@@ -100,12 +100,11 @@ void add_trunk_fp8_option(CLI::App* app, bool& on) {
   app->add_flag("--trunk-fp8", on,
                 "hold the trunk (attention, latent projections, shared experts, dense FFN) in FP8: E4M3 with "
                 "128 x 128 block scales, quantised at load (about half the bf16 bytes; router, routed experts, "
-                "embedding and lm_head unchanged; CPU only for now: docs/fp8-trunk.md)");
+                "embedding and lm_head unchanged; CPU and GPU: docs/fp8-trunk.md)");
 }
 
 std::unique_ptr<Model> load_model_for_run(const std::string& dir, bool trunk_fp8, const std::string& device, bool quiet,
                                           const std::string& who) {
-  if (trunk_fp8 && device == "cuda") fail("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
   auto m = Model::load(dir);
   if (trunk_fp8) {
     const TrunkFp8Report r = m->quantize_trunk_fp8();
@@ -169,7 +168,7 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   if (!quiet) {
     // (One rank of a model split over processes: that rank's weights, on this process's GPU.)
     const ModelWeights* rank = m.process_rank_weights();
-    const GpuMemoryPlan p = rank ? gpu_memory_plan(m.config(), size_t(total_weight_bytes(*rank)), o, o.initial_context)
+    const GpuMemoryPlan p = rank ? gpu_memory_plan(m.config(), size_t(total_gpu_weight_bytes(*rank)), o, o.initial_context)
                                  : gpu_memory_plan(m, o, o.initial_context);
     std::fprintf(stderr,
                  "%s: on the GPU: %s of weights + %s workspace + %s state (%lld tokens reserved, grows), in %.2f s%s\n",

@@ -243,7 +243,6 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (f.device == "cuda" && f.numerics == "exact")
     throw Error("--numerics exact (fp64 sums) is CPU-only; with --device cuda use fp32 (parity mode) or fast (bf16)");
   if (f.device == "cuda" && f.mla == "expanded") throw Error("--mla expanded is CPU-only; the GPU runs MLA absorbed");
-  if (f.device == "cuda" && f.trunk_fp8) throw Error("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
   const k3::ParallelPlan split{f.tp, f.ep};
   k3::check_split_device(split, f.device == "cuda");  // GPUs: one process per GPU, tensor parallel only
   if (split.split() && f.profile)

@@ -73,13 +73,14 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
               human_bytes(ck->total_tensor_bytes()).c_str());
   // --trunk-fp8: the weights as run/chat/eval/serve then hold them (the trunk matrices in FP8), counted
   // from the bound weights (Model::load maps the shards and reads only the small vectors).
-  uint64_t weights = ck->total_tensor_bytes();
+  uint64_t weights = ck->total_tensor_bytes(), gpu_fp8_extra = 0;
   if (trunk_fp8 && !ck->missing_shards().empty()) {
     std::printf("FP8 trunk (--trunk-fp8): not counted: %zu shard(s) absent (counting binds the shards)\n",
                 ck->missing_shards().size());
   } else if (trunk_fp8) {
     const TrunkFp8Bytes t = trunk_fp8_bytes(Model::load(dir)->weights());
     weights = weights - t.before + t.after;
+    gpu_fp8_extra = t.after_gpu - t.after;
     std::printf(
         "FP8 trunk (--trunk-fp8): %lld trunk matrices (attention, latent projections, shared experts, dense FFN) "
         "%s -> %s in FP8 (E4M3 + 128 x 128 fp32 block scales); weights held %s (%s as stored)\n",
@@ -112,7 +113,7 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
     go.sm_count = gpu_sm_count();
     // With --cpu-experts the routed experts stay in host RAM (the CPU computes them): the GPU holds
     // the rest, plus the hot-expert cache's fraction of them (--hot-experts F; auto is not planned).
-    size_t gpu_weights = weights;
+    size_t gpu_weights = weights + gpu_fp8_extra;
     double routed = 0;
     if (ex.cpu) {
       routed = plan::model_sizes(cfg, dir).experts_total_bytes();
@@ -122,7 +123,7 @@ int run_info(const std::string& model_flag, int64_t ctx, int64_t ubatch, bool tr
     std::printf(
         "GPU memory to run at %lld tokens (--device cuda%s%s)\n", (long long)gat,
         ex.cpu ? (hot > 0 ? " --cpu-experts --hot-experts " + ex.hot : hot < 0 ? std::string(" --cpu-experts --hot-experts auto") : std::string(" --cpu-experts")).c_str() : "",
-        trunk_fp8 ? "; with --trunk-fp8: what it will need, refused today: its FP8 kernels are not built yet" : "");
+        trunk_fp8 ? ", --trunk-fp8: the FP8 matrices with per-row scales, an MLA kv_b_proj in fp32" : "");
     if (ex.cpu)
       std::printf("  routed experts %s in host RAM, computed by the CPU cores%s\n", human_bytes(uint64_t(routed)).c_str(),
                   hot > 0   ? ("; " + human_bytes(uint64_t(hot * routed)) + " of them cached on the GPU too").c_str()

@@ -19,6 +19,7 @@
 #include "model/backends.h"
 #include "model/model.h"
 #include "ops/cuda/cuda_ops.h"
+#include "ops/ops.h"
 
 namespace k3 {
 namespace cu = k3::cuda;
@@ -44,7 +45,9 @@ class Uploader {
   explicit Uploader(char* base) : base_(base) {}
   size_t used() const { return off_; }
   void vec(FVec& v) { v.p = static_cast<const float*>(put(v.p, v.size() * 4)); }
-  void mat(WeightMat& w) {
+  // as_f32: an FP8 matrix goes up dequantised (gpu_weight_bytes: the MLA kv_b_proj).
+  void mat(WeightMat& w, bool as_f32 = false) {
+    if (w.fmt == WFormat::FP8) return fp8(w, as_f32);
     w.data = put(w.data, data_bytes(w));
     if (w.fmt == WFormat::MXFP4) w.scales = static_cast<const uint8_t*>(put(w.scales, scale_bytes(w)));
   }
@@ -83,6 +86,37 @@ class Uploader {
     copy(p, src, n);
     return p;
   }
+  // An FP8 (--trunk-fp8) matrix in its GPU form (weight.h): the codes, and each row's fp32 block
+  // scales (a view of any first row then finds its own, as MXFP4 views do); or, as_f32, each weight
+  // decoded exactly (code x block scale, one fp32 multiply: the values every FP8 kernel uses).
+  void fp8(WeightMat& w, bool as_f32) {
+    const int64_t R = w.rows, C = w.cols, nbc = fp8_block_cols(C);
+    if (as_f32) {
+      char* d = static_cast<char*>(reserve(size_t(R * C) * 4));
+      if (base_) {
+        std::vector<float> row(static_cast<size_t>(C));
+        for (int64_t r = 0; r < R; ++r) {
+          ops::dequant_row(w, r, row.data());
+          cu::h2d(d + size_t(r * C) * 4, row.data(), size_t(C) * 4);
+          cu::sync();  // row is rewritten next
+        }
+      }
+      w = WeightMat{WFormat::F32, R, C, d, nullptr};
+      return;
+    }
+    const void* codes = put(w.data, size_t(R * C));
+    char* sc = static_cast<char*>(reserve(size_t(R * nbc) * 4));
+    if (base_) {
+      std::vector<float> rows(size_t(R * nbc));
+      fp8_row_scale_table(w, rows.data());
+      cu::h2d(sc, rows.data(), rows.size() * 4);
+      cu::sync();
+    }
+    w.data = codes;
+    w.scales = reinterpret_cast<const uint8_t*>(sc);
+    w.block_scales = nullptr;
+    w.row0 = 0;
+  }
   char* base_;
   size_t off_ = 0;
 };
@@ -93,7 +127,7 @@ void place_all(Uploader& u, ModelWeights& w, bool experts) {
   for_each_weight(
       w,
       [&](WeightMat& m, WeightRole role) {
-        if (role != WeightRole::RoutedExpert) u.mat(m);
+        if (role != WeightRole::RoutedExpert) u.mat(m, is_mla_kv_b(w, m));
       },
       [&](FVec& v) { u.vec(v); });
   if (!experts) return;  // they stay host views, read only through an ExpertSource
@@ -207,12 +241,6 @@ class CudaBackend final : public Backend {
   }
 
   void place(ModelWeights& w) override {
-    for_each_weight(
-        w,
-        [](const WeightMat& m, WeightRole) {
-          if (m.fmt == WFormat::FP8) fail("--trunk-fp8 on the GPU: its FP8 kernels are not built yet");
-        },
-        [](const FVec&) {});
     Uploader sizing(nullptr);
     ModelWeights probe = w;
     const bool experts = opt_.experts_resident && !cpu_;  // else they stay host views
@@ -275,11 +303,13 @@ class CudaBackend final : public Backend {
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
     plan_mla(v, st + R + 3 * N + 1);
-    // The host's part of the step: its routed experts. In fp32 activations whatever the mode: the
-    // CPU's fast numerics quantise a lone row's activations to 8 bits (q8 MXFP4 GEMV), which the
-    // GPU never does, and the placement must not change the tokens (issue 20: greedy ids equal to
-    // all on the GPU). Decode is bound by the expert weights' bytes, so this costs no speed there.
-    if (cpu_) cpu_->begin_step(v, ids, n == StepNumerics::Fast ? StepNumerics::F32 : n, false);
+    // The host's part of the step: its routed experts, in the step's numerics as the CPU backend
+    // computes them alone. Fast: a lone row's activations quantised to 8 bits per 32-block (q8
+    // MXFP4 GEMV), which the GPU never does, so fast tokens may differ from all-on-the-GPU where a
+    // top-2 margin is within that rounding; fp32 keeps them equal (CudaModel gates). Not fp32 in
+    // both: decoding E2M1 to fp32 is compute-bound on the CPU, and on the H100 machine's 16 cores
+    // it halved the experts' rate (42 against 83 GB/s, docs/data/hybrid-h100-2026-12-05.json).
+    if (cpu_) cpu_->begin_step(v, ids, n, false);
     // (Steps of a split model are not recorded: their NCCL calls are not captured into graphs here.)
     if (!opt_.graphs || !replayable || cpu_ || nccl_) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};

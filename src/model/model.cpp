@@ -131,7 +131,8 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
   for_each_weight(
       m.weights(),
       [&](const WeightMat& w, WeightRole role) {
-        if ((o.experts_resident && !o.experts_on_cpu) || role != WeightRole::RoutedExpert) bytes += weight_bytes(w);
+        if ((o.experts_resident && !o.experts_on_cpu) || role != WeightRole::RoutedExpert)
+          bytes += gpu_weight_bytes(w, is_mla_kv_b(m.weights(), w));
         if (role == WeightRole::RoutedExpert) routed += weight_bytes(w);
       },
       [&](const FVec& v) { bytes += weight_bytes(v); });
@@ -161,6 +162,9 @@ TrunkFp8Bytes trunk_fp8_bytes(const ModelWeights& w) {
         ++b.matrices;
         b.before += weight_bytes(m);
         b.after += fp8_matrix_bytes(m.rows, m.cols);
+        WeightMat q = m;  // the FP8 form's GPU bytes
+        q.fmt = WFormat::FP8;
+        b.after_gpu += gpu_weight_bytes(q, is_mla_kv_b(w, m));
       },
       [](const FVec&) {});
   return b;

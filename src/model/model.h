@@ -128,6 +128,7 @@ int64_t forward_work_floats(const ModelDims& d, int64_t R);
 struct TrunkFp8Bytes {
   int64_t matrices = 0;
   uint64_t before = 0, after = 0;
+  uint64_t after_gpu = 0;  // the same matrices on the GPU (gpu_weight_bytes: per-row scales, kv_b in fp32)
 };
 TrunkFp8Bytes trunk_fp8_bytes(const ModelWeights& w);
 

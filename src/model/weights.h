@@ -43,6 +43,15 @@ inline uint64_t weight_bytes(const WeightMat& w) {
 }
 inline uint64_t weight_bytes(const FVec& v) { return uint64_t(v.n) * 4; }
 
+// Bytes of `w` on the GPU as the CUDA backend uploads it: an FP8 matrix with per-row block scales
+// (weight.h's GPU form, 4 B per row and 128 columns), or in fp32 where kv_b (an MLA layer's kv_b_proj:
+// the absorbed attention kernels read F32/F16/BF16); any other as stored.
+inline uint64_t gpu_weight_bytes(const WeightMat& w, bool kv_b) {
+  if (w.empty() || w.fmt != WFormat::FP8) return weight_bytes(w);
+  const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols);
+  return kv_b ? 4 * n : n + 4 * uint64_t(w.rows) * uint64_t(fp8_block_cols(w.cols));
+}
+
 struct KdaWeights {
   WeightMat q_proj, k_proj, v_proj;  // [heads*head_dim, hidden]
   WeightMat f_a_proj;                // [head_dim, hidden]   decay-gate low-rank A
@@ -124,6 +133,13 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 };
 
+// Whether m is (the object of) an MLA layer's kv_b_proj in w.
+inline bool is_mla_kv_b(const ModelWeights& w, const WeightMat& m) {
+  for (const LayerWeights& l : w.layers)
+    if (!l.is_kda && &l.mla.kv_b_proj == &m) return true;
+  return false;
+}
+
 // What a weight is, for visitors that treat kinds differently (placement stacks routed experts; the
 // traffic count reads top_k of them per token and one row of the embedding).
 enum class WeightRole : uint8_t { Trunk, Embedding, LmHead, Router, RoutedExpert };
@@ -190,11 +206,12 @@ void for_each_weight(const ModelWeights& w, MatFn&& mat, VecFn&& vec) {
   for_each_weight_impl(w, mat, vec);
 }
 
-// Stored bytes of every weight of `w` (what a backend holding all of it needs).
-inline uint64_t total_weight_bytes(const ModelWeights& w) {
+// Bytes of every weight of `w` on the GPU (gpu_weight_bytes: what the CUDA backend holding all of it uploads).
+inline uint64_t total_gpu_weight_bytes(const ModelWeights& w) {
   uint64_t n = 0;
   for_each_weight(
-      w, [&](const WeightMat& x, WeightRole) { n += weight_bytes(x); }, [&](const FVec& x) { n += weight_bytes(x); });
+      w, [&](const WeightMat& x, WeightRole) { n += gpu_weight_bytes(x, is_mla_kv_b(w, x)); },
+      [&](const FVec& x) { n += weight_bytes(x); });
   return n;
 }
 

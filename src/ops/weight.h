@@ -31,7 +31,10 @@ struct WeightMat {
   // [rows, cols] (never S.1111.111: the quantiser refuses non-finite weights, and the SIMD kernels
   // do not decode NaN codes).
   const void* data = nullptr;
-  const uint8_t* scales = nullptr;  // MXFP4 only: E8M0 [rows, cols/32]
+  // MXFP4: E8M0 [rows, cols/32]. FP8 on the GPU only (backend_cuda's upload): fp32 [rows,
+  // fp8_block_cols(cols)] as bytes, each row's copy of its block row's scales, so a view of any
+  // first row finds its scales as an MXFP4 view does (block_scales is then null).
+  const uint8_t* scales = nullptr;
   // FP8 only: the fp32 block scales of the whole matrix this is (a view of), [ceil(R/128),
   // fp8_block_cols(cols)] for its R rows, and this view's first row in that matrix: row r of the view
   // is in block row (row0 + r) / 128. Views may start at any row (rows_of), not only at block edges.
@@ -89,13 +92,25 @@ inline int64_t row_bytes(const WeightMat& W) {
   return 0;
 }
 
+// The GPU form's scales of an FP8 matrix (with block scales): out[r * fp8_block_cols(cols) + b] = the
+// scale of row r's block b, for its `rows` rows ([rows, fp8_block_cols(cols)] fp32).
+inline void fp8_row_scale_table(const WeightMat& W, float* out) {
+  const int64_t nbc = fp8_block_cols(W.cols);
+  for (int64_t r = 0; r < W.rows; ++r) std::memcpy(out + r * nbc, fp8_row_scales(W, r), size_t(nbc) * sizeof(float));
+}
+
+// Bytes of one row's `scales` (MXFP4: E8M0 per 32 columns; FP8 in its GPU form: fp32 per 128).
+inline int64_t scale_row_bytes(const WeightMat& W) {
+  return W.fmt == WFormat::MXFP4 ? W.cols / 32 : W.fmt == WFormat::FP8 ? 4 * fp8_block_cols(W.cols) : 0;
+}
+
 // Rows [r0, r0 + n) of W as a matrix of its own (a view: no copy). FP8 views keep the parent's block
 // scales and record where they start in it.
 inline WeightMat rows_of(const WeightMat& W, int64_t r0, int64_t n) {
   WeightMat v = W;
   v.rows = n;
   v.data = static_cast<const uint8_t*>(W.data) + r0 * row_bytes(W);
-  if (W.scales) v.scales = W.scales + r0 * (W.cols / 32);
+  if (W.scales) v.scales = W.scales + r0 * scale_row_bytes(W);
   v.row0 = W.row0 + r0;
   return v;
 }

@@ -39,9 +39,9 @@ std::string line(const std::string& name, const std::string& formula, const std:
 struct Eff {
   double trunk, shared, lm_head, embed;
 };
-Eff effective(const ModelSizes& s, bool fp8) {
+Eff effective(const ModelSizes& s, bool fp8, bool on_gpu) {
   if (!fp8) return {s.trunk_bytes, s.shared_bytes, s.lm_head_bytes, s.embed_bytes};
-  const Fp8Trunk f = fp8_trunk(s);
+  const Fp8Trunk f = fp8_trunk(s, on_gpu);
   return {f.trunk_bytes, f.shared_bytes, f.lm_head_bytes, s.embed_bytes};
 }
 
@@ -499,10 +499,10 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
   p.kind = kind;
   Layout L;
   L.kind = kind;
-  L.eff = effective(s, q.trunk_fp8);
+  L.eff = effective(s, q.trunk_fp8, kind != "cpu");
   const double experts_total = s.experts_total_bytes(), eb = s.expert_bytes;
   const double B = double(std::max<int64_t>(q.batch, 1));
-  const std::string trunk_fmt = q.trunk_fp8 ? "FP8 (planned)" : "bf16";
+  const std::string trunk_fmt = q.trunk_fp8 ? "FP8" : "bf16";
   if (kind == "cpu") {
     p.world = 0;
     p.tp = p.ep = p.dp = 1;
@@ -646,8 +646,8 @@ Plan evaluate(const ModelConfig& cfg, const ModelSizes& s, const Machine& m, con
                       ": k3's split (src/model/parallel.h) needs --tp == --ep today");
   if (q.trunk_fp8)
     p.notes.push_back(
-        "FP8 trunk: k3 runs it on the CPU (--trunk-fp8, docs/fp8-trunk.md); on the GPU its FP8 kernels are not "
-        "built yet, so GPU placements with it are a prediction only");
+        "FP8 trunk (--trunk-fp8, docs/fp8-trunk.md): on the GPU with an fp32 scale per row and 128 columns and "
+        "the MLA kv_b_proj in fp32; its rates are the bf16 trunk's byte rates (no FP8 calibration yet)");
   return p;
 }
 

@@ -33,7 +33,7 @@ struct PlanRequest {
   // --cpu-experts --hot-experts F` does (0: none, as --cpu-experts alone); unset: the spare GPU memory fills.
   std::optional<double> hot_experts;
   int tp = 0, ep = 0;                // 0: the planner chooses
-  bool trunk_fp8 = false;            // plan the trunk in FP8 (--trunk-fp8: CPU today, no GPU kernels yet)
+  bool trunk_fp8 = false;            // plan the trunk in FP8 (--trunk-fp8)
   std::string placement = "auto";    // auto | gpu | hybrid | cpu
 };
 

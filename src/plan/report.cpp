@@ -246,7 +246,7 @@ std::string format_text(const ReportInput& in) {
   o += "          bytes: " + s.bytes_source + "\n";
   if (q.trunk_fp8)
     o += "          FP8 trunk (--trunk-fp8): trunk matrices at 1 B/weight + 128x128 block scales; router, "
-         "embedding, lm_head bf16 (k3 runs it on the CPU; its GPU kernels are not built yet)\n";
+         "embedding, lm_head bf16 (on a GPU: a scale per row and 128 columns, the MLA kv_b_proj in fp32)\n";
   o += "machine   " + m.description + "\n";
   if (m.gpu)
     o += "          " + std::to_string(m.nodes) + " node(s) x " + std::to_string(m.gpus_per_node) + " x " +

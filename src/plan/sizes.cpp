@@ -66,6 +66,8 @@ ModelSizes model_sizes(const ModelConfig& cfg, const std::string& dir) {
   s.shared_params = 3.0 * double(cfg.shared_intermediate()) * double(cfg.hidden_size);
   s.expert_params = double(a.routed_expert);
   s.router_params = double(cfg.num_experts) * double(cfg.hidden_size) * double(a.n_moe_layers);
+  s.kv_b_params = double(s.mla_layers) * double(cfg.num_attention_heads) *
+                  double(cfg.qk_nope_head_dim + cfg.v_head_dim) * double(cfg.kv_lora_rank);
   s.lm_head_params = double(a.lm_head);
   s.embed_params = double(a.embedding);
   s.experts_mxfp4 = config_says_mxfp4(cfg.source);
@@ -125,7 +127,13 @@ double host_scratch_bytes(const ModelConfig& cfg, int64_t ctx, int64_t rows) {
   return double(plan_memory(cfg, 0, ctx, rows).scratch);
 }
 
-Fp8Trunk fp8_trunk(const ModelSizes& s) {
+Fp8Trunk fp8_trunk(const ModelSizes& s, bool on_gpu) {
+  if (on_gpu) {
+    constexpr double kFp8 = 1.0 + 4.0 / 128.0;  // E4M3 byte + an fp32 scale per row and 128 columns
+    return {(s.trunk_params - s.router_params - s.kv_b_params) * kFp8 + s.kv_b_params * 4.0 +
+                s.router_params * kBf16BytesPerWeight,
+            s.shared_params * kFp8, s.lm_head_bytes};
+  }
   constexpr double kFp8 = 1.0 + 4.0 / (128.0 * 128.0);  // E4M3 byte + an fp32 scale per 128 x 128 block
   return {(s.trunk_params - s.router_params) * kFp8 + s.router_params * kBf16BytesPerWeight, s.shared_params * kFp8,
           s.lm_head_bytes};

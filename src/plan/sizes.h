@@ -22,6 +22,7 @@ struct ModelSizes {
   double shared_params = 0;  // per MoE layer: the fused shared experts (what runs beside the routed ones)
   double expert_params = 0;  // one routed expert
   double router_params = 0;  // all MoE layers' router gates (part of trunk_params; bf16 in an FP8 trunk)
+  double kv_b_params = 0;    // all MLA layers' kv_b_proj (part of trunk_params; fp32 in a GPU FP8 trunk)
   double lm_head_params = 0, embed_params = 0;
   // Stored bytes.
   double trunk_bytes = 0;   // bf16 (or as the headers say)
@@ -48,10 +49,11 @@ double host_scratch_bytes(const ModelConfig& cfg, int64_t ctx, int64_t rows);
 // FP8 (E4M3) trunk as issue 20 defines it: the trunk matrices (attention projections, MoE latent
 // down/up projections, shared experts, dense FFN) at 1 byte per weight plus one fp32 scale per
 // 128 x 128 block; the router, the embedding and the lm_head stay bf16. Returns the bytes that
-// replace the bf16 ones.
+// replace the bf16 ones. on_gpu: as the CUDA backend holds them (gpu_weight_bytes): one fp32 scale
+// per row and 128 columns, and the MLA kv_b_proj in fp32.
 struct Fp8Trunk {
   double trunk_bytes = 0, shared_bytes = 0, lm_head_bytes = 0;
 };
-Fp8Trunk fp8_trunk(const ModelSizes& s);
+Fp8Trunk fp8_trunk(const ModelSizes& s, bool on_gpu = false);
 
 }  // namespace k3::plan

@@ -45,7 +45,6 @@ LoadedCheckpoint load_checkpoint(const LoadRequest& r) {
   check_split_device(r.parallel, r.cuda);  // GPUs: one process per GPU, tensor parallel only
   if (r.parallel.split() && budget)
     fail(nm.split + " with " + nm.ram_budget + " is not supported yet (the ranks would share one expert cache)");
-  if (r.trunk_fp8 && r.cuda) fail(nm.trunk_fp8 + " on the GPU: its FP8 kernels are not built yet");
   lc.ram_budget = budget;
   ExpertTensorTotals totals;
   {

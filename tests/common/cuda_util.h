@@ -62,7 +62,7 @@ inline size_t weight_data_bytes(const k3::WeightMat& w) {
       return size_t(w.rows * w.cols) * 2;
     case k3::WFormat::MXFP4:
       return size_t(w.rows * w.cols / 2);
-    case k3::WFormat::FP8:  // the GPU has no FP8 kernels yet (--trunk-fp8 is CPU-only); codes only
+    case k3::WFormat::FP8:  // the codes (the GPU form's scales: upload_weight)
       return size_t(w.rows * w.cols);
   }
   return 0;
@@ -79,6 +79,16 @@ inline DevWeight upload_weight(const k3::WeightMat& w) {
     d.scales = k3::cuda::DevBuf(ns, "test weight scales");
     k3::cuda::h2d(d.scales.get(), w.scales, ns);
     d.view.scales = d.scales.as<uint8_t>();
+  }
+  if (w.fmt == k3::WFormat::FP8) {  // the GPU form (weight.h): fp32 scales per row and 128 columns
+    std::vector<float> table(size_t(w.rows * k3::fp8_block_cols(w.cols)));
+    k3::fp8_row_scale_table(w, table.data());
+    d.scales = k3::cuda::DevBuf(table.size() * 4, "test weight scales");
+    k3::cuda::h2d(d.scales.get(), table.data(), table.size() * 4);
+    k3::cuda::sync();
+    d.view.scales = d.scales.as<uint8_t>();
+    d.view.block_scales = nullptr;
+    d.view.row0 = 0;
   }
   k3::cuda::sync();
   return d;

@@ -40,7 +40,8 @@ constexpr double kTolF32 = k3test::kTolReduce;
 constexpr double kTolBf16VsExact = 1e-2;
 constexpr double kTolBf16VsRounded = 1e-5;
 
-const WFormat kFormats[] = {WFormat::F32, WFormat::F16, WFormat::BF16, WFormat::MXFP4};
+// FP8 in its GPU form (per-row scales, k3test::upload_weight), as --trunk-fp8 places it.
+const WFormat kFormats[] = {WFormat::F32, WFormat::F16, WFormat::BF16, WFormat::MXFP4, WFormat::FP8};
 const int64_t kTs[] = {1, 3, 8, 9, 33, 100};
 const Precision kPrecisions[] = {Precision::F32, Precision::BF16};
 
@@ -51,6 +52,8 @@ struct Shape {
 // (37, 1000 = not a multiple of 16-byte chunks for F32/F16/BF16), aligned (4104 = 4096 + 8) and tiny.
 std::vector<Shape> shapes(WFormat f) {
   if (f == WFormat::MXFP4) return {{37, 96}, {130, 1024}, {33, 3584}};
+  // FP8: partial 128 x 128 blocks (1000, 37 columns; 130 rows) and whole 16-byte rows (the vector paths).
+  if (f == WFormat::FP8) return {{37, 1000}, {19, 37}, {130, 4096}, {33, 3584}};
   return {{37, 1000}, {19, 37}, {70, 4104}, {3, 7}};
 }
 
@@ -138,7 +141,7 @@ TEST(CudaGemm, UnalignedViewsMatchTwin) {
     const int64_t rows = 21, cols = f == WFormat::MXFP4 ? 256 : 4104;
     const k3test::OwnedW W = k3test::make_weight(rng, f, rows, cols);
     const size_t n = k3test::weight_data_bytes(W.w);
-    const size_t off = f == WFormat::F32 ? 4 : f == WFormat::MXFP4 ? 1 : 2;  // element-aligned, not 16-byte
+    const size_t off = f == WFormat::F32 ? 4 : f == WFormat::MXFP4 || f == WFormat::FP8 ? 1 : 2;  // not 16-byte
     k3::cuda::DevBuf data(n + 16, "unaligned test weight"), scales;
     k3::cuda::h2d(static_cast<uint8_t*>(data.get()) + off, W.w.data, n);
     k3::WeightMat v = W.w;
@@ -148,6 +151,13 @@ TEST(CudaGemm, UnalignedViewsMatchTwin) {
       k3::cuda::h2d(scales.get(), W.w.scales, size_t(rows * cols / 32));
       v.scales = scales.as<uint8_t>();
     }
+    if (f == WFormat::FP8) {
+      const k3test::DevWeight up = k3test::upload_weight(W.w);  // its per-row scales
+      scales = k3::cuda::DevBuf(size_t(rows * k3::fp8_block_cols(cols)) * 4, "unaligned test scales");
+      k3::cuda::d2d(scales.get(), up.scales.get(), size_t(rows * k3::fp8_block_cols(cols)) * 4);
+      v.scales = scales.as<uint8_t>();
+      v.block_scales = nullptr;
+    }
     k3::cuda::sync();
     for (int64_t T : {int64_t(1), int64_t(5), int64_t(40)}) {
       const auto X = k3test::rand_vec(rng, size_t(T * cols));
@@ -156,6 +166,31 @@ TEST(CudaGemm, UnalignedViewsMatchTwin) {
       for (Precision p : kPrecisions) {
         SCOPED_TRACE(label(f, rows, cols, T, p) + " view offset " + std::to_string(off));
         expect_matches(gpu_matmul(v, X, T, p), exact, rounded, T, p);
+      }
+    }
+  }
+}
+
+// FP8 row views (--trunk-fp8's split ranks and fused projections take them at any row): a host view
+// uploaded (its scales from its first row's block row on) and a view of the uploaded whole (the
+// per-row scales advance with the rows, rows_of) both match the fp64 twin on the host view.
+TEST(CudaGemm, Fp8RowViewsFindTheirScales) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(111);
+  const k3test::OwnedW W = k3test::make_weight(rng, WFormat::FP8, 300, 1024);
+  const k3test::DevWeight whole = k3test::upload_weight(W.w);
+  for (const auto& [r0, n] : {std::pair<int64_t, int64_t>{77, 150}, {128, 100}, {1, 299}}) {
+    const k3::WeightMat host = k3::rows_of(W.w, r0, n);
+    const k3test::DevWeight up = k3test::upload_weight(host);
+    const k3::WeightMat dev = k3::rows_of(whole.view, r0, n);
+    for (int64_t T : {int64_t(1), int64_t(4), int64_t(16), int64_t(70)}) {
+      const auto X = k3test::rand_vec(rng, size_t(T * W.w.cols));
+      const auto exact = ref_matmul(host, X, T);
+      const auto rounded = T > k3::cuda::kGemvMaxT ? ref_matmul(host, round_bf16(X), T) : exact;
+      for (Precision p : kPrecisions) {
+        SCOPED_TRACE("rows " + std::to_string(r0) + ".." + std::to_string(r0 + n) + " " + label(WFormat::FP8, n, 1024, T, p));
+        expect_matches(gpu_matmul(up.view, X, T, p), exact, rounded, T, p);
+        expect_matches(gpu_matmul(dev, X, T, p), exact, rounded, T, p);
       }
     }
   }
@@ -282,8 +317,12 @@ TEST(CudaGemm, GemvBatchEqualsSeparateGemvsBitwise) {
   };
   std::vector<Job> jobs;
   const int64_t C = 1024;
-  for (int i = 0; i < 13; ++i) {  // 13 > kGemvBatchMax BF16 jobs among them
-    const WFormat f = i < 10 ? WFormat::BF16 : i == 10 ? WFormat::MXFP4 : i == 11 ? WFormat::F32 : WFormat::F16;
+  for (int i = 0; i < 15; ++i) {  // 10 > kGemvBatchMax BF16 jobs among them
+    const WFormat f = i < 10 ? WFormat::BF16
+                      : i == 10 ? WFormat::MXFP4
+                      : i == 11 ? WFormat::F32
+                      : i == 12 ? WFormat::F16
+                                : WFormat::FP8;
     const int64_t rows = 37 + 29 * i;
     k3test::OwnedW w = k3test::make_weight(rng, f, rows, C);
     k3test::DevWeight d = k3test::upload_weight(w.w);

@@ -240,6 +240,13 @@ TEST(PlanSizes, K3SizesComeFromArchStats) {
   EXPECT_DOUBLE_EQ(f.lm_head_bytes, s.lm_head_bytes);
   EXPECT_GT(f.trunk_bytes / s.trunk_bytes, 0.5);
   EXPECT_LT(f.trunk_bytes / s.trunk_bytes, 0.52);
+  // On a GPU (gpu_weight_bytes): a scale per row and 128 columns, and the 24 MLA layers' kv_b_proj
+  // (96 heads x (128 + 128) x 512) in fp32.
+  const double kv_b = 24.0 * 96 * 256 * 512;
+  EXPECT_DOUBLE_EQ(s.kv_b_params, kv_b);
+  const Fp8Trunk g = fp8_trunk(s, true);
+  EXPECT_DOUBLE_EQ(g.trunk_bytes, (s.trunk_params - router - kv_b) * (1 + 4.0 / 128) + 4 * kv_b + 2 * router);
+  EXPECT_DOUBLE_EQ(g.shared_bytes, s.shared_params * (1 + 4.0 / 128));
 }
 
 TEST(PlanSizes, HeadersGiveStoredBytesWhenPresent) {

@@ -1,11 +1,13 @@
 // GPU matrix products (cuda_ops.h matmul / expert_matmul): GEMVs for T <= kGemvMaxT and experts
-// (formats decoded in registers), tiled GEMMs above (fp32 SIMT, cuBLAS for BF16, bf16 mma.sync for MXFP4).
+// (formats decoded in registers), tiled GEMMs above (fp32 SIMT, cuBLAS for BF16, bf16 mma.sync for MXFP4
+// and FP8). FP8 weights come in their GPU form (weight.h: fp32 scales per row and 128 columns).
 // Owns: the per-device cuBLAS handles and the grow-only bf16 activation scratch of the T > kGemvMaxT path.
 // Must not: allocate, sync or read device data on the host in the GEMV / expert paths (CUDA graphs
 // capture them), or expand MXFP4 weights in memory.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,12 +58,17 @@ constexpr int kGemvThreads = 32 * kGemvWarps;
 
 template <WFormat F>
 constexpr int64_t row_bytes(int64_t cols) {
-  return F == WFormat::F32 ? cols * 4 : F == WFormat::MXFP4 ? cols / 2 : cols * 2;
+  return F == WFormat::F32 ? cols * 4 : F == WFormat::MXFP4 ? cols / 2 : F == WFormat::FP8 ? cols : cols * 2;
 }
-// float4s of activations per 16-byte weight chunk (4, 8 or 32 columns).
+// Bytes of one row's scales (MXFP4: E8M0 per 32 columns; FP8: fp32 per 128, the GPU form of weight.h).
+template <WFormat F>
+__host__ __device__ constexpr int64_t scale_row_bytes(int64_t cols) {
+  return F == WFormat::MXFP4 ? cols / 32 : F == WFormat::FP8 ? 4 * ((cols + 127) / 128) : 0;
+}
+// float4s of activations per 16-byte weight chunk (4, 8, 16 or 32 columns).
 template <WFormat F>
 constexpr int chunk_f4() {
-  return F == WFormat::F32 ? 1 : F == WFormat::MXFP4 ? 8 : 2;
+  return F == WFormat::F32 ? 1 : F == WFormat::MXFP4 ? 8 : F == WFormat::FP8 ? 4 : 2;
 }
 
 // GEMV shape for (format, T). Each lane owns 16-byte weight chunks of R rows, U chunks per row per
@@ -141,10 +148,26 @@ __device__ __forceinline__ void decode_fp4x8(uint32_t q, float (&w)[8]) {
   w[7] = __uint_as_float((p3 * 0x00000104u) & kKeep);
 }
 
-// W[row, c] of any format, one element (the generic paths: unaligned rows, tiles, tails).
+// Four E4M3 codes (code i in bits 8i..8i+7) as fp32, exactly (every E4M3 value is an fp16 value;
+// the quantiser never writes the NaN codes).
+__device__ __forceinline__ void decode_e4m3x4(uint32_t q, float (&w)[4]) {
+  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q & 0xffffu), __NV_E4M3)));
+  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q >> 16), __NV_E4M3)));
+  w[0] = a.x;
+  w[1] = a.y;
+  w[2] = b.x;
+  w[3] = b.y;
+}
+
+// W[row, c] of any format, one element (the generic paths: unaligned rows, tiles, tails). FP8: the
+// code's value times its block's scale, one fp32 multiply (WeightMat::at).
 template <WFormat F>
 __device__ __forceinline__ float load_weight(const uint8_t* W, const uint8_t* S, int64_t row, int64_t c, int64_t cols) {
-  if constexpr (F == WFormat::F32) {
+  if constexpr (F == WFormat::FP8) {
+    const float code = __half2float(
+        __half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(__ldg(W + row * cols + c)), __NV_E4M3)));
+    return code * __ldg(reinterpret_cast<const float*>(S + row * scale_row_bytes<F>(cols)) + c / 128);
+  } else if constexpr (F == WFormat::F32) {
     return __ldg(reinterpret_cast<const float*>(W) + row * cols + c);
   } else if constexpr (F == WFormat::BF16) {
     return __uint_as_float(uint32_t(__ldg(reinterpret_cast<const unsigned short*>(W) + row * cols + c)) << 16);
@@ -160,7 +183,8 @@ __device__ __forceinline__ float load_weight(const uint8_t* W, const uint8_t* S,
 
 // One 16-byte chunk of each of R rows times T activation rows: acc[r][t] += W[r, chunk] . x[t, chunk].
 // getx(t, k) returns float4 k of the chunk's activations of token t (lifted by 2^64 for kLiftX).
-// MXFP4 chunks are exactly one 32-column scale block.
+// MXFP4 chunks are exactly one 32-column scale block; FP8 chunks (16 columns) lie in one 128-column
+// block: the codes' products are summed, then scaled once (sc[r] holds the fp32 scale's bits).
 template <WFormat F, int T, int R, class GetX>
 __device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (&sc)[R], GetX getx,
                                           float (&acc)[R][T]) {
@@ -217,6 +241,37 @@ __device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (
         a = fmaf(w[6], xb[t].z, a);
         acc[r][t] = fmaf(w[7], xb[t].w, a);
       }
+    }
+  } else if constexpr (F == WFormat::FP8) {
+    float part[R][T];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t) part[r][t] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float4 xv[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) xv[t] = getx(t, k);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float w[4];
+        decode_e4m3x4(k == 0 ? wv[r].x : k == 1 ? wv[r].y : k == 2 ? wv[r].z : wv[r].w, w);
+#pragma unroll
+        for (int t = 0; t < T; ++t) {
+          float a = part[r][t];
+          a = fmaf(w[0], xv[t].x, a);
+          a = fmaf(w[1], xv[t].y, a);
+          a = fmaf(w[2], xv[t].z, a);
+          part[r][t] = fmaf(w[3], xv[t].w, a);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float sf = __uint_as_float(sc[r]);
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(part[r][t], sf, acc[r][t]);
     }
   } else {
     constexpr bool kLiftX = T <= R;  // == GemvCfg::lift_x() for the R the callers use
@@ -280,7 +335,7 @@ __device__ __forceinline__ void warp_sum(float (&acc)[R][T]) {
     }
 }
 
-// Issues the 16-byte loads (and MXFP4 scales) of chunks j0 + 32u (u < U) of R rows.
+// Issues the 16-byte loads (and MXFP4 / FP8 scales) of chunks j0 + 32u (u < U) of R rows.
 template <WFormat F, int R, int U>
 __device__ __forceinline__ void load_chunks(const uint8_t* const (&wr)[R], const uint8_t* const (&sr)[R], int64_t j0,
                                             int64_t nch, bool active, uint4 (&wv)[U][R], uint32_t (&sc)[U][R]) {
@@ -294,6 +349,7 @@ __device__ __forceinline__ void load_chunks(const uint8_t* const (&wr)[R], const
       if (active && j < nch) {
         wv[u][r] = ld_stream16(wr[r] + 16 * j);
         if constexpr (F == WFormat::MXFP4) sc[u][r] = __ldg(sr[r] + j);
+        if constexpr (F == WFormat::FP8) sc[u][r] = __float_as_uint(__ldg(reinterpret_cast<const float*>(sr[r]) + j / 8));
       }
     }
   }
@@ -321,7 +377,7 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       wr[r] = W + row[r] * rb;
-      sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+      sr[r] = scale_row_bytes<F>(cols) ? S + row[r] * scale_row_bytes<F>(cols) : nullptr;
     }
     // The direct path waits before its first load: issuing the first step's loads ahead of the wait
     // kept all U x R of them live across it (56 registers instead of 32 for BF16 T = 1, occupancy
@@ -390,7 +446,7 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     wr[r] = W + row[r] * rb;
-    sr[r] = F == WFormat::MXFP4 ? S + row[r] * (cols / 32) : nullptr;
+    sr[r] = scale_row_bytes<F>(cols) ? S + row[r] * scale_row_bytes<F>(cols) : nullptr;
   }
   constexpr int kStage = (T * kTileF4 + kGemvThreads - 1) / kGemvThreads;  // float4s each thread stages
   constexpr int kBatch = kStage < 4 ? kStage : 4;                          // loaded before any is stored
@@ -659,7 +715,7 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const uint8_t* 
     }
 }
 
-// ------------------------------------------------------------------ T > kGemvMaxT, BF16: MXFP4 on tensor cores
+// ------------------------------------------------------------------ T > kGemvMaxT, BF16: MXFP4 and FP8 on tensor cores
 
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate) on tiles of 128 weight rows x 64 tokens, k-steps
 // of 32 columns = one MXFP4 scale block. While staging, the E2M1 codes are decoded to bf16 (exact:
@@ -667,15 +723,20 @@ __global__ void __launch_bounds__(kSimtThreads) gemm_simt_kernel(const uint8_t* 
 // accumulates into fresh registers, which are then scaled by the row's E8M0 block scale and added
 // in fp32: scales never meet bf16 range limits or subnormal handling, and any truncation inside the
 // tensor-core accumulation is limited to 32 terms. Tiles are double-buffered through registers: the
-// next k-step's global loads are in flight during the current step's MMAs.
+// next k-step's global loads are in flight during the current step's MMAs. FP8 (the GPU form: an fp32
+// scale per row and 128 columns) takes the same tile: its E4M3 codes are bf16 values too (3 mantissa
+// bits; subnormals become normal bf16), and each 32-column k-step lies in one 128-column block, whose
+// scale multiplies the step's sums as an E8M0 scale does.
 constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8,
               kMmaThreads = 256;  // ld 40: conflict-free fragments
 
 // One block's tile: weight rows [r0, r0 + 128) x tokens [t0, t0 + 64) of Y[T, rows] = X[T, cols] · Wᵀ.
 // Shared by the plain and the grouped (per-expert tile list) kernels, so both compute the same bits.
+template <WFormat F>
 __device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S, int64_t rows,
                                              int64_t cols, const float* __restrict__ X, int64_t T,
                                              float* __restrict__ Y, int64_t r0, int64_t t0) {
+  static_assert(F == WFormat::MXFP4 || F == WFormat::FP8, "the tensor-core tile decodes MXFP4 or FP8");
   __shared__ __align__(16) uint16_t Ws[2][kMmaBM][kMmaLd];
   __shared__ __align__(16) uint16_t Xs[2][kMmaBN][kMmaLd];
   __shared__ float Ss[2][kMmaBM];  // block scale of each weight row for the staged k-step
@@ -684,32 +745,51 @@ __device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, cons
   const int wm = warp & 3, wn = warp >> 2;  // warp tile: 32 rows x 32 tokens
   const int nk = int(cols / kMmaBK);
 
-  // Staging roles: two threads per weight row (8 bytes = 16 codes each), four per token (8 floats).
-  // Rows/tokens past the end load a valid one; their outputs are never stored.
+  // Staging roles: two threads per weight row (16 codes each: 8 bytes of MXFP4, 16 of FP8), four
+  // per token (8 floats). Rows/tokens past the end load a valid one; their outputs are never stored.
+  constexpr int kStepBytes = F == WFormat::FP8 ? kMmaBK : kMmaBK / 2;  // a row's bytes per k-step
   const int w_row = tid >> 1, w_half = tid & 1;
   const int64_t wr = min(r0 + w_row, rows - 1);
-  const uint8_t* wp = W + wr * (cols / 2) + 8 * w_half;
-  const uint8_t* sp = S + wr * (cols / 32);
+  const uint8_t* wp = W + wr * row_bytes<F>(cols) + (kStepBytes / 2) * w_half;
+  const uint8_t* sp = S + wr * scale_row_bytes<F>(cols);
   const int x_tok = tid >> 2, x_k = (tid & 3) * 8;
   const float* xp = X + min(t0 + x_tok, T - 1) * cols + x_k;
 
-  uint2 wreg = make_uint2(0, 0);
+  uint4 wreg = make_uint4(0, 0, 0, 0);
   uint32_t sreg = 0;
   float4 xa = make_float4(0, 0, 0, 0), xb = xa;
   auto load = [&](int kt) {
-    wreg = __ldg(reinterpret_cast<const uint2*>(wp + int64_t(kt) * 16));
-    sreg = __ldg(sp + kt);
+    if constexpr (F == WFormat::FP8) {
+      wreg = __ldg(reinterpret_cast<const uint4*>(wp + int64_t(kt) * kStepBytes));
+      sreg = __float_as_uint(__ldg(reinterpret_cast<const float*>(sp) + kt / 4));  // 4 k-steps per block
+    } else {
+      const uint2 v = __ldg(reinterpret_cast<const uint2*>(wp + int64_t(kt) * kStepBytes));
+      wreg.x = v.x;
+      wreg.y = v.y;
+      sreg = __ldg(sp + kt);
+    }
     xa = ld_x4(xp + int64_t(kt) * kMmaBK);
     xb = ld_x4(xp + int64_t(kt) * kMmaBK + 4);
   };
   auto store = [&](int buf) {
-    if (w_half == 0) Ss[buf][w_row] = e8m0_value(sreg);
+    if (w_half == 0) Ss[buf][w_row] = F == WFormat::FP8 ? __uint_as_float(sreg) : e8m0_value(sreg);
     uint32_t out[8];
+    if constexpr (F == WFormat::FP8) {
+      const uint32_t q[4] = {wreg.x, wreg.y, wreg.z, wreg.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t byte = ((i < 4 ? wreg.x : wreg.y) >> (8 * (i & 3))) & 0xffu;
-      const float lo = fp4_value(byte & 15u), hi = fp4_value(byte >> 4);
-      out[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);  // exact: low bits are zero
+      for (int i = 0; i < 4; ++i) {
+        float w[4];
+        decode_e4m3x4(q[i], w);
+        out[2 * i] = pack_bf16x2(w[0], w[1]);  // exact: E4M3 values are bf16 values
+        out[2 * i + 1] = pack_bf16x2(w[2], w[3]);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t byte = ((i < 4 ? wreg.x : wreg.y) >> (8 * (i & 3))) & 0xffu;
+        const float lo = fp4_value(byte & 15u), hi = fp4_value(byte >> 4);
+        out[i] = (__float_as_uint(lo) >> 16) | (__float_as_uint(hi) & 0xffff0000u);  // exact: low bits are zero
+      }
     }
     *reinterpret_cast<uint4*>(&Ws[buf][w_row][16 * w_half]) = make_uint4(out[0], out[1], out[2], out[3]);
     *reinterpret_cast<uint4*>(&Ws[buf][w_row][16 * w_half + 8]) = make_uint4(out[4], out[5], out[6], out[7]);
@@ -771,9 +851,10 @@ __device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, cons
       }
 }
 
+template <WFormat F>
 __global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
                                                                    int64_t cols, const float* X, int64_t T, float* Y) {
-  mma_fp4_tile(W, S, rows, cols, X, T, Y, int64_t(blockIdx.x) * kMmaBM, int64_t(blockIdx.y) * kMmaBN);
+  mma_fp4_tile<F>(W, S, rows, cols, X, T, Y, int64_t(blockIdx.x) * kMmaBM, int64_t(blockIdx.y) * kMmaBN);
 }
 
 // Grouped experts: block (x, y, z) computes row tile x of matrix z for tile y of the list: expert
@@ -793,7 +874,7 @@ __global__ void __launch_bounds__(kMmaThreads) grouped_mma_fp4_kernel(const __gr
   const ExpertTile t = a.tiles[blockIdx.y];
   const int z = int(blockIdx.z);
   const int64_t e = t.expert;
-  mma_fp4_tile(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
+  mma_fp4_tile<WFormat::MXFP4>(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
                a.X + int64_t(t.row0) * a.cols, t.rows, a.Y[z] + int64_t(t.row0) * a.R, int64_t(blockIdx.x) * kMmaBM, 0);
 }
 
@@ -829,7 +910,7 @@ bool gemv_vec_ok(const WeightMat& W, const float* X) {
 
 void check_weight(const WeightMat& W, const char* what) {
   const char* problem = nullptr;
-  const size_t esize = W.fmt == WFormat::F32 ? 4 : W.fmt == WFormat::MXFP4 ? 1 : 2;
+  const size_t esize = W.fmt == WFormat::F32 ? 4 : W.fmt == WFormat::MXFP4 || W.fmt == WFormat::FP8 ? 1 : 2;
   if (W.rows < 0 || W.cols < 0)
     problem = "has a negative shape";
   else if (W.data == nullptr && W.rows * W.cols > 0)
@@ -840,6 +921,8 @@ void check_weight(const WeightMat& W, const char* what) {
     problem = "MXFP4 columns must be a multiple of 32";
   else if (W.fmt == WFormat::MXFP4 && W.scales == nullptr && W.rows * W.cols > 0)
     problem = "MXFP4 weight has no scales";
+  else if (W.fmt == WFormat::FP8 && (W.scales == nullptr || W.block_scales != nullptr) && W.rows * W.cols > 0)
+    problem = "FP8 weight is not in its GPU form (per-row scales, as the CUDA backend uploads it)";
   if (problem)
     failf("%s: %s [%lld, %lld] %s", what, wformat_name(W.fmt), (long long)W.rows, (long long)W.cols, problem);
 }
@@ -896,7 +979,7 @@ void with_format(WFormat fmt, Fn&& f) {
     case WFormat::MXFP4:
       return f(std::integral_constant<WFormat, WFormat::MXFP4>{});
     case WFormat::FP8:
-      fail("FP8 weights (--trunk-fp8) on the GPU: their kernels are not built yet");
+      return f(std::integral_constant<WFormat, WFormat::FP8>{});
   }
 }
 
@@ -1073,11 +1156,15 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
   if (p == Precision::F32) return launch_simt<false>(W, X, T, Y, s);
   // Precision::BF16: activations rounded to bf16, weights exact, fp32 accumulation, on every path.
   if (W.fmt == WFormat::BF16 && aligned16(W.data) && aligned16(X)) return matmul_cublas_bf16(W, X, T, Y, s);
-  if (W.fmt == WFormat::MXFP4 && aligned16(W.data) && aligned16(X)) {
+  if ((W.fmt == WFormat::MXFP4 || W.fmt == WFormat::FP8) && aligned16(W.data) && aligned16(X) &&
+      W.cols % kMmaBK == 0 && host_row_bytes(W) % 16 == 0) {
     const dim3 grid(unsigned((W.rows + kMmaBM - 1) / kMmaBM), unsigned((T + kMmaBN - 1) / kMmaBN));
-    gemm_mma_fp4_kernel<<<grid, kMmaThreads, 0, s>>>(static_cast<const uint8_t*>(W.data), W.scales, W.rows, W.cols, X,
-                                                     T, Y);
-    check_launch("gemm mma fp4 kernel");
+    const auto* w = static_cast<const uint8_t*>(W.data);
+    if (W.fmt == WFormat::FP8)
+      gemm_mma_fp4_kernel<WFormat::FP8><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+    else
+      gemm_mma_fp4_kernel<WFormat::MXFP4><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+    check_launch("gemm mma kernel");
     return;
   }
   // F16 / F32 weights (bf16 tensor cores would round them) and unaligned BF16 / MXFP4 views.
@@ -1155,8 +1242,9 @@ void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
   if (T <= 0) return;
   // Jobs the batched kernel takes (16-byte path, non-empty), grouped by format in launches of up
   // to kGemvBatchMax; any other job runs alone through gemv_rows (same bits either way).
-  GemvJob group[4][kGemvBatchMax];
-  int64_t count[4] = {0, 0, 0, 0};
+  constexpr int kFormats = int(WFormat::FP8) + 1;
+  GemvJob group[kFormats][kGemvBatchMax];
+  int64_t count[kFormats] = {};
   const auto flush = [&](int f) {
     if (count[f] == 0) return;
     with_format(WFormat(f), [&](auto fc) { launch_gemv_batch_f<decltype(fc)::value>(group[f], count[f], T, s); });
@@ -1169,14 +1257,14 @@ void gemv_batch(const GemvJob* jobs, int64_t n, int64_t T, Stream s) {
       failf("gemv_batch: %lld rows (at most %lld, or %lld on non-MXFP4 weights)", (long long)T, (long long)kGemvMaxT,
             (long long)kGemvWideT);
     const int f = int(W.fmt);
-    if (f < 0 || f > 3 || W.rows == 0 || W.cols == 0 || !gemv_vec_ok(W, jobs[i].X)) {
+    if (f < 0 || f >= kFormats || W.rows == 0 || W.cols == 0 || !gemv_vec_ok(W, jobs[i].X)) {
       gemv_rows(W, jobs[i].X, T, jobs[i].Y, s);
       continue;
     }
     group[f][count[f]++] = jobs[i];
     if (count[f] == kGemvBatchMax) flush(f);
   }
-  for (int f = 0; f < 4; ++f) flush(f);
+  for (int f = 0; f < kFormats; ++f) flush(f);
 }
 
 void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
