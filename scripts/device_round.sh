@@ -19,6 +19,7 @@
 #   kda131k   370  kda-bench + kda-wheels   our KDA beside fla at T 131072, H 12 (measure_kda_peers.sh)
 #   kda       560  kda-bench + kda-wheels   every KDA shape beside the peers
 #   klfull    580  cli           issue 21: full-size Kimi Linear on the GPU (measure_kl_full.sh; needs 139 GiB)
+#   fp8prefill 240 cli           issue 20: FP8 trunk decode/prefill, hybrid prefill cpu/streamed/auto (measure_gpu_fp8_prefill.sh)
 # Files written on the machine (/tmp/gpu-bench, /tmp/long-1m) stay while it is warm, so a later call
 # on the same machine skips their generation. Limits: DEVICE_ROUND_LIMIT_<STEP>=seconds overrides one.
 set -u
@@ -26,8 +27,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 final=${OUT:-build-cuda-stage/out}
 mkdir -p "$final"
-[[ $# -gt 0 ]] || { sed -n '2,26p' "$0"; exit 2; }
-steps=" gates profile profncu layers hybrid long128k long1m kda131k kda klfull "
+[[ $# -gt 0 ]] || { sed -n '2,24p' "$0"; exit 2; }
+steps=" gates profile profncu layers hybrid long128k long1m kda131k kda klfull fp8prefill "
 for s in "$@"; do  # every name checked before the first step spends device time
   [[ $steps == *" $s "* ]] || { echo "device_round.sh: unknown step '$s' (steps:$steps)"; exit 2; }
 done
@@ -57,6 +58,7 @@ for s in "$@"; do
     kda131k) step kda131k 370 env KDA_CASES=prefill_T131072_H12 KDA_GATE=mild KDA_PEER_TIMEOUT=330 bash scripts/measure_kda_peers.sh ;;
     kda) step kda 560 bash scripts/measure_kda_peers.sh ;;
     klfull) step klfull 580 bash scripts/measure_kl_full.sh ;;
+    fp8prefill) step fp8prefill 240 bash scripts/measure_gpu_fp8_prefill.sh ;;
     *) exit 2 ;;  # (checked above)
   esac
 done

@@ -152,7 +152,7 @@ std::string gpu_fit_line(size_t need) {
 
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu,
-                    double hot_experts) {
+                    double hot_experts, GpuOptions::PrefillExperts prefill) {
   if (experts_on_cpu && device != "cuda")
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   if (device != "cuda") {
@@ -163,6 +163,7 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   }
   GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu, hot_experts);
   o.sm_count = gpu_sm_count();  // (for the plan printed below)
+  o.prefill_experts = prefill;
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {

@@ -119,10 +119,12 @@ std::atomic<bool>& interrupt_flag();
 // experts_resident false (--ram-budget): only the trunk is uploaded; routed experts come from the
 // expert cache every step.
 // experts_on_cpu (--cpu-experts): the routed experts stay in host RAM and the CPU computes them (a
-// one-line error without --device cuda).
+// one-line error without --device cuda); prefill: where a long prompt's experts are computed
+// (GpuOptions::prefill_experts, k3 bench --prefill-experts).
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false,
-                    double hot_experts = 0);
+                    double hot_experts = 0,
+                    GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".

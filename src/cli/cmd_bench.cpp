@@ -106,6 +106,7 @@ struct Flags {
   bool trunk_fp8 = false;              // --trunk-fp8: the trunk quantised to FP8 at load
   bool cpu_experts = false;            // --cpu-experts: routed experts on the host CPU (--device cuda)
   std::string hot_experts;             // --hot-experts: with --cpu-experts, a GPU cache of the hot experts
+  std::string prefill_experts = "auto";  // --prefill-experts: with --cpu-experts, where long prompts' experts run
   int tp = 1, ep = 1;                  // --tp/--ep: the model split over ranks (threads, or MPI processes)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
@@ -210,6 +211,11 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
   k3::cli::add_cpu_experts_option(&app, f.cpu_experts);
   k3::cli::add_hot_experts_option(&app, f.hot_experts);
+  app.add_option("--prefill-experts", f.prefill_experts,
+                 "with --cpu-experts: a long prompt's routed experts computed by the CPU (cpu), copied to the GPU "
+                 "group by group and computed there (gpu), or auto (default: each way timed once, then the faster "
+                 "per layer)")
+      ->option_text("auto|cpu|gpu");
   k3::cli::add_parallel_options(&app, f.tp, f.ep);
   if (const auto code = k3::cli::parse_flags(app, argc, argv)) return code;
   f.roofline = !no_roofline;
@@ -237,6 +243,9 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (!f.cpu_isa.empty()) k3::ops::parse_cpu_isa(f.cpu_isa);
   if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
   k3::parse_hot_experts(f.hot_experts, f.cpu_experts);  // (a bad value or a missing --cpu-experts: one line, before loading)
+  k3::parse_prefill_experts(f.prefill_experts);
+  if (f.prefill_experts != "auto" && !f.cpu_experts)
+    throw Error("--prefill-experts goes with --cpu-experts (without it every routed expert is on the GPU)");
   if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
     throw Error("--graphs: unknown mode '" + f.graphs + "' (both, on or off)");
   f.model = k3::cli::resolve_model_dir(f.model);
@@ -521,7 +530,8 @@ std::unique_ptr<k3::Model> load_model(const Flags& f) {
     std::fprintf(stderr, "k3 bench: split %s\n", k3::split_description(model->dims(), split).c_str());
   // (On the CPU: --ubatch above 512 makes the steps that long.)
   k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench", true,
-                          f.cpu_experts, k3::parse_hot_experts(f.hot_experts, f.cpu_experts));
+                          f.cpu_experts, k3::parse_hot_experts(f.hot_experts, f.cpu_experts),
+                          k3::parse_prefill_experts(f.prefill_experts));
   return model;
 }
 

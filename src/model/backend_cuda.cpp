@@ -6,6 +6,7 @@
 // expert ids on the device for short chunks, one GEMM per selected expert for long ones.
 // Must not: include CUDA headers (only the plain ops/cuda/*.h API) or fall back to the CPU.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -208,6 +209,14 @@ class CudaBackend final : public Backend {
     cu::host_free_pinned(rows_pinned_);
     cu::host_free_pinned(host_moe_);
     cu::host_free_pinned(host_terms_);
+    if (copy_stream_) {
+      try {
+        cu::sync(copy_stream_);  // a streamed group's copy may still read its pinned twin
+      } catch (...) {
+      }
+      for (StreamBuf& b : sbuf_) cu::host_free_pinned(b.pinned);
+      cu::stream_destroy(copy_stream_);
+    }
     cu::stream_destroy(stream_);
   }
 
@@ -555,8 +564,221 @@ class CudaBackend final : public Backend {
     cu::d2h(zh, z, size_t(R * latent) * 4, stream_);
     if (HotCache* hc = hot_cache(w, R, K, idxh, source))
       return routed_hot(w, *hc, latent, situ, z, zh, idxh, wt, wth, R, K, agg);
+    const bool prefill = !source && R > cu::kGemvMaxT && view_.n_seqs == 1;
+    const int64_t M = prefill ? distinct_experts(w, idxh, R * K) : 0;
+    if (prefill && stream_this_prefill(M, R * K)) {
+      const auto t0 = std::chrono::steady_clock::now();
+      routed_streamed(w, latent, situ, z, idxh, wt, R, K, agg);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (prefill_rates_.gpu_s_per_expert == 0) prefill_rates_.gpu_s_per_expert = s / double(M);
+      ++prefill_rates_.streamed;
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
     cpu_->moe_routed(w, latent, situ, zh, idxh, wth, R, K, aggh, source);
+    if (prefill) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (prefill_rates_.cpu_s_per_pair == 0) prefill_rates_.cpu_s_per_pair = s / double(R * K);
+      ++prefill_rates_.on_cpu;
+    }
     cu::h2d(agg, aggh, size_t(R * latent) * 4, stream_);  // aggh is next written after the next d2h's sync
+  }
+
+  // ---- streamed prefill experts (GpuOptions::prefill_experts, with experts_on_cpu)
+  // A one-sequence step of more rows than the decode GEMVs take may compute its routed experts on
+  // the GPU instead: the experts it selects are copied from host memory into two staging buffers in
+  // turn (a group of experts each) while the GPU computes the previous group, with the kernels and
+  // tiles of the all-on-GPU prefill (so the same bits as all on the GPU). Auto: the first such layer
+  // streams, the next runs on the CPU, each timed; from then on each layer takes the one the two
+  // measured rates say is faster for its distinct experts (streaming: per expert) and its rows
+  // (the CPU: per row and expert).
+  struct PrefillRates {
+    double gpu_s_per_expert = 0, cpu_s_per_pair = 0;  // 0: not measured yet
+    int64_t streamed = 0, on_cpu = 0;                 // layers of prefill steps each way
+  } prefill_rates_;
+  bool stream_this_prefill(int64_t M, int64_t pairs) const {
+    using PE = GpuOptions::PrefillExperts;
+    if (opt_.prefill_experts != PE::Auto) return opt_.prefill_experts == PE::Gpu;
+    const PrefillRates& r = prefill_rates_;
+    if (r.gpu_s_per_expert == 0) return true;
+    if (r.cpu_s_per_pair == 0) return false;
+    return r.gpu_s_per_expert * double(M) < r.cpu_s_per_pair * double(pairs);
+  }
+  static int64_t distinct_experts(const MoeWeights& w, const int32_t* idxh, int64_t n) {
+    std::vector<uint8_t> seen(w.experts.size(), 0);
+    int64_t M = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t e = idxh[i];
+      if (e < 0 || e >= int64_t(seen.size())) fail("GPU MoE: router selected expert " + std::to_string(e));
+      M += !seen[size_t(e)];
+      seen[size_t(e)] = 1;
+    }
+    return M;
+  }
+
+  struct StreamBuf {
+    cu::DevBuf dev;
+    char* pinned = nullptr;
+    GluWeights stack;                 // [cap experts] stacks in dev
+    std::vector<GluWeights> experts;  // views of the stacks
+    cu::Event uploaded, consumed;     // the group's copy done (copy stream) / its kernels done (main stream)
+  };
+  StreamBuf sbuf_[2];
+  cu::Stream copy_stream_ = nullptr;
+  int64_t sbuf_cap_ = 0;  // experts per staging buffer
+  struct StreamPart {     // one matrix of an expert in a staging buffer: offsets of its data and scales
+    size_t data, scales, data_bytes, scale_bytes;
+  };
+  StreamPart sparts_[3] = {};
+
+  // Sizes the two staging buffers for experts shaped like f: as many experts as
+  // stream_staging_bytes holds, at most the layer's E, at least one.
+  void stream_buffers(const GluWeights& f, int64_t E) {
+    if (sbuf_cap_ > 0) return;
+    const WeightMat* m[3] = {&f.gate, &f.up, &f.down};
+    size_t per = 0;
+    for (int j = 0; j < 3; ++j) per += data_bytes(*m[j]) + scale_bytes(*m[j]);
+    sbuf_cap_ = int64_t(stream_staging_plan(opt_, E, per) / (2 * per));  // (the memory plan's count)
+    // Layout of a buffer: each matrix's stack (cap experts' data), then its scales, 256-aligned.
+    size_t off = 0;
+    for (int j = 0; j < 3; ++j) {
+      const size_t db = data_bytes(*m[j]), sb = scale_bytes(*m[j]);
+      sparts_[j] = {off, 0, db, sb};
+      off += ((db * size_t(sbuf_cap_)) + 255) & ~size_t(255);
+      sparts_[j].scales = off;
+      off += ((sb * size_t(sbuf_cap_)) + 255) & ~size_t(255);
+    }
+    if (sbuf_cap_ < 1) fail("internal error: no streamed-expert staging for this step");
+    copy_stream_ = cu::stream_create();
+    for (StreamBuf& b : sbuf_) {
+      b.dev = cu::DevBuf(off, "streamed prefill experts");
+      b.pinned = static_cast<char*>(cu::host_alloc_pinned(off));
+      char* base = b.dev.as<char>();
+      WeightMat* st[3] = {&b.stack.gate, &b.stack.up, &b.stack.down};
+      for (int j = 0; j < 3; ++j) {
+        *st[j] = *m[j];
+        st[j]->rows = m[j]->rows * sbuf_cap_;
+        st[j]->data = base + sparts_[j].data;
+        st[j]->scales = m[j]->fmt == WFormat::MXFP4 ? reinterpret_cast<const uint8_t*>(base + sparts_[j].scales) : nullptr;
+      }
+      b.experts.resize(size_t(sbuf_cap_));
+      for (int64_t e = 0; e < sbuf_cap_; ++e)
+        b.experts[size_t(e)] = {expert_view(b.stack.gate, f.gate.rows, e), expert_view(b.stack.up, f.up.rows, e),
+                                expert_view(b.stack.down, f.down.rows, e)};
+    }
+  }
+
+  // Copies experts ids[0..n) of w into staging buffer b (through its pinned twin, on the copy
+  // stream, after the buffer's previous group's kernels), and records b.uploaded.
+  void stream_fill(StreamBuf& b, const MoeWeights& w, const int32_t* ids, int64_t n) {
+    b.uploaded.sync();  // the pinned twin's previous copy is done
+    const GluWeights& f = w.experts.front();
+    for (int64_t i = 0; i < n; ++i) {
+      const GluWeights& g = w.experts[size_t(ids[i])];
+      const WeightMat* from[3] = {&g.gate, &g.up, &g.down};
+      const WeightMat* shape[3] = {&f.gate, &f.up, &f.down};
+      for (int j = 0; j < 3; ++j) {
+        if (from[j]->fmt != shape[j]->fmt || from[j]->rows != shape[j]->rows || from[j]->cols != shape[j]->cols)
+          fail("GPU MoE: routed experts of one layer differ in format or shape");
+        std::memcpy(b.pinned + sparts_[j].data + size_t(i) * sparts_[j].data_bytes, from[j]->data, sparts_[j].data_bytes);
+        if (sparts_[j].scale_bytes)
+          std::memcpy(b.pinned + sparts_[j].scales + size_t(i) * sparts_[j].scale_bytes, from[j]->scales,
+                      sparts_[j].scale_bytes);
+      }
+    }
+    b.consumed.make_wait(copy_stream_);
+    for (int j = 0; j < 3; ++j) {
+      cu::h2d(b.dev.as<char>() + sparts_[j].data, b.pinned + sparts_[j].data, size_t(n) * sparts_[j].data_bytes,
+              copy_stream_);
+      if (sparts_[j].scale_bytes)
+        cu::h2d(b.dev.as<char>() + sparts_[j].scales, b.pinned + sparts_[j].scales, size_t(n) * sparts_[j].scale_bytes,
+                copy_stream_);
+    }
+    b.uploaded.record(copy_stream_);
+  }
+
+  // The routed sum of a prefill step with the experts streamed from host memory (see above): rows
+  // grouped by expert as routed_grouped does, then per group of staged experts their gate and up,
+  // SiTU and down over the group's rows (contiguous: the slots are sorted by expert), the next
+  // group's copy in flight meanwhile; then the scatter and the weighted sum.
+  void routed_streamed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z,
+                       const int32_t* sel, const float* wt, int64_t T, int64_t K, float* agg) {
+    const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows;
+    stream_buffers(w.experts.front(), E);
+    std::vector<int64_t> count(size_t(E) + 1, 0);
+    for (int64_t i = 0; i < T * K; ++i) ++count[size_t(sel[i]) + 1];
+    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];
+    int32_t* rows = rows_pinned_;
+    std::vector<int64_t> fill(count.begin(), count.end() - 1);
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      const int64_t at = fill[size_t(sel[slot])]++;
+      rows[at] = int32_t(slot / K);
+      rows[T * K + at] = int32_t(slot);
+    }
+    std::vector<int32_t> order;  // the selected experts, ascending
+    for (int64_t e = 0; e < E; ++e)
+      if (count[size_t(e) + 1] > count[size_t(e)]) order.push_back(int32_t(e));
+    const int64_t M = int64_t(order.size()), groups = (M + sbuf_cap_ - 1) / sbuf_cap_;
+    const StreamBuf& b0 = sbuf_[0];
+    const bool tc = p_ == cu::Precision::BF16 && cu::expert_gemm_grouped_ok(b0.stack.gate, I) &&
+                    cu::expert_gemm_grouped_ok(b0.stack.up, I) && cu::expert_gemm_grouped_ok(b0.stack.down, latent);
+    // Tiles of every group (expert = its place in the group's buffer), uploaded with the row lists.
+    auto* tiles = reinterpret_cast<cu::ExpertTile*>(rows + 2 * T * K);
+    std::vector<int64_t> tile0(size_t(groups) + 1, 0);
+    int64_t n_tiles = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      tile0[size_t(g)] = n_tiles;
+      for (int64_t i = g * sbuf_cap_; i < std::min(M, (g + 1) * sbuf_cap_); ++i) {
+        const int32_t e = order[size_t(i)];
+        for (int64_t o = count[size_t(e)]; o < count[size_t(e) + 1]; o += cu::kExpertTileRows)
+          tiles[n_tiles++] = {int32_t(i - g * sbuf_cap_), int32_t(o),
+                              int32_t(std::min<int64_t>(cu::kExpertTileRows, count[size_t(e) + 1] - o))};
+      }
+    }
+    tile0[size_t(groups)] = n_tiles;
+    if (n_tiles > max_tiles_) fail("internal error: more expert tiles than the row lists hold");
+    int32_t* rows_dev = rows_dev_.as<int32_t>();
+    cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4 + size_t(n_tiles) * sizeof(cu::ExpertTile), stream_);
+    const auto* tiles_dev = reinterpret_cast<const cu::ExpertTile*>(rows_dev + 2 * T * K);
+    float *hg = moe_buf_.as<float>(), *hu = hg + T * K * I, *ye = hu + T * K * I, *xg = ye + T * K * latent,
+          *yg = xg + T * K * latent;
+    cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
+    stream_fill(sbuf_[0], w, order.data(), std::min(M, sbuf_cap_));
+    for (int64_t g = 0; g < groups; ++g) {
+      StreamBuf& b = sbuf_[g % 2];
+      const int64_t i0 = g * sbuf_cap_, n = std::min(M, i0 + sbuf_cap_) - i0;
+      const int64_t o0 = count[size_t(order[size_t(i0)])], o1 = count[size_t(order[size_t(i0 + n - 1)]) + 1];
+      b.uploaded.make_wait(stream_);
+      if (tc) {
+        const WeightMat* gu[2] = {&b.stack.gate, &b.stack.up};
+        float* gu_out[2] = {hg, hu};
+        const int64_t nt = tile0[size_t(g) + 1] - tile0[size_t(g)];
+        cu::expert_gemm_grouped(gu, gu_out, 2, I, tiles_dev + tile0[size_t(g)], nt, xg, stream_);
+        cu::situ_glu(hg + o0 * I, hu + o0 * I, (o1 - o0) * I, situ.beta, situ.linear_beta, hg + o0 * I, stream_);
+        const WeightMat* dn[1] = {&b.stack.down};
+        float* dn_out[1] = {yg};
+        cu::expert_gemm_grouped(dn, dn_out, 1, latent, tiles_dev + tile0[size_t(g)], nt, hg, stream_);
+      } else {  // as grouped_per_expert does, one matmul per expert and matrix
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t e = order[size_t(i0 + i)];
+          const int64_t o = count[size_t(e)], k = count[size_t(e) + 1] - o;
+          cu::matmul(b.experts[size_t(i)].gate, xg + o * latent, k, hg + o * I, p_, stream_);
+          cu::matmul(b.experts[size_t(i)].up, xg + o * latent, k, hu + o * I, p_, stream_);
+        }
+        cu::situ_glu(hg + o0 * I, hu + o0 * I, (o1 - o0) * I, situ.beta, situ.linear_beta, hg + o0 * I, stream_);
+        for (int64_t i = 0; i < n; ++i) {
+          const int32_t e = order[size_t(i0 + i)];
+          const int64_t o = count[size_t(e)], k = count[size_t(e) + 1] - o;
+          cu::matmul(b.experts[size_t(i)].down, hg + o * I, k, yg + o * latent, p_, stream_);
+        }
+      }
+      b.consumed.record(stream_);
+      if (g + 1 < groups)  // the next group's copy, while this one computes
+        stream_fill(sbuf_[(g + 1) % 2], w, order.data() + (g + 1) * sbuf_cap_, std::min(M, (g + 2) * sbuf_cap_) - (g + 1) * sbuf_cap_);
+    }
+    cu::scatter_rows(yg, rows_dev + T * K, T * K, latent, ye, stream_);
+    cu::moe_combine(ye, wt, T, K, latent, agg, stream_);
+    cu::sync(stream_);  // the pinned row lists are rewritten by the next layer
   }
 
   // ---- the GPU's cache of hot experts (GpuOptions::hot_experts, with experts_on_cpu)

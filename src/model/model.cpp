@@ -126,6 +126,21 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
   return p;
 }
 
+GpuOptions::PrefillExperts parse_prefill_experts(const std::string& s) {
+  if (s == "auto") return GpuOptions::PrefillExperts::Auto;
+  if (s == "cpu") return GpuOptions::PrefillExperts::Cpu;
+  if (s == "gpu") return GpuOptions::PrefillExperts::Gpu;
+  fail("--prefill-experts: unknown value '" + s + "' (auto, cpu or gpu)");
+}
+
+size_t stream_staging_plan(const GpuOptions& o, int64_t E, size_t per_expert) {
+  if (!o.experts_on_cpu || o.prefill_experts == GpuOptions::PrefillExperts::Cpu || o.tokens_per_call <= 8 || E < 1 ||
+      per_expert == 0)
+    return 0;
+  const int64_t cap = std::clamp<int64_t>(int64_t(o.stream_staging_bytes / (2 * per_expert)), 1, E);
+  return 2 * size_t(cap) * per_expert;
+}
+
 GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context) {
   uint64_t bytes = 0, routed = 0;
   for_each_weight(
@@ -139,7 +154,15 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
   // A fraction of the host's routed experts cached on the GPU (--hot-experts F; auto fills what is
   // left over when it fills, so it is not planned).
   if (o.experts_on_cpu && o.hot_experts > 0) bytes += uint64_t(double(routed) * std::min(o.hot_experts, 1.0));
-  return gpu_memory_plan(m.config(), bytes, o, context);
+  GpuMemoryPlan p = gpu_memory_plan(m.config(), bytes, o, context);
+  for (const LayerWeights& l : m.weights().layers)  // the streamed prefill's staging (one layer's shape)
+    if (!l.dense_ffn && !l.moe.experts.empty()) {
+      const GluWeights& f = l.moe.experts.front();
+      const size_t per = size_t(weight_bytes(f.gate) + weight_bytes(f.up) + weight_bytes(f.down));
+      p.workspace += stream_staging_plan(o, int64_t(l.moe.experts.size()), per);
+      break;
+    }
+  return p;
 }
 
 // ---------------------------------------------------------------- the FP8 trunk (--trunk-fp8)

@@ -51,11 +51,25 @@ struct GpuOptions {
   double hot_experts = 0;
   int64_t hot_warmup_tokens = 64;
   static constexpr double kHotExpertsAuto = -1;
+  // With experts_on_cpu, a one-sequence prefill step (more rows than the decode GEMVs take): its routed
+  // experts computed by the CPU (Cpu), or copied from host memory to the GPU group by group (two
+  // staging buffers of stream_staging_bytes together, each copy beside the previous group's kernels)
+  // and computed there with the all-on-GPU kernels (Gpu), or Auto: the first such layer one way and
+  // the next the other, each timed, then per layer whichever the two measured rates make faster.
+  enum class PrefillExperts : uint8_t { Auto, Cpu, Gpu };
+  PrefillExperts prefill_experts = PrefillExperts::Auto;
+  size_t stream_staging_bytes = size_t(2) << 30;
   // The GPU's multiprocessors, for the memory plan alone (the absorbed MLA kernel splits short steps
   // until 16 blocks per multiprocessor run, and its workspace holds the split partials): 132 (H100 /
   // H200 SXM) unless set; the CUDA backend plans with the device's own count.
   int64_t sm_count = 132;
 };
+// "auto" | "cpu" | "gpu" (--prefill-experts); k3::Error otherwise.
+GpuOptions::PrefillExperts parse_prefill_experts(const std::string& s);
+// The streamed prefill's two staging buffers for E experts of per_expert bytes each, as the CUDA
+// backend sizes them (0 where it never streams: experts_on_cpu off, prefill_experts Cpu, or steps of
+// at most 8 rows).
+size_t stream_staging_plan(const GpuOptions& o, int64_t E, size_t per_expert);
 
 
 // GPU memory a model needs (bytes), computed from the config and the bound weights (no GPU needed).

@@ -128,6 +128,16 @@ TEST(CliPlacement, HotExpertsNeedCpuExpertsAndAFraction) {
                "run", "--hot-experts caches routed experts held in host RAM");
 }
 
+// k3 bench --prefill-experts auto|cpu|gpu (where a long prompt's routed experts run in the hybrid
+// placement) goes with --cpu-experts; a bad value is one line, before anything loads.
+TEST(CliPlacement, PrefillExpertsNeedCpuExpertsAndAKnownValue) {
+  const std::string nano = model("models/k3-nano"), tail = " -p 16 -n 2 -r 1";
+  expect_error(run_k3("bench " + nano + " --prefill-experts gpu" + tail), "bench",
+               "--prefill-experts goes with --cpu-experts");
+  expect_error(run_k3("bench " + nano + " --device cuda --cpu-experts --prefill-experts disk" + tail), "bench",
+               "--prefill-experts: unknown value 'disk' (auto, cpu or gpu)");
+}
+
 // k3 info --cpu-experts [--hot-experts F]: the GPU line leaves the routed experts in host RAM (and
 // adds F of them back for the cache), says so in a line of its own; the sums agree to the printed
 // precision. (That the routed bytes are the engine's own: PlanSizes.RoutedExpertBytesAreTheEnginesOwn.)

@@ -275,6 +275,49 @@ TEST(CudaModel, ExpertsOnTheCpuGiveTheSameTokens) {
   }
 }
 
+// The hybrid placement's long prompts with their routed experts streamed to the GPU
+// (GpuOptions::prefill_experts = Gpu): the experts a step selects copied from host memory in groups
+// through two staging buffers and computed with the all-on-GPU kernels and tiles, so a prefill's
+// logits are those of the all-GPU model bit for bit, in fp32 and in fast numerics, with the staging
+// holding every expert of a layer or only 3 (many groups, both buffers in turn); then decode steps
+// (on the CPU) continue to the same greedy ids as all on the GPU.
+TEST(CudaModel, StreamedPrefillExpertsEqualAllOnTheGpu) {
+  K3_REQUIRE_GPU();
+  for (const fs::path& dir : {ours("tiny"), nano()}) {
+    if (!fs::exists(dir / "config.json")) GTEST_SKIP() << "absent: " << dir;
+    SCOPED_TRACE(dir.filename().string());
+    auto all_gpu = gpu_model(dir);
+    std::vector<int32_t> ids;
+    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (all_gpu->dims().vocab - 1) + 1));
+    size_t per_expert = 0;
+    for (const k3::LayerWeights& l : all_gpu->weights().layers)
+      if (!l.dense_ffn && !l.moe.experts.empty()) {
+        const k3::GluWeights& f = l.moe.experts.front();
+        per_expert = size_t(k3::weight_bytes(f.gate) + k3::weight_bytes(f.up) + k3::weight_bytes(f.down));
+        break;
+      }
+    ASSERT_GT(per_expert, 0u);
+    for (size_t staging : {size_t(2) << 30, 6 * per_expert}) {
+      auto m = k3::Model::load(dir.string());
+      k3::GpuOptions o;
+      o.initial_context = 64;
+      o.experts_on_cpu = true;
+      o.prefill_experts = k3::GpuOptions::PrefillExperts::Gpu;
+      o.stream_staging_bytes = staging;
+      m->use_gpu(o);
+      const std::string tag = "staging of " + std::to_string(staging / per_expert / 2) + " experts";
+      for (auto n : {kF32, kFast}) {
+        const auto a = full_pass(*m, ids, mode(n)), b = full_pass(*all_gpu, ids, mode(n));
+        EXPECT_TRUE(a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0)
+            << tag << (n == kF32 ? " fp32" : " bf16") << ": streamed prefill vs all on the GPU";
+      }
+      const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 20);
+      EXPECT_EQ(greedy(*m, prompt, 12, mode(kF32)), greedy(*all_gpu, prompt, 12, mode(kF32)))
+          << tag << ": fp32 greedy after a streamed prefill";
+    }
+  }
+}
+
 // The hybrid placement with a GPU cache of hot experts (GpuOptions::hot_experts): half of each MoE
 // layer's routed experts chosen from the first 16 tokens' routing, then every decode step runs the
 // cached experts' slots on the GPU while the CPU computes the others (MoeWeights::elsewhere; the

@@ -206,6 +206,23 @@ void graph_destroy(GraphExec g) noexcept {
   if (g) cudaGraphExecDestroy(g);
 }
 
+Event::Event() {
+  cudaEvent_t e;
+  check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  e_ = e;
+}
+Event::~Event() { cudaEventDestroy(static_cast<cudaEvent_t>(e_)); }
+void Event::record(Stream s) {
+  check(cudaEventRecord(static_cast<cudaEvent_t>(e_), s), "event record");
+  recorded_ = true;
+}
+void Event::make_wait(Stream s) {
+  if (recorded_) check(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(e_), 0), "stream wait event");
+}
+void Event::sync() {
+  if (recorded_) check(cudaEventSynchronize(static_cast<cudaEvent_t>(e_)), "event synchronize");
+}
+
 EventTimer::EventTimer() {
   cudaEvent_t a, b;
   check(cudaEventCreate(&a), "cudaEventCreate");

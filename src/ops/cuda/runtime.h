@@ -138,6 +138,23 @@ class EventTimer {
   void* b_ = nullptr;
 };
 
+// An ordering point between streams (no timing): record on one stream; another stream, or the host,
+// waits for the work enqueued before it.
+class Event {
+ public:
+  Event();
+  ~Event();
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(Stream s);
+  void make_wait(Stream s);  // work enqueued on s from now on starts after the recorded point
+  void sync();               // the host waits for the recorded point (no-op before the first record)
+
+ private:
+  void* e_ = nullptr;
+  bool recorded_ = false;
+};
+
 // Points marked on a stream and the device time between two of them (per-op profiles of a step:
 // k3 bench --profile). Events are created as needed and reused after reset().
 class EventMarks {
