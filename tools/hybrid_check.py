@@ -12,7 +12,9 @@ Runs, each in a process of its own:
   * `k3 bench -p 0 -n GEN -d DEPTH -r 3 --profile`: measured decode t/s and, from the profiled run, the
     time of every backend op, for
       gpu     --device cuda (all weights on the GPU),
-      hybrid  --device cuda --cpu-experts (routed experts in host RAM, computed by the CPU),
+      hybrid  --device cuda --cpu-experts (routed experts in host RAM, computed by the CPU in fp32
+              activations, the default),
+      hybrid_q8   the same with --cpu-experts-q8 (8-bit activations, as a CPU-only run),
       hot25 / hot50   the same with --hot-experts 0.25 / 0.5 (the GPU's cache of hot experts),
       cpu     --device cpu -t THREADS.
 Derived: the GPU trunk time per step (the gpu run's profiled step less its routed experts), the CPU
@@ -90,7 +92,9 @@ def main():
         # alone) and with a quarter and a half of the experts cached (--hot-experts).
         res["predicted"] = {"gpu": plan(a, cal, "gpu"), "hybrid": plan(a, cal, "hybrid", ["--hot-experts", "0"]),
                             "hot25": plan(a, cal, "hybrid", ["--hot-experts", "0.25"]),
-                            "hot50": plan(a, cal, "hybrid", ["--hot-experts", "0.5"]), "cpu": plan(a, cal, "cpu")}
+                            "hot50": plan(a, cal, "hybrid", ["--hot-experts", "0.5"]),
+                            "hybrid_q8": plan(a, cal, "hybrid", ["--hot-experts", "0", "--cpu-experts-q8"]),
+                            "cpu": plan(a, cal, "cpu")}
         gpu = ["--device", "cuda"]
         # The CPU computes the routed experts of the hybrid runs: all the threads the CPU run gets.
         hyb = gpu + ["--cpu-experts", "-t", str(a.threads)]
@@ -99,6 +103,7 @@ def main():
             "hybrid": bench(a, tmp, "hybrid", hyb),
             "hot25": bench(a, tmp, "hot25", hyb + ["--hot-experts", "0.25"]),
             "hot50": bench(a, tmp, "hot50", hyb + ["--hot-experts", "0.5"]),
+            "hybrid_q8": bench(a, tmp, "hybrid_q8", hyb + ["--cpu-experts-q8"]),
             "cpu": bench(a, tmp, "cpu", ["--device", "cpu", "-t", str(a.threads)]),
         }
     m = res["measured"]
@@ -112,7 +117,12 @@ def main():
         derived["hybrid_step_ms"] = m["hybrid"]["step_ms"]
         derived["hybrid_vs_max"] = m["hybrid"]["step_ms"] / max(trunk, cpu_experts)
         derived["hybrid_vs_max_goal"] = 1.15
-    for name, key in (("gpu", "gpu"), ("hybrid", "hybrid"), ("hot25", "hot25"), ("hot50", "hot50"), ("cpu", "cpu")):
+        q = m["hybrid_q8"].get("profile_ms_per_step")
+        if q:
+            derived["cpu_experts_q8_ms"] = q.get("moe_routed", 0.0)
+            derived["hybrid_q8_vs_max"] = m["hybrid_q8"]["step_ms"] / max(trunk, q.get("moe_routed", 0.0))
+    for name, key in (("gpu", "gpu"), ("hybrid", "hybrid"), ("hot25", "hot25"), ("hot50", "hot50"),
+                      ("hybrid_q8", "hybrid_q8"), ("cpu", "cpu")):
         if key not in res["predicted"]:
             continue
         pred = res["predicted"][key]["decode_ts"]

@@ -50,6 +50,7 @@ void check_options(const EngineOptions& o) {
   if (o.cpu_experts && o.device != "cuda")
     fail("cpu_experts goes with device=cuda (on the CPU every routed expert is the CPU's already)");
   parse_hot_experts(o.hot_experts, o.cpu_experts);  // (its one-line error)
+  check_cpu_experts_q8(o.cpu_experts_q8, o.cpu_experts);
   if (!o.hot_experts.empty() && o.hot_experts != "0" && !o.ram_budget.empty())
     fail("hot_experts caches routed experts held in host RAM; with ram_budget they are read from disk (not both)");
   if (o.step_tokens < 1 || o.step_tokens > (int64_t(1) << 20))
@@ -127,8 +128,10 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
   Model& m = *im->lc.model;
 
   if (cuda) {
-    m.use_gpu(gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0,
-                              options.cpu_experts, parse_hot_experts(options.hot_experts, options.cpu_experts)));
+    GpuOptions go = gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0,
+                                    options.cpu_experts, parse_hot_experts(options.hot_experts, options.cpu_experts));
+    go.cpu_experts_q8 = options.cpu_experts_q8;
+    m.use_gpu(go);
   } else {
     m.set_max_step_rows(options.step_tokens);
     if (options.prefault) prefault_weights(im->lc, options.load_progress);

@@ -34,6 +34,7 @@ struct RunEngineFlags {
   bool trunk_fp8 = false;                  // hold the trunk in FP8 (quantised at load; CPU)
   bool cpu_experts = false;                // cuda: routed experts in host RAM, computed by the CPU
   std::string hot_experts;                 // with cpu_experts: the GPU's cache of hot experts (fraction or auto)
+  bool cpu_experts_q8 = false;             // with cpu_experts: 8-bit activations for the CPU's experts
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -124,7 +125,8 @@ std::atomic<bool>& interrupt_flag();
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false,
                     double hot_experts = 0,
-                    GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto);
+                    GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto, bool cpu_experts_q8 = false);
+void add_cpu_experts_q8_option(CLI::App* app, bool& on);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /
 // "this k3 was built without the CUDA backend".

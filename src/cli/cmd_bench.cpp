@@ -107,6 +107,7 @@ struct Flags {
   bool cpu_experts = false;            // --cpu-experts: routed experts on the host CPU (--device cuda)
   std::string hot_experts;             // --hot-experts: with --cpu-experts, a GPU cache of the hot experts
   std::string prefill_experts = "auto";  // --prefill-experts: with --cpu-experts, where long prompts' experts run
+  bool cpu_experts_q8 = false;           // --cpu-experts-q8: 8-bit activations for the CPU's experts
   int tp = 1, ep = 1;                  // --tp/--ep: the model split over ranks (threads, or MPI processes)
   // Some -b value other than 1: rows and results then carry the batch columns and fields (with
   // -b 1 alone the output is what it was before batches existed).
@@ -211,6 +212,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   k3::cli::add_trunk_fp8_option(&app, f.trunk_fp8);
   k3::cli::add_cpu_experts_option(&app, f.cpu_experts);
   k3::cli::add_hot_experts_option(&app, f.hot_experts);
+  k3::cli::add_cpu_experts_q8_option(&app, f.cpu_experts_q8);
   app.add_option("--prefill-experts", f.prefill_experts,
                  "with --cpu-experts: a long prompt's routed experts computed by the CPU (cpu), copied to the GPU "
                  "group by group and computed there (gpu), or auto (default: each way timed once, then the faster "
@@ -244,6 +246,7 @@ std::optional<int> parse_flags(int argc, char** argv, Flags& f) {
   if (f.device != "cpu" && f.device != "cuda") throw Error("--device: unknown device '" + f.device + "' (cpu or cuda)");
   k3::parse_hot_experts(f.hot_experts, f.cpu_experts);  // (a bad value or a missing --cpu-experts: one line, before loading)
   k3::parse_prefill_experts(f.prefill_experts);
+  k3::check_cpu_experts_q8(f.cpu_experts_q8, f.cpu_experts);
   if (f.prefill_experts != "auto" && !f.cpu_experts)
     throw Error("--prefill-experts goes with --cpu-experts (without it every routed expert is on the GPU)");
   if (f.graphs != "both" && f.graphs != "on" && f.graphs != "off")
@@ -531,7 +534,7 @@ std::unique_ptr<k3::Model> load_model(const Flags& f) {
   // (On the CPU: --ubatch above 512 makes the steps that long.)
   k3::cli::move_to_device(*model, f.device, f.graphs != "off", f.ubatch, max_context(f), !f.progress, "k3 bench", true,
                           f.cpu_experts, k3::parse_hot_experts(f.hot_experts, f.cpu_experts),
-                          k3::parse_prefill_experts(f.prefill_experts));
+                          k3::parse_prefill_experts(f.prefill_experts), f.cpu_experts_q8);
   return model;
 }
 
@@ -760,6 +763,10 @@ class Report {
                         {"warmup_runs", 1}};
     if (f.batched()) doc_["settings"]["n_batch"] = f.batch;
     doc_["settings"]["trunk_fp8"] = f.trunk_fp8;
+    if (f.cpu_experts)
+      doc_["settings"]["cpu_experts"] = {{"hot_experts", f.hot_experts},
+                                         {"prefill_experts", f.prefill_experts},
+                                         {"q8", f.cpu_experts_q8}};
     doc_["settings"]["tp"] = f.tp;
     doc_["settings"]["ep"] = f.ep;
     doc_["settings"]["processes"] = k3::process_group() ? k3::process_group()->size() : 1;

@@ -168,7 +168,10 @@ int cmd_plan(int argc, char** argv) {
                  "--hot-experts F (0: none; default: the spare GPU memory fills)")
       ->check(CLI::Range(0.0, 1.0));
   app.add_flag("--trunk-fp8", f.req.trunk_fp8,
-               "plan the trunk in FP8 (E4M3, 128x128 block scales; planned, not yet in k3 run)");
+               "plan the trunk in FP8 (E4M3, 128x128 block scales), as k3 run --trunk-fp8 holds it");
+  app.add_flag("--cpu-experts-q8", f.req.cpu_experts_q8,
+               "hybrid: the CPU's experts with 8-bit activations, as k3 run --cpu-experts-q8 (default: fp32 "
+               "activations, the CPU expert GEMV fp32 rate)");
   app.add_option("--sync-us", f.sync_us, "GPU <-> CPU handoff per MoE layer, microseconds (default 20, assumed)");
   app.add_option("--layer-us", f.layer_us,
                  "GPU decode work per layer besides the weight reads, microseconds (default: the calibration's, "

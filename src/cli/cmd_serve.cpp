@@ -91,6 +91,7 @@ int cmd_serve(int argc, char** argv) {
     if (ef.cpu_experts && ef.device != "cuda")  // before listening: a flag error is not a load failure
       fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
     parse_hot_experts(ef.hot_experts, ef.cpu_experts);
+    check_cpu_experts_q8(ef.cpu_experts_q8, ef.cpu_experts);
 
     EngineOptions eo;
     eo.model_dir = dir;
@@ -108,6 +109,7 @@ int cmd_serve(int argc, char** argv) {
     eo.cuda_graphs = !ef.no_graphs;
     eo.cpu_experts = ef.cpu_experts;
     eo.hot_experts = ef.hot_experts;
+    eo.cpu_experts_q8 = ef.cpu_experts_q8;
     eo.tp = ef.tp;
     eo.ep = ef.ep;
     eo.trunk_fp8 = ef.trunk_fp8;

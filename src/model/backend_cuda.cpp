@@ -312,13 +312,14 @@ class CudaBackend final : public Backend {
     pc_ = cu::PagedCacheDev{nullptr, v.page_tokens, table_dev_.as<int32_t>(), table_stride_, sd + 2 * N + 1, v.n_pages};
     capturing_ = false;
     plan_mla(v, st + R + 3 * N + 1);
-    // The host's part of the step: its routed experts, in the step's numerics as the CPU backend
-    // computes them alone. Fast: a lone row's activations quantised to 8 bits per 32-block (q8
-    // MXFP4 GEMV), which the GPU never does, so fast tokens may differ from all-on-the-GPU where a
-    // top-2 margin is within that rounding; fp32 keeps them equal (CudaModel gates). Not fp32 in
-    // both: decoding E2M1 to fp32 is compute-bound on the CPU, and on the H100 machine's 16 cores
-    // it halved the experts' rate (42 against 83 GB/s, docs/data/hybrid-h100-2026-12-05.json).
-    if (cpu_) cpu_->begin_step(v, ids, n, false);
+    // The host's part of the step: its routed experts. In fp32 activations unless cpu_experts_q8:
+    // the CPU's fast numerics quantise a lone row's activations to 8 bits (q8 MXFP4 GEMV), which the
+    // GPU never does, and the placement must not change the tokens (issue 20: greedy ids equal to
+    // all on the GPU; with q8 the trained K3-nano's teacher-forced argmax agreed at 36 of 40
+    // positions, cuda-gates of 2026-12-05). The price: decoding E2M1 to fp32 is compute-bound on the
+    // CPU, half the q8 rate on the H100 machine's 16 cores (docs/data/hybrid-h100-2026-12-05*.json).
+    if (cpu_)
+      cpu_->begin_step(v, ids, n == StepNumerics::Fast && !opt_.cpu_experts_q8 ? StepNumerics::F32 : n, false);
     // (Steps of a split model are not recorded: their NCCL calls are not captured into graphs here.)
     if (!opt_.graphs || !replayable || cpu_ || nccl_) return true;
     const GraphKey key{N, R, int(p_), v.pool, v.pool_epoch, table_stride_, buffers_};

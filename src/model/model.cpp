@@ -316,6 +316,9 @@ TrunkFp8Report Model::quantize_trunk_fp8(TrunkFp8Store store) {
     ++rep.bytes.matrices;
     rep.bytes.before += weight_bytes(w);
     rep.bytes.after += weight_bytes(v);
+    bool kv_b = false;  // (an MLA kv_b_proj goes to the GPU in fp32: gpu_weight_bytes)
+    for (const WeightMat* u : j->uses) kv_b = kv_b || is_mla_kv_b(host_, *u);
+    rep.bytes.after_gpu += gpu_weight_bytes(v, kv_b);
     trunk_fp8_sources_.push_back(w.data);
     if (in_mapping(w)) ranges.push_back({static_cast<const uint8_t*>(w.data), source_bytes(w)});
   }

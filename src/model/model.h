@@ -50,6 +50,11 @@ struct GpuOptions {
   // the GPU while the CPU computes the others, and the GPU sums both (top-k slot order).
   double hot_experts = 0;
   int64_t hot_warmup_tokens = 64;
+  // With experts_on_cpu in fast numerics: the CPU's experts in its own fast numerics too (a decode
+  // row's activations quantised to 8 bits per 32-block, the q8 MXFP4 GEMV of a CPU-only run), about
+  // twice the CPU's expert rate; off (default): fp32 activations, so the tokens are those of all on
+  // the GPU (the q8 rounding moves near-tie tokens: docs/hybrid.md).
+  bool cpu_experts_q8 = false;
   static constexpr double kHotExpertsAuto = -1;
   // With experts_on_cpu, a one-sequence prefill step (more rows than the decode GEMVs take): its routed
   // experts computed by the CPU (Cpu), or copied from host memory to the GPU group by group (two

@@ -79,38 +79,50 @@ CpuCalibration measure_cpu(const CalibrateOptions& o, std::map<std::string, std:
     pool.push_back({B.mxfp4(kInter, kLatent), B.mxfp4(kInter, kLatent), B.mxfp4(kLatent, kInter)});
   {
     // One decode token: the CPU backend's run_token (model/backend_cpu.cpp): gate+up of the top-k
-    // experts as one shared-input GEMV region, SiTU, the k downs as one matmul_many region.
+    // experts as one shared-input GEMV region, SiTU, the k downs as one matmul_many region. In the
+    // CLI's fast numerics (8-bit activations), and in fp32 activations: how the hybrid placement's
+    // CPU computes them unless --cpu-experts-q8 (GpuOptions::cpu_experts_q8).
     const std::vector<float> z = B.floats(size_t(kLatent));
     std::vector<float> g(size_t(kTopK * kInter)), u(size_t(kTopK * kInter)), y(size_t(kTopK * kLatent));
     std::vector<const WeightMat*> wv, dv;
     std::vector<float*> yv, oy;
     std::vector<const float*> xv;
-    std::vector<double> times;
     int64_t next = 0;
-    const double t_end = now_s() + 1.5;
-    for (int it = 0; it < 400 && (it < 8 || now_s() < t_end); ++it) {
-      wv.clear(), yv.clear(), dv.clear(), xv.clear(), oy.clear();
-      for (int64_t j = 0; j < kTopK; ++j) {
-        const Expert& e = pool[size_t((next + j) % pool_n)];
-        wv.push_back(&e.gate), wv.push_back(&e.up);
-        yv.push_back(g.data() + j * kInter), yv.push_back(u.data() + j * kInter);
-        dv.push_back(&e.down);
-        xv.push_back(g.data() + j * kInter);
-        oy.push_back(y.data() + j * kLatent);
+    const auto decode_rate = [&](ops::Exec ex_run, size_t* samples) {
+      std::vector<double> times;
+      const double t_end = now_s() + 1.5;
+      for (int it = 0; it < 400 && (it < 8 || now_s() < t_end); ++it) {
+        wv.clear(), yv.clear(), dv.clear(), xv.clear(), oy.clear();
+        for (int64_t j = 0; j < kTopK; ++j) {
+          const Expert& e = pool[size_t((next + j) % pool_n)];
+          wv.push_back(&e.gate), wv.push_back(&e.up);
+          yv.push_back(g.data() + j * kInter), yv.push_back(u.data() + j * kInter);
+          dv.push_back(&e.down);
+          xv.push_back(g.data() + j * kInter);
+          oy.push_back(y.data() + j * kLatent);
+        }
+        next = (next + kTopK) % pool_n;
+        const double t0 = now_s();
+        ops::matmul_shared_input(ex_run, wv.data(), 2 * kTopK, z.data(), 1, yv.data());
+        ops::situ_glu(ex_run, g.data(), u.data(), kTopK * kInter, 4.0f, 25.0f, g.data());
+        ops::matmul_many(ex_run, dv.data(), xv.data(), kTopK, 1, oy.data());
+        if (it > 0) times.push_back(now_s() - t0);  // the first call sizes the kernels' buffers
       }
-      next = (next + kTopK) % pool_n;
-      const double t0 = now_s();
-      ops::matmul_shared_input(ex, wv.data(), 2 * kTopK, z.data(), 1, yv.data());
-      ops::situ_glu(ex, g.data(), u.data(), kTopK * kInter, 4.0f, 25.0f, g.data());
-      ops::matmul_many(ex, dv.data(), xv.data(), kTopK, 1, oy.data());
-      if (it > 0) times.push_back(now_s() - t0);  // the first call sizes the kernels' buffers
-    }
-    c.expert_gemv_Bps = double(kTopK * per_expert) / median(times);
-    src["cpu.expert_gemv_Bps"] = "measured: median of " + std::to_string(times.size()) +
+      *samples = times.size();
+      return double(kTopK * per_expert) / median(times);
+    };
+    size_t n = 0;
+    c.expert_gemv_Bps = decode_rate(ex, &n);
+    src["cpu.expert_gemv_Bps"] = "measured: median of " + std::to_string(n) +
                                  " decode tokens (16 experts each, ops::matmul_shared_input + situ_glu + "
                                  "ops::matmul_many, numerics fast) over a pool of " +
                                  std::to_string(pool_n) + " distinct experts";
     say("  expert GEMV (decode): " + human_rate(c.expert_gemv_Bps));
+    c.expert_gemv_f32_Bps = decode_rate(ops::kF32, &n);
+    src["cpu.expert_gemv_f32_Bps"] = "measured: as cpu.expert_gemv_Bps in numerics fp32 (fp32 activations, the "
+                                     "hybrid placement's default), median of " +
+                                     std::to_string(n) + " decode tokens";
+    say("  expert GEMV (decode, fp32 activations): " + human_rate(c.expert_gemv_f32_Bps));
   }
   {
     // Prefill: `rows` rows per expert, whole experts spread over the threads (backend_cpu.cpp run_batch).

@@ -84,6 +84,7 @@ Calibration read_calibration(const std::string& path) {
     x.isa = r.text("isa", false);
     x.numerics = r.text("numerics", false);
     x.expert_gemv_Bps = r.rate("expert_gemv_Bps");
+    if (p->contains("expert_gemv_f32_Bps")) x.expert_gemv_f32_Bps = r.rate("expert_gemv_f32_Bps");  // (newer files)
     x.expert_gemm_flops = r.rate("expert_gemm_flops");
     x.expert_gemm_rows = r.count("expert_gemm_rows");
     x.bf16_gemv_Bps = r.rate("bf16_gemv_Bps");
@@ -159,6 +160,7 @@ std::string calibration_json(const Calibration& c) {
                 {"bf16_gemm_flops", x.bf16_gemm_flops},
                 {"mem_read_Bps", x.mem_read_Bps},
                 {"mem_copy_Bps", x.mem_copy_Bps}};
+    if (x.expert_gemv_f32_Bps > 0) j["cpu"]["expert_gemv_f32_Bps"] = x.expert_gemv_f32_Bps;
   } else {
     j["cpu"] = nullptr;
   }

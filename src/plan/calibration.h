@@ -16,6 +16,7 @@ struct CpuCalibration {
   int threads = 0;
   std::string isa, numerics;     // the kernel level and numerics the rates were taken with
   double expert_gemv_Bps = 0;    // MXFP4 routed-expert bytes per second, decode (one token, top_k experts)
+  double expert_gemv_f32_Bps = 0;  // the same in fp32 activations (the hybrid's default); 0: not recorded
   double expert_gemm_flops = 0;  // MXFP4 routed experts with `expert_gemm_rows` rows each (prefill), FLOP/s
   int64_t expert_gemm_rows = 0;
   double bf16_gemv_Bps = 0;    // BF16 weight bytes per second, decode GEMV

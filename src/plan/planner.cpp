@@ -62,6 +62,11 @@ struct Env {
   const PlanRequest& q;
 };
 
+// The hybrid placement's CPU expert GEMV rate: fp32 activations unless --cpu-experts-q8 (GpuOptions).
+double hybrid_cpu_expert_Bps(const Env& e) {
+  return e.q.cpu_experts_q8 ? e.r.cpu_expert_Bps.value : e.r.cpu_expert_f32_Bps.value;
+}
+
 double intra_rate(const Env& e) { return e.r.nvlink_Bps.value > 0 ? e.r.nvlink_Bps.value : e.r.pcie_Bps.value; }
 
 // Ring all-reduce of `bytes` over `ranks` GPUs (hierarchical when they span nodes: intra-node
@@ -121,8 +126,8 @@ DecodeTerms decode_gpu(const Env& e, const Layout& L, int64_t B) {
     const double share = groups_per_node(e, L.ep) / nodes_per_group(e, L.ep);
     const double miss_bytes = nm * (1 - L.hit) * d.distinct * share * s.expert_bytes;
     const double pairs = Bep * double(s.top_k) * (1 - L.hit) * share;  // token-expert products per layer
-    d.cpu_experts =
-        std::max(miss_bytes / r.cpu_expert_Bps.value, 2.0 * pairs * s.expert_params * nm / r.cpu_expert_flops.value);
+    d.cpu_experts = std::max(miss_bytes / hybrid_cpu_expert_Bps(e),
+                             2.0 * pairs * s.expert_params * nm / r.cpu_expert_flops.value);
     d.disk = miss_bytes * (1 - L.f_ram) / r.disk_Bps.value;
     d.pcie = nm * Bdp * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value;
     d.sync = nm * r.lat.sync.value;
@@ -167,7 +172,7 @@ DecodeTerms decode_gpu(const Env& e, const Layout& L, int64_t B) {
                      "CPU expert FLOP rate), miss bytes = MoE layers x (1 - hit) x distinct x "
                      "expert bytes",
                      "max(" + gb(nm * (1 - L.hit) * d.distinct * share * s.expert_bytes) + " / " +
-                         rate(r.cpu_expert_Bps.value) + ", 2 x " + num(Bep * double(s.top_k) * (1 - L.hit) * share) +
+                         rate(hybrid_cpu_expert_Bps(e)) + ", 2 x " + num(Bep * double(s.top_k) * (1 - L.hit) * share) +
                          " x " + num(s.expert_params) + " x " + num(nm) + " / " + fl(r.cpu_expert_flops.value) + ")",
                      d.cpu_experts));
     A.push_back(line("disk", "miss bytes x (1 - in RAM) / disk rate",
@@ -336,7 +341,7 @@ PrefillTerms prefill(const Env& e, const Layout& L, const Plan& p) {
       const double miss_bytes = nm * D * miss * share * s.expert_bytes;
       f.a_cpu =
           std::max(U * miss * share * f.flops_experts / r.cpu_expert_prefill_flops.value,
-                   miss_bytes / r.cpu_expert_Bps.value) +
+                   miss_bytes / hybrid_cpu_expert_Bps(e)) +
           miss_bytes * (1 - L.f_ram) / r.disk_Bps.value;
       f.a_pcie =
           nm * U * (2.0 * double(s.latent) * 4.0 + double(s.top_k) * 8.0) / r.pcie_Bps.value + nm * r.lat.sync.value;

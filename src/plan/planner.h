@@ -34,6 +34,9 @@ struct PlanRequest {
   std::optional<double> hot_experts;
   int tp = 0, ep = 0;                // 0: the planner chooses
   bool trunk_fp8 = false;            // plan the trunk in FP8 (--trunk-fp8)
+  // Hybrid: the CPU's experts with 8-bit activations (--cpu-experts-q8: the fast expert GEMV rate);
+  // else fp32 activations, the engine's default (cpu_expert_f32_Bps).
+  bool cpu_experts_q8 = false;
   std::string placement = "auto";    // auto | gpu | hybrid | cpu
 };
 

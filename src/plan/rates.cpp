@@ -47,6 +47,9 @@ const Efficiency kCpuCoreExpertBps{12.4e9,
                                    "per core, MXFP4 expert GEMV on 1 thread "
                                    "(docs/data/calibration-devvm-1thread.json)"};
 const Efficiency kCpuCoreBf16Bps{16.7e9, "per core, BF16 GEMV on 1 thread (docs/data/calibration-devvm-1thread.json)"};
+const Efficiency kCpuCoreExpertF32Bps{5.55e9,
+                                      "per core, MXFP4 expert GEMV in fp32 activations on 1 thread "
+                                      "(docs/data/calibration-devvm-1thread-2026-12-05.json)"};
 const Efficiency kCpuCoreExpertFlops{108e9,
                                      "per core, MXFP4 expert GEMM of 64 rows on 1 thread "
                                      "(docs/data/calibration-devvm-1thread.json)"};
@@ -164,6 +167,14 @@ Rates derive_rates(const Machine& m, const Calibration* cal, const Latencies& la
   if (cpu_cal) {
     const CpuCalibration& x = *cal->cpu;
     r.cpu_expert_Bps = from_cal(*cal, "cpu.expert_gemv_Bps", x.expert_gemv_Bps);
+    if (x.expert_gemv_f32_Bps > 0) {
+      r.cpu_expert_f32_Bps = from_cal(*cal, "cpu.expert_gemv_f32_Bps", x.expert_gemv_f32_Bps);
+    } else {  // (a calibration from before 2026-12-05): the fast rate x the measured fp32 / fast ratio of one core
+      const double f = kCpuCoreExpertF32Bps.value / kCpuCoreExpertBps.value;
+      r.cpu_expert_f32_Bps = {x.expert_gemv_Bps * f, "cpu.expert_gemv_Bps x " + std::to_string(f).substr(0, 4) +
+                                                         " (fp32 / fast activations on one dev VM core; the "
+                                                         "calibration has no cpu.expert_gemv_f32_Bps)"};
+    }
     r.cpu_expert_flops = from_cal(*cal, "cpu.expert_gemm_flops", x.expert_gemm_flops);
     r.cpu_bf16_Bps = from_cal(*cal, "cpu.bf16_gemv_Bps", x.bf16_gemv_Bps);
     r.cpu_bf16_flops = from_cal(*cal, "cpu.bf16_gemm_flops", x.bf16_gemm_flops);
@@ -172,6 +183,7 @@ Rates derive_rates(const Machine& m, const Calibration* cal, const Latencies& la
       if (s->rfind("--", 0) == 0) r.notes.push_back(*s + " overridden by the calibration's CPU part");
   } else {
     r.cpu_expert_Bps = cpu_bound(m, kCpuCoreExpertBps);
+    r.cpu_expert_f32_Bps = cpu_bound(m, kCpuCoreExpertF32Bps);
     r.cpu_bf16_Bps = cpu_bound(m, kCpuCoreBf16Bps);
     r.cpu_mem_Bps = nominal(m.cpu_bw.value, human_rate(m.cpu_bw.value) + " DRAM (" + m.cpu_bw.source + ")", kEffCpuMem);
     const auto per_core = [&](const Efficiency& e) -> Sourced<double> {

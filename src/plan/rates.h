@@ -26,7 +26,8 @@ extern const Efficiency kEffGpuGemm;
 extern const Efficiency kEffCpuMem;
 extern const Efficiency kEffPcie, kEffDisk, kEffNvlink, kEffNet;
 // Per-core caps of the CPU rates (the rates are min(bandwidth x eff, cores x per-core rate)).
-extern const Efficiency kCpuCoreExpertBps, kCpuCoreBf16Bps, kCpuCoreExpertFlops, kCpuCoreBf16Flops;
+extern const Efficiency kCpuCoreExpertBps, kCpuCoreBf16Bps, kCpuCoreExpertFlops, kCpuCoreBf16Flops,
+    kCpuCoreExpertF32Bps;
 extern const Efficiency kCpuCoreExpertFlopsAmx, kCpuCoreBf16FlopsAmx;  // the amx level's GEMMs
 
 // Latencies (seconds), with the flags that set them.
@@ -49,6 +50,8 @@ struct Rates {
   Sourced<double> pcie_Bps, nvlink_Bps, net_Bps;
   // CPU, per node.
   Sourced<double> cpu_expert_Bps, cpu_expert_flops, cpu_bf16_Bps, cpu_bf16_flops, cpu_mem_Bps;
+  // The CPU expert GEMV in fp32 activations: the hybrid placement's CPU experts (unless --cpu-experts-q8).
+  Sourced<double> cpu_expert_f32_Bps;
   // The GEMM rates of prefill chunks: the same as above except on AMX cores (Machine::cpu_amx), whose
   // tiles serve the prefill GEMMs only (a decode step's rows run as GEMVs, each sequence's alone).
   Sourced<double> cpu_expert_prefill_flops, cpu_bf16_prefill_flops;

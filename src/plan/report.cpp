@@ -179,6 +179,7 @@ std::string format_json(const ReportInput& in) {
   add("nvlink_Bps", r.nvlink_Bps);
   add("net_Bps", r.net_Bps);
   add("cpu_expert_gemv_Bps", r.cpu_expert_Bps);
+  add("cpu_expert_gemv_f32_Bps", r.cpu_expert_f32_Bps);
   add("cpu_expert_gemm_flops", r.cpu_expert_flops);
   add("cpu_bf16_gemv_Bps", r.cpu_bf16_Bps);
   add("cpu_bf16_gemm_flops", r.cpu_bf16_flops);
@@ -201,6 +202,7 @@ std::string format_json(const ReportInput& in) {
                   {"tp", q.tp},
                   {"ep", q.ep},
                   {"trunk_fp8", q.trunk_fp8},
+                  {"cpu_experts_q8", q.cpu_experts_q8},
                   {"placement", q.placement}};
   j["plan"] = plan_json(in.result.best);
   // Every placement evaluated, in short (the chosen one is "plan" above, with all its terms).
@@ -271,6 +273,7 @@ std::string format_text(const ReportInput& in) {
     }
   }
   o += rate_row("CPU expert GEMV", r.cpu_expert_Bps, false);
+  o += rate_row("CPU expert GEMV fp32", r.cpu_expert_f32_Bps, false);
   o += rate_row("CPU expert GEMM", r.cpu_expert_flops, true);
   o += rate_row("CPU BF16 GEMV", r.cpu_bf16_Bps, false);
   o += rate_row("CPU BF16 GEMM", r.cpu_bf16_flops, true);

@@ -155,6 +155,11 @@ GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tok
   return o;
 }
 
+void check_cpu_experts_q8(bool q8, bool experts_on_cpu) {
+  if (q8 && !experts_on_cpu)
+    fail("--cpu-experts-q8 goes with --cpu-experts (the numerics of the routed experts the CPU computes)");
+}
+
 double parse_hot_experts(const std::string& value, bool experts_on_cpu) {
   if (value.empty() || value == "0") return 0;
   if (!experts_on_cpu)

@@ -98,6 +98,8 @@ GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tok
 // --hot-experts VALUE: "" or "0" -> 0 (none), "auto" -> GpuOptions::kHotExpertsAuto, a fraction in
 // (0, 1]; a one-line error otherwise, or without experts_on_cpu.
 double parse_hot_experts(const std::string& value, bool experts_on_cpu);
+// --cpu-experts-q8 (GpuOptions::cpu_experts_q8) without --cpu-experts: k3::Error (one line).
+void check_cpu_experts_q8(bool q8, bool experts_on_cpu);
 
 // End-of-sequence ids: config.json's eos_token_id and generation_config.json's eos_token_id (an int
 // or a list), those inside the model's vocabulary, without repeats, in that order.

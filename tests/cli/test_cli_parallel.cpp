@@ -136,6 +136,12 @@ TEST(CliPlacement, PrefillExpertsNeedCpuExpertsAndAKnownValue) {
                "--prefill-experts goes with --cpu-experts");
   expect_error(run_k3("bench " + nano + " --device cuda --cpu-experts --prefill-experts disk" + tail), "bench",
                "--prefill-experts: unknown value 'disk' (auto, cpu or gpu)");
+  // --cpu-experts-q8 (8-bit activations for the CPU's experts) likewise, on every command that has it.
+  for (const std::string sub : {"run", "bench", "serve"}) {
+    const std::string t = sub == "run" ? " -p hi -n 2" : sub == "bench" ? tail : " --port 0";
+    expect_error(run_k3(sub + " " + nano + " --device cuda --cpu-experts-q8" + t), sub,
+                 "--cpu-experts-q8 goes with --cpu-experts");
+  }
 }
 
 // k3 info --cpu-experts [--hot-experts F]: the GPU line leaves the routed experts in host RAM (and

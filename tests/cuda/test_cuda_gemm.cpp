@@ -82,14 +82,9 @@ std::vector<float> gpu_matmul(const k3::WeightMat& dev_w, const std::vector<floa
   return k3test::from_dev<float>(dy, size_t(T * dev_w.rows));
 }
 
-// Rows [r0, r0 + n) of a host or device view (contiguous rows; MXFP4 scales follow).
-k3::WeightMat row_view(const k3::WeightMat& W, int64_t r0, int64_t n) {
-  k3::WeightMat v = W;
-  v.rows = n;
-  v.data = static_cast<const uint8_t*>(W.data) + r0 * int64_t(k3test::weight_data_bytes(W) / size_t(W.rows));
-  if (W.fmt == WFormat::MXFP4) v.scales = W.scales + r0 * (W.cols / 32);
-  return v;
-}
+// Rows [r0, r0 + n) of a host or device view (k3::rows_of: MXFP4 scales follow, FP8 views keep their
+// block row, or their per-row scales in the GPU form).
+k3::WeightMat row_view(const k3::WeightMat& W, int64_t r0, int64_t n) { return k3::rows_of(W, r0, n); }
 
 // The check every matmul result gets: all written, and within the tolerance of its path.
 void expect_matches(const std::vector<float>& y, const std::vector<float>& exact, const std::vector<float>& rounded,

@@ -305,6 +305,39 @@ TEST(TrunkFp8, QuantisesTheTrunkOnly) {
 
 // The bf16 pages of the replaced tensors go back to the kernel: with every page of the mapping read
 // in first, the resident set shrinks by about what was released, less the FP8 copy it now holds.
+// What the FP8 trunk takes on the GPU (TrunkFp8Bytes::after_gpu, and so the GPU memory plan and
+// k3 info): every FP8 matrix as E4M3 codes plus an fp32 scale per row and 128 columns, except an MLA
+// layer's kv_b_proj, uploaded in fp32; counted here from the shapes, on K3-nano and Kimi Linear.
+TEST(TrunkFp8, GpuBytesArePerRowScalesAndKvBInFp32) {
+  for (const std::string name : {"k3-nano", "kl-tiny"}) {
+    SCOPED_TRACE(name);
+    auto base = k3::Model::load(dir_of(name));
+    const k3::GpuMemoryPlan before = k3::gpu_memory_plan(*base, k3::GpuOptions{}, 64);
+    auto m = k3::Model::load(dir_of(name));
+    const k3::TrunkFp8Report rep = m->quantize_trunk_fp8();
+    uint64_t want = 0;
+    int64_t kv_b = 0;
+    std::vector<const void*> seen;
+    for (const k3::LayerWeights& l : m->weights().layers)
+      if (!l.is_kda && l.mla.kv_b_proj.fmt == k3::WFormat::FP8) ++kv_b;
+    k3::for_each_weight(
+        m->weights(),
+        [&](const k3::WeightMat& w, k3::WeightRole) {
+          if (w.fmt != k3::WFormat::FP8 || std::find(seen.begin(), seen.end(), w.data) != seen.end()) return;
+          seen.push_back(w.data);
+          const uint64_t n = uint64_t(w.rows) * uint64_t(w.cols);
+          want += k3::is_mla_kv_b(m->weights(), w) ? 4 * n : n + 4 * uint64_t(w.rows) * uint64_t((w.cols + 127) / 128);
+        },
+        [](const k3::FVec&) {});
+    EXPECT_GT(kv_b, 0);
+    EXPECT_EQ(rep.bytes.after_gpu, want);
+    EXPECT_EQ(k3::trunk_fp8_bytes(base->weights()).after_gpu, want);  // (counted before quantising, as k3 info does)
+    // The plan's weights move by exactly the trunk's bf16 bytes against its GPU form.
+    const k3::GpuMemoryPlan after = k3::gpu_memory_plan(*m, k3::GpuOptions{}, 64);
+    EXPECT_EQ(after.weights, before.weights - rep.bytes.before + rep.bytes.after_gpu);
+  }
+}
+
 TEST(TrunkFp8, ReleasesTheReplacedPages) {
   auto m = k3::Model::load(dir_of("k3-nano"));
   m->checkpoint().prefault([](uint64_t, uint64_t) {});

@@ -82,6 +82,7 @@ Rates round_rates() {
   r.nvlink_Bps = v(4e11);
   r.net_Bps = v(4e10);
   r.cpu_expert_Bps = v(5e11);
+  r.cpu_expert_f32_Bps = v(2.5e11);  // the hybrid's CPU experts (fp32 activations)
   r.cpu_expert_flops = v(1e13);
   r.cpu_bf16_Bps = v(4e11);
   r.cpu_bf16_flops = v(5e12);
@@ -337,7 +338,14 @@ TEST(PlanArithmetic, HybridDecodeBatch1IsTheDocumentedFormula) {
   near_rel(d.gpu_state, (2 * s.kda_state_bytes + 4096 * s.mla_bytes_per_token) / 2e12);
   EXPECT_NEAR(d.distinct, 16, 1e-12);
   near_rel(d.gpu_experts, nm * hit * 16 * (eb / 1e12));
-  near_rel(d.cpu_experts, std::max(nm * (1 - hit) * 16 * eb / 5e11, 2 * 16 * (1 - hit) * s.expert_params * nm / 1e13));
+  near_rel(d.cpu_experts, std::max(nm * (1 - hit) * 16 * eb / 2.5e11, 2 * 16 * (1 - hit) * s.expert_params * nm / 1e13));
+  {  // --cpu-experts-q8: the fast (8-bit activation) expert GEMV rate instead of the fp32 one
+    PlanRequest q8 = q;
+    q8.cpu_experts_q8 = true;
+    const Plan p8 = evaluate(k3cfg(), s, m, r, q8, "hybrid", 1, 1);
+    near_rel(p8.decode1.cpu_experts,
+             std::max(nm * (1 - hit) * 16 * eb / 5e11, 2 * 16 * (1 - hit) * s.expert_params * nm / 1e13));
+  }
   EXPECT_DOUBLE_EQ(d.disk, 0);  // 2 TiB of RAM holds every expert
   near_rel(d.pcie, nm * (2 * 3584 * 4 + 16 * 8) / 5e10);
   near_rel(d.sync, nm * 2e-5);

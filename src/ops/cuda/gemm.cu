@@ -95,8 +95,9 @@ struct GemvCfg {
   static constexpr int tile_f4() { return 32 * U() * chunk_f4<F>(); }  // float4s per token per tile (a power of 2)
   // MXFP4 decodes weights with a 2^-126 factor (decode_fp4x8): when T <= R it is cheaper to lift
   // the activations by 2^64 (exact while |x| < 2^64; products stay normal for |x| > 2^-64) and drop
-  // 2^62 at each block end than to lift every decoded weight.
-  static constexpr bool lift_x() { return F == WFormat::MXFP4 && T <= rows(); }
+  // 2^62 at each block end than to lift every decoded weight. FP8 decodes with 2^-120
+  // (decode_e4m3x4_lo) and always lifts the activations.
+  static constexpr bool lift_x() { return (F == WFormat::MXFP4 && T <= rows()) || F == WFormat::FP8; }
 };
 
 // Position of float4 f of a staged x tile: XOR of the low 3 bits with bits 3..5 spreads the 8
@@ -148,15 +149,16 @@ __device__ __forceinline__ void decode_fp4x8(uint32_t q, float (&w)[8]) {
   w[7] = __uint_as_float((p3 * 0x00000104u) & kKeep);
 }
 
-// Four E4M3 codes (code i in bits 8i..8i+7) as fp32, exactly (every E4M3 value is an fp16 value;
-// the quantiser never writes the NaN codes).
-__device__ __forceinline__ void decode_e4m3x4(uint32_t q, float (&w)[4]) {
-  const float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q & 0xffffu), __NV_E4M3)));
-  const float2 b = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(q >> 16), __NV_E4M3)));
-  w[0] = a.x;
-  w[1] = a.y;
-  w[2] = b.x;
-  w[3] = b.y;
+// Four E4M3 codes (code i in bits 8i..8i+7) as fp32 times 2^-120, exactly, in integer work (the GEMV's
+// decode; conversions run at a quarter of the integer rate): a code's 7 magnitude bits placed at fp32
+// bits 20..26 and its sign at 31 read as its value x 2^-120, subnormal codes as fp32 subnormals.
+// The GEMV lifts the activations by 2^64 and drops 2^56 at each chunk's scale (as MXFP4 lifts by
+// 2^64 and drops 2^62), so the products are those of the codes' values scaled by 2^-56.
+__device__ __forceinline__ void decode_e4m3x4_lo(uint32_t q, float (&w)[4]) {
+  w[0] = __uint_as_float(((q & 0x7fu) << 20) | ((q & 0x80u) << 24));
+  w[1] = __uint_as_float(((q & 0x7f00u) << 12) | ((q & 0x8000u) << 16));
+  w[2] = __uint_as_float(((q & 0x7f0000u) << 4) | ((q & 0x800000u) << 8));
+  w[3] = __uint_as_float(((q >> 4) & 0x07f00000u) | (q & 0x80000000u));
 }
 
 // W[row, c] of any format, one element (the generic paths: unaligned rows, tiles, tails). FP8: the
@@ -256,7 +258,7 @@ __device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float w[4];
-        decode_e4m3x4(k == 0 ? wv[r].x : k == 1 ? wv[r].y : k == 2 ? wv[r].z : wv[r].w, w);
+        decode_e4m3x4_lo(k == 0 ? wv[r].x : k == 1 ? wv[r].y : k == 2 ? wv[r].z : wv[r].w, w);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
           float a = part[r][t];
@@ -271,7 +273,7 @@ __device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (
     for (int r = 0; r < R; ++r) {
       const float sf = __uint_as_float(sc[r]);
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(part[r][t], sf, acc[r][t]);
+      for (int t = 0; t < T; ++t) acc[r][t] = fmaf(part[r][t] * 0x1p56f, sf, acc[r][t]);  // x 2^-56 undone
     }
   } else {
     constexpr bool kLiftX = T <= R;  // == GemvCfg::lift_x() for the R the callers use
@@ -370,7 +372,7 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
   const int lane = threadIdx.x & 31;
   if constexpr (VEC) {
     constexpr int E4 = chunk_f4<F>();
-    constexpr float kLift = (F == WFormat::MXFP4 && T <= R) ? 0x1p64f : 1.0f;
+    constexpr float kLift = ((F == WFormat::MXFP4 && T <= R) || F == WFormat::FP8) ? 0x1p64f : 1.0f;
     const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
     const uint8_t* wr[R];
     const uint8_t* sr[R];
@@ -779,9 +781,9 @@ __device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, cons
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         float w[4];
-        decode_e4m3x4(q[i], w);
-        out[2 * i] = pack_bf16x2(w[0], w[1]);  // exact: E4M3 values are bf16 values
-        out[2 * i + 1] = pack_bf16x2(w[2], w[3]);
+        decode_e4m3x4_lo(q[i], w);  // x 2^120 below: exact; E4M3 values are bf16 values
+        out[2 * i] = pack_bf16x2(w[0] * 0x1p120f, w[1] * 0x1p120f);
+        out[2 * i + 1] = pack_bf16x2(w[2] * 0x1p120f, w[3] * 0x1p120f);
       }
     } else {
 #pragma unroll
