@@ -6,7 +6,7 @@
 #     the CPU (--prefill-experts cpu), streamed to the GPU (gpu) and auto, beside all on the GPU.
 # Run on the GPU machine after `bash scripts/cuda_test.sh` packed build-cuda-stage/cli.tar.xz here:
 #   run(command="bash scripts/device_round.sh fp8prefill", carry=["build-cuda-stage/cli.tar.xz"])
-# Writes $OUT (or build-cuda-stage/out): fp8-{bf16,fp8}.{md,json}, prefill-{gpu,cpu,stream,auto}.{md,json}.
+# Writes $OUT (or build-cuda-stage/out): fp8-{bf16,fp8}.{md,json}, prefill-{allgpu,cpu,gpu,auto}.{md,json}.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -24,7 +24,7 @@ bench() {  # bench NAME ARGS...
 }
 bench fp8-bf16 -p 512 -n 64 -r 5 --graphs on
 bench fp8-fp8 -p 512 -n 64 -r 5 --graphs on --trunk-fp8
-bench prefill-gpu -p 2048 -n 0 -r 3
+bench prefill-allgpu -p 2048 -n 0 -r 3
 for mode in cpu gpu auto; do
   bench "prefill-$mode" -p 2048 -n 0 -r 3 --cpu-experts --prefill-experts $mode
 done

@@ -31,6 +31,8 @@ run() {  # run NAME ARGS...: one plan, JSON into docs/data/plan-NAME.json
 }
 # (a) 1 x H200 + the 2-socket DDR5 server, GPU rates from the recorded H200 runs.
 run a-h200-ddr5 --gpus 1xH200 $SERVER --calibration $REC --batch 32
+# (a) with the CPU's experts in 8-bit activations (k3 run --cpu-experts-q8): the fast expert GEMV rate.
+run a-h200-ddr5-q8 --gpus 1xH200 $SERVER --calibration $REC --batch 32 --cpu-experts-q8
 # (b) 1 x H100 80 GB with the FP8 trunk (planned: k3 run has no FP8 trunk yet), same host; no H100
 #     record exists, so its rates are nominal (datasheet x the efficiencies the H200 records showed).
 #     Batch 8: the fp32 state of 32 sequences (22 GB at 4096 tokens) does not fit beside the trunk.

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DATA = os.path.join(ROOT, "docs", "data")
 CASES = [
     ("a-h200-ddr5", "(a) 1 x H200 + 2-socket DDR5 server"),
+    ("a-h200-ddr5-q8", "(a) with --cpu-experts-q8 (8-bit activations for the CPU's experts)"),
     ("b-h100-fp8", "(b) 1 x H100 80 GB, FP8 trunk"),
     ("b-h100-fp8-batch32", "(b) at batch 32 (the state does not fit the GPU)"),
     ("c-cpu-1.5tib", "(c) CPU only, 1.5 TiB RAM"),

@@ -80,12 +80,16 @@ constexpr int chunk_f4() {
 // decode (~2.1 TB/s at T = 1; overlapping loads with math did not move it). SMEM path: x tiles
 // staged in shared memory (swizzled, conflict-free 128-bit reads), the next tile's weight loads
 // issued before the current tile is computed (double-buffered in registers; BF16 T = 8 went from
-// 1.5 to 1.9 TB/s); MXFP4 always, the others from 2 tokens (at T = 1 their direct loads are cheap,
-// and one row per warp, the smallest work unit, balances the tail across SMs best: 3.7 TB/s).
+// 1.5 to 1.9 TB/s); MXFP4 and FP8 always, the others from 2 tokens (at T = 1 their direct loads are
+// cheap, and one row per warp, the smallest work unit, balances the tail across SMs best: 3.7 TB/s).
+// FP8 at T = 1 read directly was bound by (1): 64 bytes of x per 16 weight bytes, 31.6% of HBM on
+// the H100 (docs/data/fp8-gpu-2026-12-05.json).
 template <WFormat F, int T>
 struct GemvCfg {
-  static constexpr bool smem() { return F == WFormat::MXFP4 || T >= 2; }
-  static constexpr int rows() { return F == WFormat::MXFP4 ? (T <= 4 ? 4 : 2) : T == 1 ? 1 : T > 4 ? 4 : 2; }
+  static constexpr bool smem() { return F == WFormat::MXFP4 || F == WFormat::FP8 || T >= 2; }
+  static constexpr int rows() {
+    return F == WFormat::MXFP4 ? (T <= 4 ? 4 : 2) : T == 1 ? (F == WFormat::FP8 ? 2 : 1) : T > 4 ? 4 : 2;
+  }
   // Loads per lane per step: the SMEM path holds two steps' worth (double buffer); the direct path
   // relies on other warps, and above 4 tokens its registers go to the accumulators.
   static constexpr int loads() { return smem() ? (F == WFormat::MXFP4 && T > 4 ? 2 : 4) : T > 4 ? 4 : 8; }
