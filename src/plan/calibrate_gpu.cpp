@@ -1,12 +1,15 @@
 // The GPU part of `k3 plan --calibrate` (see calibrate.h): the engine's CUDA kernels at K3's shapes
 // (BF16 GEMV and 16-row GEMV, the MXFP4 experts of a decode token, prefill products, copy bandwidth,
-// pinned PCIe copies), timed with device events; without K3_CUDA or a GPU it refuses in one line.
-// Must not: run in the planner. Compiled in K3_CUDA builds; not yet run on a GPU.
+// pinned PCIe copies, the hybrid's per-MoE-layer handoff), timed with device events or the host
+// clock; without K3_CUDA or a GPU it refuses in one line.
+// Must not: run in the planner.
 #include <algorithm>
+#include <chrono>
 #include <random>
 #include <vector>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "plan/calibrate.h"
 #include "plan/machine.h"
 #include "plan/units.h"
@@ -187,6 +190,35 @@ GpuCalibration measure_gpu(const CalibrateOptions& o, std::map<std::string, std:
     src["gpu.pcie_h2d_Bps"] = "measured: 4 x 1 GiB pinned host -> device copies";
     src["gpu.pcie_d2h_Bps"] = "measured: 4 x 1 GiB device -> pinned host copies";
     say("  PCIe h2d " + human_rate(g.pcie_h2d_Bps) + ", d2h " + human_rate(g.pcie_d2h_Bps));
+  }
+
+  // ---- The hybrid's handoff per MoE layer, as backend_cuda.cpp's routed_on_cpu does it for one
+  // decode row of K3 (top-16, latent 3584): the routing (ids, weights) and the activations to pinned
+  // host memory, each copy waited for; the CPU's thread pool started for two regions (the experts'
+  // gate/up and down; no work in them here); the sum back and the stream waited for.
+  {
+    constexpr int64_t kK = 16, kLat = 3584;
+    const size_t small = size_t(kK) * 4, row = size_t(kLat) * 4;
+    auto* host = static_cast<char*>(cuda::host_alloc_pinned(2 * small + 2 * row));
+    cuda::DevBuf dev(2 * small + 2 * row, "calibration handoff buffer");
+    std::vector<double> times;
+    for (int i = 0; i < 201; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      cuda::d2h(host, dev.get(), small, s);
+      cuda::d2h(host + small, static_cast<char*>(dev.get()) + small, small, s);
+      cuda::d2h(host + 2 * small, static_cast<char*>(dev.get()) + 2 * small, row, s);
+      for (int r = 0; r < 2; ++r) par::parallel_for_each(par::max_threads(), [](int64_t) {});
+      cuda::h2d(static_cast<char*>(dev.get()) + 2 * small + row, host + 2 * small + row, row, s);
+      cuda::sync(s);
+      if (i > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+    g.handoff_s = times[times.size() / 2];
+    cuda::host_free_pinned(host);
+    src["gpu.handoff_s"] = "measured: median of 200 handoffs of one decode row (3 copies to the host, each waited "
+                           "for; 2 thread-pool regions of " +
+                           std::to_string(par::max_threads()) + " threads; 1 copy back and a stream sync)";
+    say("  GPU <-> CPU handoff per MoE layer " + std::to_string(g.handoff_s * 1e6).substr(0, 5) + " us");
   }
   cuda::stream_destroy(s);
   return g;

@@ -128,6 +128,12 @@ Calibration read_calibration(const std::string& path) {
         fail(path + ": gpu.layer_s must be a number of seconds in [0, 1]");
       x.layer_s = v.get<double>();
     }
+    if (p->contains("handoff_s") && !(*p)["handoff_s"].is_null()) {
+      const Json& v = (*p)["handoff_s"];
+      if (!v.is_number() || !(v.get<double>() >= 0) || v.get<double>() > 1)
+        fail(path + ": gpu.handoff_s must be a number of seconds in [0, 1]");
+      x.handoff_s = v.get<double>();
+    }
     c.gpu = x;
   }
   if (!c.cpu && !c.disk && !c.gpu) fail(path + ": the calibration has no cpu, disk or gpu part");
@@ -193,6 +199,7 @@ std::string calibration_json(const Calibration& c) {
       j["gpu"]["pcie_d2h_Bps"] = nullptr;
     }
     j["gpu"]["layer_s"] = x.layer_s >= 0 ? Json(x.layer_s) : Json(nullptr);
+    j["gpu"]["handoff_s"] = x.handoff_s >= 0 ? Json(x.handoff_s) : Json(nullptr);
   } else {
     j["gpu"] = nullptr;
   }

@@ -49,6 +49,10 @@ struct GpuCalibration {
   // mixes, router, state preparation, attention, the gaps between launches); 0 where trunk_gemv_Bps
   // already holds it (rates from whole-layer timings); < 0: not recorded (the planner's default).
   double layer_s = -1;
+  // The hybrid placement's handoff per MoE layer (the rows' routing and activations to the host, the
+  // CPU's thread pool started twice, the sum back, the stream waiting): seconds; < 0: not measured
+  // (the planner's --sync-us default).
+  double handoff_s = -1;
 };
 
 struct Calibration {

@@ -137,6 +137,8 @@ Rates derive_rates(const Machine& m, const Calibration* cal, const Latencies& la
       r.gpu_expert_gemm_flops = from_cal(*cal, "gpu.expert_gemm_flops", x.expert_gemm_flops);
       if (x.layer_s >= 0 && lat.gpu_layer.source.rfind("--layer-us", 0) != 0)
         r.lat.gpu_layer = from_cal(*cal, "gpu.layer_s", x.layer_s);
+      if (x.handoff_s >= 0 && lat.sync.source.rfind("--sync-us", 0) != 0)
+        r.lat.sync = from_cal(*cal, "gpu.handoff_s", x.handoff_s);
     } else {
       if (g.hbm_Bps <= 0 || g.bf16_flops <= 0)
         fail("GPU " + g.name +

@@ -163,6 +163,29 @@ TEST(CliPlan, GpuLayerTermFromDefaultCalibrationOrFlag) {
   fs::remove(bad);
 }
 
+// The hybrid's handoff per MoE layer: 20 us assumed by default, the calibration's gpu.handoff_s where
+// it records one (k3 plan --calibrate measures it on a GPU machine), --sync-us over both; a bad value
+// in the file is one line.
+TEST(CliPlan, HandoffFromCalibrationOrFlag) {
+  const std::string k3 = "--config " + quote(kK3) + kServerA + " --placement hybrid";
+  std::ifstream in(kRecorded);
+  nlohmann::json c = nlohmann::json::parse(in);
+  c["gpu"]["handoff_s"] = 1.5e-4;
+  const fs::path with = fs::temp_directory_path() / ("k3plan_handoff_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(with) << c.dump();
+  const nlohmann::json def = plan_json(k3), cal = plan_json(k3 + " --calibration " + quote(with.string())),
+                       flag = plan_json(k3 + " --calibration " + quote(with.string()) + " --sync-us 50");
+  EXPECT_DOUBLE_EQ(def["rates"]["sync_s"]["value"].get<double>(), 20e-6);
+  EXPECT_DOUBLE_EQ(cal["rates"]["sync_s"]["value"].get<double>(), 1.5e-4);
+  EXPECT_NE(cal["rates"]["sync_s"]["source"].get<std::string>().find("gpu.handoff_s"), std::string::npos);
+  EXPECT_DOUBLE_EQ(flag["rates"]["sync_s"]["value"].get<double>(), 50e-6);
+  EXPECT_NEAR(cal["plan"]["decode_batch1"]["sync_s"].get<double>(), 92 * 1.5e-4, 1e-12);
+  c["gpu"]["handoff_s"] = "soon";
+  std::ofstream(with) << c.dump();
+  expect_one_line_error(k3 + " --calibration " + quote(with.string()), "gpu.handoff_s");
+  fs::remove(with);
+}
+
 TEST(CliPlan, BadInputsAreOneLineErrors) {
   const std::string k3 = "--config " + quote(kK3);
   expect_one_line_error(k3 + " --gpus 8xB300", "unknown GPU 'B300'");
