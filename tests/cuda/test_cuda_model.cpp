@@ -87,6 +87,13 @@ std::unique_ptr<k3::Model> hybrid_model(const fs::path& dir, double hot, int64_t
   return m;
 }
 
+// 40 token ids spread over the vocabulary (never 0), the prompt of the placement gates.
+std::vector<int32_t> ids40(const k3::Model& m) {
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (m.dims().vocab - 1) + 1));
+  return ids;
+}
+
 // Greedy with the pick made on the device (ForwardOptions::argmax_out): no logits come back.
 std::vector<int32_t> greedy_on_device(const k3::Model& m, const std::vector<int32_t>& prompt, int n,
                                       k3::ForwardOptions o) {
@@ -258,8 +265,7 @@ TEST(CudaModel, ExpertsOnTheCpuGiveTheSameTokens) {
     auto cpu = k3::Model::load(dir.string());
     auto all_gpu = gpu_model(dir);
     auto hybrid = hybrid_model(dir, 0);
-    std::vector<int32_t> ids;
-    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
+    const std::vector<int32_t> ids = ids40(*cpu);
     const auto base = full_pass(*cpu, ids, mode(k3::ops::Numerics::Exact));
     const bool trained = dir == nano();  // the bf16 gate holds on the trained model (random tiny: reported)
     check_paths(*hybrid, ids, base, kF32, kFp32Tol, "experts on the CPU");
@@ -287,8 +293,7 @@ TEST(CudaModel, StreamedPrefillExpertsEqualAllOnTheGpu) {
     if (!fs::exists(dir / "config.json")) GTEST_SKIP() << "absent: " << dir;
     SCOPED_TRACE(dir.filename().string());
     auto all_gpu = gpu_model(dir);
-    std::vector<int32_t> ids;
-    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (all_gpu->dims().vocab - 1) + 1));
+    const std::vector<int32_t> ids = ids40(*all_gpu);
     size_t per_expert = 0;
     for (const k3::LayerWeights& l : all_gpu->weights().layers)
       if (!l.dense_ffn && !l.moe.experts.empty()) {
@@ -332,8 +337,7 @@ TEST(CudaModel, HotExpertCacheGivesTheSameTokens) {
     auto cpu = k3::Model::load(dir.string());
     auto all_gpu = gpu_model(dir);
     auto hot = hybrid_model(dir, 0.5, 16);
-    std::vector<int32_t> ids;
-    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
+    const std::vector<int32_t> ids = ids40(*cpu);
     const std::vector<int32_t> prompt(ids.begin(), ids.begin() + 20);  // fills the cache (>= 16 tokens)
     const auto want = greedy(*all_gpu, prompt, 16, mode(kF32));
     EXPECT_EQ(greedy(*hot, prompt, 16, mode(kF32)), want) << "fp32 greedy: hot experts vs all on the GPU";
@@ -394,8 +398,7 @@ TEST(CudaModel, TrunkFp8MatchesTheCpu) {
                 (unsigned long long)rep.bytes.after, (unsigned long long)rep.bytes.after_gpu, plan.weights, placed);
     EXPECT_GT(rep.bytes.matrices, 0);
     EXPECT_LE(double(plan.weights), double(placed));  // placed = weights (+ 256-byte alignment) + workspace
-    std::vector<int32_t> ids;
-    for (int i = 0; i < 40; ++i) ids.push_back(int32_t((i * 7919 + 13) % (cpu->dims().vocab - 1) + 1));
+    const std::vector<int32_t> ids = ids40(*cpu);
     const auto base = full_pass(*cpu, ids, mode(k3::ops::Numerics::Exact));
     const bool trained = dir == nano();  // the bf16 gate holds on the trained model (random tiny: reported)
     check_paths(*gpu, ids, base, kF32, kFp32Tol, "FP8 trunk");
