@@ -43,6 +43,8 @@ struct EngineOptions {
   std::string hot_experts;        // with cpu_experts: a GPU cache of the most routed experts ("0.25", "auto"; "" none)
   bool cpu_experts_q8 = false;    // with cpu_experts: the CPU's experts with 8-bit activations (faster; tokens may
                                   // differ from all on the GPU at near ties)
+  std::string gpu_mem;            // cuda: at most this much GPU memory ("40G"); where the model does not fit, the
+                                  // routed experts stay in host RAM and as many as fit are cached ("": the free memory)
   int tp = 1, ep = 1;             // split the model over tp (tensor) / ep (expert) parallel ranks in this
                                   // process (CPU only; same output as one rank: docs/multi-gpu.md)
   bool trunk_fp8 = false;         // hold the trunk in FP8 (E4M3, 128 x 128 block scales), quantised at

@@ -12,6 +12,7 @@
 #include "model/model.h"
 #include "ops/cpu/isa.h"
 #include "runtime/loader.h"
+#include "runtime/memory.h"
 #include "runtime/sampler.h"
 #include "tokenizer/tokenizer.h"
 
@@ -51,6 +52,7 @@ void check_options(const EngineOptions& o) {
     fail("cpu_experts goes with device=cuda (on the CPU every routed expert is the CPU's already)");
   parse_hot_experts(o.hot_experts, o.cpu_experts);  // (its one-line error)
   check_cpu_experts_q8(o.cpu_experts_q8, o.cpu_experts);
+  check_gpu_mem(o.gpu_mem, o.device == "cuda");
   if (!o.hot_experts.empty() && o.hot_experts != "0" && !o.ram_budget.empty())
     fail("hot_experts caches routed experts held in host RAM; with ram_budget they are read from disk (not both)");
   if (o.step_tokens < 1 || o.step_tokens > (int64_t(1) << 20))
@@ -131,6 +133,10 @@ std::unique_ptr<Engine> Engine::load(const EngineOptions& options) {
     GpuOptions go = gpu_options_for(options.cuda_graphs, options.step_tokens, im->max_ctx, im->lc.ram_budget == 0,
                                     options.cpu_experts, parse_hot_experts(options.hot_experts, options.cpu_experts));
     go.cpu_experts_q8 = options.cpu_experts_q8;
+    if (!options.gpu_mem.empty()) {
+      go.gpu_mem = size_t(parse_size(options.gpu_mem, "gpu_mem"));
+      go = fit_gpu_mem(m, go);
+    }
     m.use_gpu(go);
   } else {
     m.set_max_step_rows(options.step_tokens);

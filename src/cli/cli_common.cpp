@@ -95,6 +95,7 @@ void RunEngineFlags::add(CLI::App* app) {
   add_cpu_experts_option(app, cpu_experts);
   add_hot_experts_option(app, hot_experts);
   add_cpu_experts_q8_option(app, cpu_experts_q8);
+  add_gpu_mem_option(app, gpu_mem);
 }
 
 void add_trunk_fp8_option(CLI::App* app, bool& on) {
@@ -153,7 +154,8 @@ std::string gpu_fit_line(size_t need) {
 
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu,
-                    double hot_experts, GpuOptions::PrefillExperts prefill, bool cpu_experts_q8) {
+                    double hot_experts, GpuOptions::PrefillExperts prefill, bool cpu_experts_q8,
+                    const std::string& gpu_mem) {
   if (experts_on_cpu && device != "cuda")
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   if (device != "cuda") {
@@ -166,6 +168,14 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
   o.sm_count = gpu_sm_count();  // (for the plan printed below)
   o.prefill_experts = prefill;
   o.cpu_experts_q8 = cpu_experts_q8;
+  if (!gpu_mem.empty()) {
+    o.gpu_mem = size_t(parse_size(gpu_mem, "--gpu-mem"));
+    std::string how;
+    o = fit_gpu_mem(m, o, &how);
+    if (!quiet) std::fprintf(stderr, "%s: %s\n", who.c_str(), how.c_str());
+    experts_on_cpu = o.experts_on_cpu;
+    hot_experts = o.hot_experts;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   m.use_gpu(o);
   if (!quiet) {
@@ -207,6 +217,13 @@ void add_cpu_experts_option(CLI::App* app, bool& on) {
   app->add_flag("--cpu-experts", on,
                 "with --device cuda: the routed experts stay in host RAM and the CPU cores compute them; the GPU holds "
                 "the trunk and the state (for models whose experts do not fit the GPU)");
+}
+
+void add_gpu_mem_option(CLI::App* app, std::string& value) {
+  app->add_option("--gpu-mem", value,
+                  "with --device cuda: use at most SIZE of GPU memory; where the model does not fit, the routed experts "
+                  "stay in host RAM (computed by the CPU) and as many as fit are cached on the GPU")
+      ->option_text("SIZE");
 }
 
 void add_cpu_experts_q8_option(CLI::App* app, bool& on) {
@@ -393,6 +410,7 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
   const double hot = parse_hot_experts(f.hot_experts, f.cpu_experts);
   check_cpu_experts_q8(f.cpu_experts_q8, f.cpu_experts);
+  check_gpu_mem(f.gpu_mem, req.cuda);
   if (hot != 0 && !f.ram_budget.empty())
     fail("--hot-experts caches routed experts held in host RAM; with --ram-budget they are read from disk (not both)");
   LoadedCheckpoint lc = load_checkpoint(req);
@@ -406,7 +424,7 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
     // With --cpu-experts the CPU reads the routed experts from the mapping: read them in now.
     move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0,
-                   f.cpu_experts, hot, GpuOptions::PrefillExperts::Auto, f.cpu_experts_q8);
+                   f.cpu_experts, hot, GpuOptions::PrefillExperts::Auto, f.cpu_experts_q8, f.gpu_mem);
   }
   if ((!req.cuda || (f.cpu_experts && !lc.ram_budget)) && !f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);

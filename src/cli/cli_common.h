@@ -35,6 +35,7 @@ struct RunEngineFlags {
   bool cpu_experts = false;                // cuda: routed experts in host RAM, computed by the CPU
   std::string hot_experts;                 // with cpu_experts: the GPU's cache of hot experts (fraction or auto)
   bool cpu_experts_q8 = false;             // with cpu_experts: 8-bit activations for the CPU's experts
+  std::string gpu_mem;                     // cuda: cap on the GPU memory (fit_gpu_mem picks the split)
   void add(CLI::App* app);
   ForwardOptions forward() const;
 };
@@ -125,7 +126,9 @@ std::atomic<bool>& interrupt_flag();
 void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false,
                     double hot_experts = 0,
-                    GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto, bool cpu_experts_q8 = false);
+                    GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto, bool cpu_experts_q8 = false,
+                    const std::string& gpu_mem = "");
+void add_gpu_mem_option(CLI::App* app, std::string& value);
 void add_cpu_experts_q8_option(CLI::App* app, bool& on);
 
 // "this machine's GPU: NVIDIA H200, 139.8 GiB free (fits)" / "no usable CUDA GPU: ..." /

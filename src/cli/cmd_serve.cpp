@@ -92,6 +92,7 @@ int cmd_serve(int argc, char** argv) {
       fail("--cpu-experts goes with --device cuda (on the CPU every routed expert is the CPU's already)");
     parse_hot_experts(ef.hot_experts, ef.cpu_experts);
     check_cpu_experts_q8(ef.cpu_experts_q8, ef.cpu_experts);
+    check_gpu_mem(ef.gpu_mem, ef.device == "cuda");
 
     EngineOptions eo;
     eo.model_dir = dir;
@@ -110,6 +111,7 @@ int cmd_serve(int argc, char** argv) {
     eo.cpu_experts = ef.cpu_experts;
     eo.hot_experts = ef.hot_experts;
     eo.cpu_experts_q8 = ef.cpu_experts_q8;
+    eo.gpu_mem = ef.gpu_mem;
     eo.tp = ef.tp;
     eo.ep = ef.ep;
     eo.trunk_fp8 = ef.trunk_fp8;

@@ -1274,7 +1274,9 @@ std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) 
     fail("--device cuda: the model needs " + gib(plan.total()) + " of GPU memory (weights " + gib(plan.weights) +
          ", workspace " + gib(plan.workspace) + ", state for " + std::to_string(o.initial_context) + " tokens " +
          gib(plan.state_fixed + plan.state_per_token * size_t(o.initial_context)) + ") but " + dev.name + " has " +
-         gib(dev.free_bytes) + " free");
+         gib(dev.free_bytes) + " free" + (o.experts_on_cpu ? "" : " (--cpu-experts or --gpu-mem keep the routed experts in host RAM)"));
+  if (o.gpu_mem > 0 && plan.total() > o.gpu_mem)
+    fail("--device cuda: the model needs " + gib(plan.total()) + " of GPU memory, over --gpu-mem " + gib(o.gpu_mem));
   return std::make_unique<CudaBackend>(m.dims(), o);
 }
 

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <istream>
 #include <ostream>
@@ -139,6 +141,49 @@ size_t stream_staging_plan(const GpuOptions& o, int64_t E, size_t per_expert) {
     return 0;
   const int64_t cap = std::clamp<int64_t>(int64_t(o.stream_staging_bytes / (2 * per_expert)), 1, E);
   return 2 * size_t(cap) * per_expert;
+}
+
+GpuOptions fit_gpu_mem(const Model& m, const GpuOptions& o, std::string* how) {
+  if (o.gpu_mem == 0) return o;
+  const auto gib = [](size_t b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.2f GiB", double(b) / double(size_t(1) << 30));
+    return std::string(s);
+  };
+  const size_t all = gpu_memory_plan(m, o, o.initial_context).total();
+  if (all <= o.gpu_mem) {
+    if (how) *how = "--gpu-mem " + gib(o.gpu_mem) + ": the placement asked for fits (" + gib(all) + ")";
+    return o;
+  }
+  if (o.experts_on_cpu || !o.experts_resident)
+    fail("--gpu-mem " + gib(o.gpu_mem) + ": the placement asked for needs " + gib(all) +
+         " of GPU memory (weights, state and workspace); raise the cap or lower --ctx / --ubatch");
+  GpuOptions h = o;
+  h.experts_on_cpu = true;
+  h.hot_experts = 0;
+  const size_t base = gpu_memory_plan(m, h, h.initial_context).total();
+  if (base > o.gpu_mem)
+    fail("--gpu-mem " + gib(o.gpu_mem) + ": all on the GPU needs " + gib(all) +
+         ", and with the routed experts in host RAM the trunk, state and workspace still need " + gib(base) +
+         "; raise the cap or lower --ctx / --ubatch");
+  GpuOptions whole = h;
+  whole.hot_experts = 1.0;
+  const size_t routed = gpu_memory_plan(m, whole, h.initial_context).total() - base;
+  int64_t E = 0;
+  for (const LayerWeights& l : m.weights().layers)
+    if (!l.dense_ffn && !l.moe.experts.empty()) E = std::max<int64_t>(E, int64_t(l.moe.experts.size()));
+  // The largest whole number of experts per layer that fits (the cache rounds F x E per layer).
+  const double f = routed > 0 ? double(o.gpu_mem - base) / double(routed) : 0.0;
+  const int64_t per_layer = E > 0 ? std::clamp<int64_t>(int64_t(std::floor(f * double(E))), 0, E) : 0;
+  h.hot_experts = E > 0 ? double(per_layer) / double(E) : 0.0;
+  if (how)
+    *how = "--gpu-mem " + gib(o.gpu_mem) + ": all on the GPU needs " + gib(all) +
+           ", so the routed experts stay in host RAM, computed by the CPU" +
+           (per_layer > 0 ? ", " + std::to_string(per_layer) + " of each layer's " + std::to_string(E) +
+                                " cached on the GPU (" + gib(gpu_memory_plan(m, h, h.initial_context).total()) +
+                                " planned)"
+                          : " (none cached: " + gib(o.gpu_mem - base) + " left beside the trunk)");
+  return h;
 }
 
 GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context) {

@@ -62,6 +62,9 @@ struct GpuOptions {
   // and computed there with the all-on-GPU kernels (Gpu), or Auto: the first such layer one way and
   // the next the other, each timed, then per layer whichever the two measured rates make faster.
   enum class PrefillExperts : uint8_t { Auto, Cpu, Gpu };
+  // A cap on the GPU memory the engine plans to use (--gpu-mem; 0: the device's free memory). Checked
+  // against the plan before the upload; fit_gpu_mem chooses the split that honours it.
+  size_t gpu_mem = 0;
   PrefillExperts prefill_experts = PrefillExperts::Auto;
   size_t stream_staging_bytes = size_t(2) << 30;
   // The GPU's multiprocessors, for the memory plan alone (the absorbed MLA kernel splits short steps
@@ -113,6 +116,12 @@ struct SeqStep {
 
 class Model;
 GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t context);
+// The placement that fits o.gpu_mem (--gpu-mem): o itself where its plan fits; else, unless the
+// routed experts are placed by hand already (experts_on_cpu), the routed experts in host RAM computed
+// by the CPU with as large a fraction of each layer's experts cached on the GPU as the cap leaves
+// (hot_experts). A one-line k3::Error when even the trunk, state and workspace exceed the cap. `how`
+// (if set) gets one line saying what was chosen and why.
+GpuOptions fit_gpu_mem(const Model& m, const GpuOptions& o, std::string* how = nullptr);
 // The same from the config and the checkpoint's tensor bytes (k3 info: no weights bound).
 GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const GpuOptions& o, int64_t context);
 

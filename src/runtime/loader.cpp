@@ -155,6 +155,12 @@ GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tok
   return o;
 }
 
+void check_gpu_mem(const std::string& value, bool cuda) {
+  if (value.empty()) return;
+  if (!cuda) fail("--gpu-mem goes with --device cuda (it caps the GPU memory the model may use)");
+  if (parse_size(value, "--gpu-mem") == 0) fail("--gpu-mem must be more than 0");
+}
+
 void check_cpu_experts_q8(bool q8, bool experts_on_cpu) {
   if (q8 && !experts_on_cpu)
     fail("--cpu-experts-q8 goes with --cpu-experts (the numerics of the routed experts the CPU computes)");

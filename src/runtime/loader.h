@@ -100,6 +100,8 @@ GpuOptions gpu_options_for(bool graphs, int64_t tokens_per_call, int64_t ctx_tok
 double parse_hot_experts(const std::string& value, bool experts_on_cpu);
 // --cpu-experts-q8 (GpuOptions::cpu_experts_q8) without --cpu-experts: k3::Error (one line).
 void check_cpu_experts_q8(bool q8, bool experts_on_cpu);
+// --gpu-mem SIZE (GpuOptions::gpu_mem): a one-line k3::Error without --device cuda or for a bad size.
+void check_gpu_mem(const std::string& value, bool cuda);
 
 // End-of-sequence ids: config.json's eos_token_id and generation_config.json's eos_token_id (an int
 // or a list), those inside the model's vocabulary, without repeats, in that order.

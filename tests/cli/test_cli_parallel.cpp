@@ -142,6 +142,13 @@ TEST(CliPlacement, PrefillExpertsNeedCpuExpertsAndAKnownValue) {
     expect_error(run_k3(sub + " " + nano + " --device cuda --cpu-experts-q8" + t), sub,
                  "--cpu-experts-q8 goes with --cpu-experts");
   }
+  // --gpu-mem SIZE (run, chat, serve: the GPU memory cap) goes with --device cuda and takes a size.
+  for (const std::string sub : {"run", "serve"}) {
+    const std::string t = sub == "run" ? " -p hi -n 2" : " --port 0";
+    expect_error(run_k3(sub + " " + nano + " --gpu-mem 40G" + t), sub, "--gpu-mem goes with --device cuda");
+    expect_error(run_k3(sub + " " + nano + " --device cuda --gpu-mem 40Q" + t), sub, "--gpu-mem");
+    expect_error(run_k3(sub + " " + nano + " --device cuda --gpu-mem 0" + t), sub, "--gpu-mem must be a size");
+  }
 }
 
 // k3 info --cpu-experts [--hot-experts F]: the GPU line leaves the routed experts in host RAM (and

@@ -16,6 +16,7 @@
 
 #include "common/split_cases.h"
 #include "common/step_view.h"
+#include "core/error.h"
 #include "model/backend.h"
 #include "model/backends.h"
 #include "model/model.h"
@@ -86,3 +87,54 @@ TEST(HotExperts, HostHalfLeavesTheCachedSlotsAndTheHalvesMakeTheWhole) {
 }
 
 }  // namespace
+
+// --gpu-mem (GpuOptions::gpu_mem, fit_gpu_mem): the placement asked for where its plan fits the cap;
+// else the routed experts in host RAM with the largest whole number of each layer's experts cached
+// that keeps the plan within the cap; a one-line error where even the trunk, state and workspace do
+// not fit. On K3-nano, planned from its bound weights (no GPU needed).
+TEST(GpuMem, FitChoosesTheSplitThatHonoursTheCap) {
+  auto m = k3::Model::load(k3test::split_model_dir("k3-nano"));
+  k3::GpuOptions o;
+  o.initial_context = 1024;
+  const size_t all = k3::gpu_memory_plan(*m, o, o.initial_context).total();
+  k3::GpuOptions h = o;
+  h.experts_on_cpu = true;
+  const size_t base = k3::gpu_memory_plan(*m, h, h.initial_context).total();
+  ASSERT_LT(base, all);
+  // A cap above the whole plan: unchanged.
+  o.gpu_mem = all + 1;
+  std::string how;
+  k3::GpuOptions r = k3::fit_gpu_mem(*m, o, &how);
+  EXPECT_FALSE(r.experts_on_cpu);
+  EXPECT_NE(how.find("fits"), std::string::npos) << how;
+  // Between: experts on the CPU, a whole number of experts per layer cached, the plan within the cap,
+  // and one more expert per layer would not be.
+  const int64_t E = 32;  // K3-nano's routed experts per MoE layer
+  o.gpu_mem = base + (all - base) / 2;
+  r = k3::fit_gpu_mem(*m, o, &how);
+  EXPECT_TRUE(r.experts_on_cpu);
+  EXPECT_GT(r.hot_experts, 0.0);
+  EXPECT_LT(r.hot_experts, 1.0);
+  const double per_layer = r.hot_experts * double(E);
+  EXPECT_DOUBLE_EQ(per_layer, std::round(per_layer));
+  EXPECT_LE(k3::gpu_memory_plan(*m, r, r.initial_context).total(), o.gpu_mem);
+  k3::GpuOptions more = r;
+  more.hot_experts = (per_layer + 1) / double(E);
+  EXPECT_GT(k3::gpu_memory_plan(*m, more, more.initial_context).total(), o.gpu_mem);
+  EXPECT_NE(how.find("host RAM"), std::string::npos) << how;
+  // Just the trunk: nothing cached.
+  o.gpu_mem = base;
+  r = k3::fit_gpu_mem(*m, o);
+  EXPECT_TRUE(r.experts_on_cpu);
+  EXPECT_EQ(r.hot_experts, 0.0);
+  // Below the trunk, state and workspace: one line naming the cap.
+  o.gpu_mem = base / 2;
+  try {
+    k3::fit_gpu_mem(*m, o);
+    FAIL() << "a cap below the trunk was taken";
+  } catch (const k3::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("--gpu-mem ", 0), 0u) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
