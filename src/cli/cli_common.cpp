@@ -152,7 +152,7 @@ std::string gpu_fit_line(size_t need) {
 #endif
 }
 
-void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
+GpuOptions move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident, bool experts_on_cpu,
                     double hot_experts, GpuOptions::PrefillExperts prefill, bool cpu_experts_q8,
                     const std::string& gpu_mem) {
@@ -162,7 +162,7 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
     // --ubatch above the CPU's default step rows: steps of that many rows (its workspace grows), so
     // a piece really is one step (long prefill: fewer, larger MLA calls).
     if (tokens_per_call > m.max_step_rows()) m.set_max_step_rows(tokens_per_call);
-    return;
+    return GpuOptions{};
   }
   GpuOptions o = gpu_options_for(graphs, tokens_per_call, ctx_tokens, experts_resident, experts_on_cpu, hot_experts);
   o.sm_count = gpu_sm_count();  // (for the plan printed below)
@@ -195,6 +195,7 @@ void move_to_device(Model& m, const std::string& device, bool graphs, int64_t to
                  : graphs       ? ", decode in CUDA graphs"
                                 : "");
   }
+  return o;
 }
 
 MlaAlgo parse_mla_algo(const std::string& name) {
@@ -419,14 +420,18 @@ LoadedModel load_for_generation(const RunEngineFlags& f, const std::string& who,
     std::fprintf(stderr, "%s: split %s\n", who.c_str(), split_description(lc.model->dims(), req.parallel).c_str());
 
   const auto t0 = std::chrono::steady_clock::now();
+  bool experts_on_host = f.cpu_experts;
   if (req.cuda) {
     // The upload reads every weight once; no prefault of the host mapping is needed.
     // Under --ram-budget the routed experts stay on the host: each step uploads the ones it selects.
     // With --cpu-experts the CPU reads the routed experts from the mapping: read them in now.
-    move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who, lc.ram_budget == 0,
-                   f.cpu_experts, hot, GpuOptions::PrefillExperts::Auto, f.cpu_experts_q8, f.gpu_mem);
+    // (--gpu-mem may keep them there too: the placement chosen is returned.)
+    experts_on_host = move_to_device(*lc.model, f.device, !f.no_graphs, f.ubatch, ctx_tokens, f.quiet, who,
+                                     lc.ram_budget == 0, f.cpu_experts, hot, GpuOptions::PrefillExperts::Auto,
+                                     f.cpu_experts_q8, f.gpu_mem)
+                          .experts_on_cpu;
   }
-  if ((!req.cuda || (f.cpu_experts && !lc.ram_budget)) && !f.no_prefault) {
+  if ((!req.cuda || (experts_on_host && !lc.ram_budget)) && !f.no_prefault) {
     Progress bar(who + ": loading", !f.quiet);
     prefault_weights(lc, [&](uint64_t done, uint64_t total) {
       bar.update(done, total, human_bytes(done) + " / " + human_bytes(total));

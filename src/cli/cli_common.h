@@ -123,7 +123,8 @@ std::atomic<bool>& interrupt_flag();
 // experts_on_cpu (--cpu-experts): the routed experts stay in host RAM and the CPU computes them (a
 // one-line error without --device cuda); prefill: where a long prompt's experts are computed
 // (GpuOptions::prefill_experts, k3 bench --prefill-experts).
-void move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
+// Returns the GPU options used (on the CPU: defaults).
+GpuOptions move_to_device(Model& m, const std::string& device, bool graphs, int64_t tokens_per_call, int64_t ctx_tokens,
                     bool quiet, const std::string& who, bool experts_resident = true, bool experts_on_cpu = false,
                     double hot_experts = 0,
                     GpuOptions::PrefillExperts prefill = GpuOptions::PrefillExperts::Auto, bool cpu_experts_q8 = false,
