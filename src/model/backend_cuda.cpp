@@ -94,12 +94,14 @@ class Uploader {
     const int64_t R = w.rows, C = w.cols, nbc = fp8_block_cols(C);
     if (as_f32) {
       char* d = static_cast<char*>(reserve(size_t(R * C) * 4));
-      if (base_) {
-        std::vector<float> row(static_cast<size_t>(C));
-        for (int64_t r = 0; r < R; ++r) {
-          ops::dequant_row(w, r, row.data());
-          cu::h2d(d + size_t(r * C) * 4, row.data(), size_t(C) * 4);
-          cu::sync();  // row is rewritten next
+      if (base_) {  // 256 rows at a time through one host buffer
+        constexpr int64_t kRows = 256;
+        std::vector<float> rows(static_cast<size_t>(std::min<int64_t>(R, kRows) * C));
+        for (int64_t r0 = 0; r0 < R; r0 += kRows) {
+          const int64_t n = std::min<int64_t>(kRows, R - r0);
+          for (int64_t r = 0; r < n; ++r) ops::dequant_row(w, r0 + r, rows.data() + r * C);
+          cu::h2d(d + size_t(r0 * C) * 4, rows.data(), size_t(n * C) * 4);
+          cu::sync();  // the buffer is rewritten next
         }
       }
       w = WeightMat{WFormat::F32, R, C, d, nullptr};
