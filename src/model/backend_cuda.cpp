@@ -27,11 +27,6 @@ namespace cu = k3::cuda;
 
 namespace {
 
-std::string gib(size_t b) {
-  char s[32];
-  std::snprintf(s, sizeof s, "%.2f GiB", double(b) / (1024.0 * 1024 * 1024));
-  return s;
-}
 
 size_t data_bytes(const WeightMat& w) { return size_t(w.rows) * size_t(row_bytes(w)); }
 size_t scale_bytes(const WeightMat& w) { return w.fmt == WFormat::MXFP4 ? size_t(w.rows * (w.cols / 32)) : 0; }
@@ -709,16 +704,8 @@ class CudaBackend final : public Backend {
                        const int32_t* sel, const float* wt, int64_t T, int64_t K, float* agg) {
     const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows;
     stream_buffers(w.experts.front(), E);
-    std::vector<int64_t> count(size_t(E) + 1, 0);
-    for (int64_t i = 0; i < T * K; ++i) ++count[size_t(sel[i]) + 1];
-    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];
+    const std::vector<int64_t> count = slots_by_expert(sel, T, K, E);
     int32_t* rows = rows_pinned_;
-    std::vector<int64_t> fill(count.begin(), count.end() - 1);
-    for (int64_t slot = 0; slot < T * K; ++slot) {
-      const int64_t at = fill[size_t(sel[slot])]++;
-      rows[at] = int32_t(slot / K);
-      rows[T * K + at] = int32_t(slot);
-    }
     std::vector<int32_t> order;  // the selected experts, ascending
     for (int64_t e = 0; e < E; ++e)
       if (count[size_t(e) + 1] > count[size_t(e)]) order.push_back(int32_t(e));
@@ -734,9 +721,7 @@ class CudaBackend final : public Backend {
       tile0[size_t(g)] = n_tiles;
       for (int64_t i = g * sbuf_cap_; i < std::min(M, (g + 1) * sbuf_cap_); ++i) {
         const int32_t e = order[size_t(i)];
-        for (int64_t o = count[size_t(e)]; o < count[size_t(e) + 1]; o += cu::kExpertTileRows)
-          tiles[n_tiles++] = {int32_t(i - g * sbuf_cap_), int32_t(o),
-                              int32_t(std::min<int64_t>(cu::kExpertTileRows, count[size_t(e) + 1] - o))};
+        add_tiles(tiles, n_tiles, i - g * sbuf_cap_, count[size_t(e)], count[size_t(e) + 1]);
       }
     }
     tile0[size_t(groups)] = n_tiles;
@@ -1124,25 +1109,41 @@ class CudaBackend final : public Backend {
   // The same for one sequence's chunk, grouped by expert on the host: each selected expert is one
   // GEMM over its rows (tensor cores in bf16). Every slot's output lands in its own row, so the
   // combine (and its summation order) is the GEMV path's.
+  // A step's T x K routing slots sorted by expert (a counting sort; ids checked against E): the
+  // pinned row lists get [T*K] token rows (gather) then [T*K] slot rows (scatter), and the result
+  // is each expert's first sorted slot (E + 1 entries, the last T*K).
+  std::vector<int64_t> slots_by_expert(const int32_t* sel, int64_t T, int64_t K, int64_t E) {
+    std::vector<int64_t> count(size_t(E) + 1, 0);
+    for (int64_t i = 0; i < T * K; ++i) {
+      const int32_t e = sel[i];
+      if (e < 0 || e >= E) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
+      ++count[size_t(e) + 1];
+    }
+    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];
+    int32_t* rows = rows_pinned_;
+    std::vector<int64_t> fill(count.begin(), count.end() - 1);
+    for (int64_t slot = 0; slot < T * K; ++slot) {
+      const int64_t at = fill[size_t(sel[slot])]++;
+      rows[at] = int32_t(slot / K);
+      rows[T * K + at] = int32_t(slot);
+    }
+    return count;
+  }
+  // The grouped GEMM's tiles of one expert's sorted slots [o0, o1): pieces of kExpertTileRows,
+  // `expert` being its index in the stack the kernel reads.
+  static void add_tiles(cu::ExpertTile* tiles, int64_t& n, int64_t expert, int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; o += cu::kExpertTileRows)
+      tiles[n++] = {int32_t(expert), int32_t(o), int32_t(std::min<int64_t>(cu::kExpertTileRows, o1 - o))};
+  }
+
   void routed_grouped(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                       const float* wt, int64_t T, int64_t K, float* agg) {
     if (capturing_) fail("internal error: a recorded GPU step groups experts on the host");
     const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows;
     std::vector<int32_t> sel(size_t(T * K));
     cu::d2h(sel.data(), idx, sel.size() * 4, stream_);
-    std::vector<int64_t> count(size_t(E) + 1, 0);
-    for (int32_t e : sel) {
-      if (e < 0 || e >= E) fail("GPU MoE: router selected expert " + std::to_string(e) + " of " + std::to_string(E));
-      ++count[size_t(e) + 1];
-    }
-    for (size_t e = 1; e < count.size(); ++e) count[e] += count[e - 1];  // first slot of expert e
-    int32_t* rows = rows_pinned_;  // [T*K] token rows (gather), then [T*K] slot rows (scatter)
-    std::vector<int64_t> fill(count.begin(), count.end() - 1);
-    for (int64_t slot = 0; slot < T * K; ++slot) {
-      const int64_t at = fill[size_t(sel[size_t(slot)])]++;
-      rows[at] = int32_t(slot / K);
-      rows[T * K + at] = int32_t(slot);
-    }
+    const std::vector<int64_t> count = slots_by_expert(sel.data(), T, K, E);
+    int32_t* rows = rows_pinned_;
     int32_t* rows_dev = rows_dev_.as<int32_t>();
     float *hg = moe_buf_.as<float>(), *hu = hg + T * K * I, *ye = hu + T * K * I, *xg = ye + T * K * latent,
           *yg = xg + T * K * latent;
@@ -1152,10 +1153,7 @@ class CudaBackend final : public Backend {
       // One launch for every expert's gate and up, one for the downs (tiles of up to 64 rows each).
       auto* tiles = reinterpret_cast<cu::ExpertTile*>(rows + 2 * T * K);
       int64_t n_tiles = 0;
-      for (int64_t e = 0; e < E; ++e)
-        for (int64_t o = count[size_t(e)]; o < count[size_t(e) + 1]; o += cu::kExpertTileRows)
-          tiles[n_tiles++] = {int32_t(e), int32_t(o),
-                              int32_t(std::min<int64_t>(cu::kExpertTileRows, count[size_t(e) + 1] - o))};
+      for (int64_t e = 0; e < E; ++e) add_tiles(tiles, n_tiles, e, count[size_t(e)], count[size_t(e) + 1]);
       if (n_tiles > max_tiles_) fail("internal error: more expert tiles than the row lists hold");
       cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4 + size_t(n_tiles) * sizeof(cu::ExpertTile), stream_);
       const auto* tiles_dev = reinterpret_cast<const cu::ExpertTile*>(rows_dev + 2 * T * K);
@@ -1273,12 +1271,12 @@ std::unique_ptr<Backend> make_cuda_backend(const Model& m, const GpuOptions& o) 
   // Leave headroom for the CUDA context, cuBLAS workspace, expert scratch and allocator rounding.
   const size_t headroom = size_t(512) << 20;
   if (plan.total() + headroom > dev.free_bytes)
-    fail("--device cuda: the model needs " + gib(plan.total()) + " of GPU memory (weights " + gib(plan.weights) +
-         ", workspace " + gib(plan.workspace) + ", state for " + std::to_string(o.initial_context) + " tokens " +
-         gib(plan.state_fixed + plan.state_per_token * size_t(o.initial_context)) + ") but " + dev.name + " has " +
-         gib(dev.free_bytes) + " free" + (o.experts_on_cpu ? "" : " (--cpu-experts or --gpu-mem keep the routed experts in host RAM)"));
+    fail("--device cuda: the model needs " + gib_text(plan.total()) + " of GPU memory (weights " + gib_text(plan.weights) +
+         ", workspace " + gib_text(plan.workspace) + ", state for " + std::to_string(o.initial_context) + " tokens " +
+         gib_text(plan.state_fixed + plan.state_per_token * size_t(o.initial_context)) + ") but " + dev.name + " has " +
+         gib_text(dev.free_bytes) + " free" + (o.experts_on_cpu ? "" : " (--cpu-experts or --gpu-mem keep the routed experts in host RAM)"));
   if (o.gpu_mem > 0 && plan.total() > o.gpu_mem)
-    fail("--device cuda: the model needs " + gib(plan.total()) + " of GPU memory, over --gpu-mem " + gib(o.gpu_mem));
+    fail("--device cuda: the model needs " + gib_text(plan.total()) + " of GPU memory, over --gpu-mem " + gib_text(o.gpu_mem));
   return std::make_unique<CudaBackend>(m.dims(), o);
 }
 

@@ -143,13 +143,15 @@ size_t stream_staging_plan(const GpuOptions& o, int64_t E, size_t per_expert) {
   return 2 * size_t(cap) * per_expert;
 }
 
+std::string gib_text(size_t bytes) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GiB", double(bytes) / (1024.0 * 1024 * 1024));
+  return s;
+}
+
 GpuOptions fit_gpu_mem(const Model& m, const GpuOptions& o, std::string* how) {
   if (o.gpu_mem == 0) return o;
-  const auto gib = [](size_t b) {
-    char s[32];
-    std::snprintf(s, sizeof s, "%.2f GiB", double(b) / double(size_t(1) << 30));
-    return std::string(s);
-  };
+  const auto gib = gib_text;
   const size_t all = gpu_memory_plan(m, o, o.initial_context).total();
   if (all <= o.gpu_mem) {
     if (how) *how = "--gpu-mem " + gib(o.gpu_mem) + ": the placement asked for fits (" + gib(all) + ")";

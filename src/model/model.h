@@ -122,6 +122,8 @@ GpuMemoryPlan gpu_memory_plan(const Model& m, const GpuOptions& o, int64_t conte
 // (hot_experts). A one-line k3::Error when even the trunk, state and workspace exceed the cap. `how`
 // (if set) gets one line saying what was chosen and why.
 GpuOptions fit_gpu_mem(const Model& m, const GpuOptions& o, std::string* how = nullptr);
+// "12.34 GiB": the GPU memory messages' sizes (fit_gpu_mem, the CUDA backend's fit check).
+std::string gib_text(size_t bytes);
 // The same from the config and the checkpoint's tensor bytes (k3 info: no weights bound).
 GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const GpuOptions& o, int64_t context);
 

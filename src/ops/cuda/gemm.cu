@@ -71,6 +71,16 @@ constexpr int chunk_f4() {
   return F == WFormat::F32 ? 1 : F == WFormat::MXFP4 ? 8 : F == WFormat::FP8 ? 4 : 2;
 }
 
+// Whether a GEMV of T tokens with R rows per warp lifts its activations by 2^64: MXFP4 decodes weights
+// with a 2^-126 factor (decode_fp4x8), and when T <= R it is cheaper to lift the activations (exact
+// while |x| < 2^64; products stay normal for |x| > 2^-64) and drop 2^62 at each block end than to
+// lift every decoded weight; FP8 decodes with 2^-120 (decode_e4m3x4_lo) and always lifts them. The
+// one rule for the staging (GemvCfg::lift_x), the direct loads (warp_gemv) and the sums (chunk_fma).
+template <WFormat F, int T, int R>
+constexpr bool lifts_x() {
+  return (F == WFormat::MXFP4 && T <= R) || F == WFormat::FP8;
+}
+
 // GEMV shape for (format, T). Each lane owns 16-byte weight chunks of R rows, U chunks per row per
 // step (R * U loads in flight), so every weight load is reused for all T tokens and every
 // activation load for R rows. Limits beyond HBM seen on H200: (1) activation loads: lanes read 32
@@ -97,11 +107,7 @@ struct GemvCfg {
   // x tile = T x (32 U chunks), kept within 48 KB of static shared memory.
   static constexpr int U() { return T * 32 * u0() * chunk_f4<F>() * 16 <= 48 * 1024 ? u0() : 1; }
   static constexpr int tile_f4() { return 32 * U() * chunk_f4<F>(); }  // float4s per token per tile (a power of 2)
-  // MXFP4 decodes weights with a 2^-126 factor (decode_fp4x8): when T <= R it is cheaper to lift
-  // the activations by 2^64 (exact while |x| < 2^64; products stay normal for |x| > 2^-64) and drop
-  // 2^62 at each block end than to lift every decoded weight. FP8 decodes with 2^-120
-  // (decode_e4m3x4_lo) and always lifts the activations.
-  static constexpr bool lift_x() { return (F == WFormat::MXFP4 && T <= rows()) || F == WFormat::FP8; }
+  static constexpr bool lift_x() { return lifts_x<F, T, rows()>(); }
 };
 
 // Position of float4 f of a staged x tile: XOR of the low 3 bits with bits 3..5 spreads the 8
@@ -280,7 +286,7 @@ __device__ __forceinline__ void chunk_fma(const uint4 (&wv)[R], const uint32_t (
       for (int t = 0; t < T; ++t) acc[r][t] = fmaf(part[r][t] * 0x1p56f, sf, acc[r][t]);  // x 2^-56 undone
     }
   } else {
-    constexpr bool kLiftX = T <= R;  // == GemvCfg::lift_x() for the R the callers use
+    constexpr bool kLiftX = lifts_x<F, T, R>();
     float part[R][T];
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -376,7 +382,7 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
   const int lane = threadIdx.x & 31;
   if constexpr (VEC) {
     constexpr int E4 = chunk_f4<F>();
-    constexpr float kLift = ((F == WFormat::MXFP4 && T <= R) || F == WFormat::FP8) ? 0x1p64f : 1.0f;
+    constexpr float kLift = lifts_x<F, T, R>() ? 0x1p64f : 1.0f;
     const int64_t rb = row_bytes<F>(cols), nch = rb / 16;
     const uint8_t* wr[R];
     const uint8_t* sr[R];
@@ -739,7 +745,7 @@ constexpr int kMmaBM = 128, kMmaBN = 64, kMmaBK = 32, kMmaLd = kMmaBK + 8,
 // One block's tile: weight rows [r0, r0 + 128) x tokens [t0, t0 + 64) of Y[T, rows] = X[T, cols] · Wᵀ.
 // Shared by the plain and the grouped (per-expert tile list) kernels, so both compute the same bits.
 template <WFormat F>
-__device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S, int64_t rows,
+__device__ __forceinline__ void mma_q_tile(const uint8_t* __restrict__ W, const uint8_t* __restrict__ S, int64_t rows,
                                              int64_t cols, const float* __restrict__ X, int64_t T,
                                              float* __restrict__ Y, int64_t r0, int64_t t0) {
   static_assert(F == WFormat::MXFP4 || F == WFormat::FP8, "the tensor-core tile decodes MXFP4 or FP8");
@@ -858,9 +864,9 @@ __device__ __forceinline__ void mma_fp4_tile(const uint8_t* __restrict__ W, cons
 }
 
 template <WFormat F>
-__global__ void __launch_bounds__(kMmaThreads) gemm_mma_fp4_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
+__global__ void __launch_bounds__(kMmaThreads) gemm_mma_q_kernel(const uint8_t* W, const uint8_t* S, int64_t rows,
                                                                    int64_t cols, const float* X, int64_t T, float* Y) {
-  mma_fp4_tile<F>(W, S, rows, cols, X, T, Y, int64_t(blockIdx.x) * kMmaBM, int64_t(blockIdx.y) * kMmaBN);
+  mma_q_tile<F>(W, S, rows, cols, X, T, Y, int64_t(blockIdx.x) * kMmaBM, int64_t(blockIdx.y) * kMmaBN);
 }
 
 // Grouped experts: block (x, y, z) computes row tile x of matrix z for tile y of the list: expert
@@ -880,7 +886,7 @@ __global__ void __launch_bounds__(kMmaThreads) grouped_mma_fp4_kernel(const __gr
   const ExpertTile t = a.tiles[blockIdx.y];
   const int z = int(blockIdx.z);
   const int64_t e = t.expert;
-  mma_fp4_tile<WFormat::MXFP4>(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
+  mma_q_tile<WFormat::MXFP4>(a.W[z] + e * a.R * (a.cols / 2), a.S[z] + e * a.R * (a.cols / 32), a.R, a.cols,
                a.X + int64_t(t.row0) * a.cols, t.rows, a.Y[z] + int64_t(t.row0) * a.R, int64_t(blockIdx.x) * kMmaBM, 0);
 }
 
@@ -1167,9 +1173,9 @@ void matmul(const WeightMat& W, const float* X, int64_t T, float* Y, Precision p
     const dim3 grid(unsigned((W.rows + kMmaBM - 1) / kMmaBM), unsigned((T + kMmaBN - 1) / kMmaBN));
     const auto* w = static_cast<const uint8_t*>(W.data);
     if (W.fmt == WFormat::FP8)
-      gemm_mma_fp4_kernel<WFormat::FP8><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      gemm_mma_q_kernel<WFormat::FP8><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
     else
-      gemm_mma_fp4_kernel<WFormat::MXFP4><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
+      gemm_mma_q_kernel<WFormat::MXFP4><<<grid, kMmaThreads, 0, s>>>(w, W.scales, W.rows, W.cols, X, T, Y);
     check_launch("gemm mma kernel");
     return;
   }
