@@ -10,7 +10,9 @@
 # parent; the engine maps the files from there and uploads them once). It needs root to mount; when
 # that fails the script says so and stops (a machine with 128 GiB of disk, nvidia-h200-x2, can use
 # KL_DIR on its disk with KL_TMPFS_SIZE=0). KL_JOBS: shards written at once (default 4; each holds one
-# layer, ~3.6 GB). Writes $OUT (or build-cuda-stage/out): kl-full-bench.json/.md (-> docs/data/), the log.
+# layer, ~3.6 GB). The weights are drawn by torch's generator on the GPU (gen_kimi_linear.py
+# --torch-device cuda; KL_GEN_DEVICE= for numpy, many minutes on 16 cores).
+# Writes $OUT (or build-cuda-stage/out): kl-full-bench.json/.md (-> docs/data/), the log.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -19,6 +21,7 @@ device_start || exit 2
 dir=${KL_DIR:-/mnt/kl/kl-full}
 size=${KL_TMPFS_SIZE:-110G}
 jobs=${KL_JOBS:-4}
+gen_device=${KL_GEN_DEVICE-cuda}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 free -g | head -2
 if [[ $size != 0 ]]; then
@@ -29,7 +32,8 @@ if [[ $size != 0 ]]; then
 fi
 if [[ ! -f $dir/config.json ]]; then
   t0=$(date +%s)
-  python3 tools/gen/gen_kimi_linear.py --preset kl-full --seed 1 --out "$dir" --jobs "$jobs" >/tmp/kl-gen.log 2>&1 ||
+  python3 tools/gen/gen_kimi_linear.py --preset kl-full --seed 1 --out "$dir" --jobs "$jobs" \
+    ${gen_device:+--torch-device "$gen_device"} >/tmp/kl-gen.log 2>&1 ||
     { tail -5 /tmp/kl-gen.log; exit 1; }
   echo "generated kl-full in $(($(date +%s) - t0)) s: $(du -sh "$dir" | cut -f1)"
 fi

@@ -22,6 +22,9 @@ the router weight and e_score_correction_bias (what transformers keeps in fp32);
 
 Every tensor is drawn from its own numpy Generator seeded by (seed, crc32(name)), so a
 (preset, seed, dtype) triple always gives byte-identical files, independent of sharding.
+`--torch-device cuda` draws from torch's generator on the GPU instead (kl-full in about a minute on
+the GPU machine rather than many minutes of numpy): also seeded per tensor, but its bytes depend on
+the torch version and device, so it is only for benchmark checkpoints.
 
 Usage:
   python tools/gen/gen_kimi_linear.py --preset kl-tiny --seed 1 --out /tmp/kl-tiny
@@ -192,34 +195,50 @@ def inventory(p: dict) -> Iterator[Tuple[str, Tuple[int, ...], str]]:
 F32_KINDS = {"A_log", "dt_bias", "router", "score_bias"}
 
 
-def make_tensor(name: str, shape: Tuple[int, ...], kind: str, seed: int, dtype: str) -> torch.Tensor:
+def _numpy_draws(name: str, seed: int):
+    """(normal(shape), uniform(lo, hi, shape)) from a numpy Generator seeded by (seed, crc32(name))."""
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    f = np.float32
+    return (lambda shape: torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)),
+            lambda lo, hi, shape: torch.from_numpy(rng.uniform(lo, hi, size=shape)))  # float64, as before
+
+
+def _torch_draws(name: str, seed: int, device: str):
+    """The same two draws from torch's generator on `device` (e.g. cuda: ~100x faster for kl-full; the
+    bytes depend on the torch version and the device, so never used for committed fixtures)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    return (lambda shape: torch.randn(shape, generator=g, device=device, dtype=torch.float32),
+            lambda lo, hi, shape: lo + (hi - lo) * torch.rand(shape, generator=g, device=device,
+                                                            dtype=torch.float64))
+
+
+def make_tensor(name: str, shape: Tuple[int, ...], kind: str, seed: int, dtype: str,
+                torch_device: str = "") -> torch.Tensor:
+    normal, uniform = _torch_draws(name, seed, torch_device) if torch_device else _numpy_draws(name, seed)
     if kind == "embed":
-        a = rng.standard_normal(shape, dtype=f)
+        a = normal(shape)
     elif kind == "linear":
-        a = rng.standard_normal(shape, dtype=f) * f(1.0 / math.sqrt(shape[-1]))
+        a = normal(shape) * (1.0 / math.sqrt(shape[-1]))
     elif kind == "norm":
-        a = f(1.0) + f(0.1) * rng.standard_normal(shape, dtype=f)
+        a = 1.0 + 0.1 * normal(shape)
     elif kind == "conv":
         # depthwise taps, the current token (last tap) weighted most
-        a = rng.standard_normal(shape, dtype=f) * f(0.3)
-        a[..., -1] += f(0.7)
+        a = normal(shape) * 0.3
+        a[..., -1] += 0.7
     elif kind == "A_log":  # FLA init: A ~ U(1, 16)
-        a = np.log(rng.uniform(1.0, 16.0, size=shape)).astype(f)
+        a = torch.log(uniform(1.0, 16.0, shape))
     elif kind == "dt_bias":  # inverse softplus of dt ~ logU(1e-3, 1e-1), as FLA/transformers init
-        dt = np.exp(rng.uniform(math.log(1e-3), math.log(1e-1), size=shape))
-        a = (dt + np.log(-np.expm1(-dt))).astype(f)
+        dt = torch.exp(uniform(math.log(1e-3), math.log(1e-1), shape))
+        a = dt + torch.log(-torch.expm1(-dt))
     elif kind == "router":
-        a = rng.standard_normal(shape, dtype=f) * f(1.0 / math.sqrt(shape[-1]))
+        a = normal(shape) * (1.0 / math.sqrt(shape[-1]))
     elif kind == "score_bias":  # big enough to change the top-k choice of some tokens
-        a = rng.uniform(-0.1, 0.1, size=shape).astype(f)
+        a = uniform(-0.1, 0.1, shape)
     else:
         raise ValueError(kind)
-    t = torch.from_numpy(np.ascontiguousarray(a))
     if dtype == "f32" or kind in F32_KINDS:
-        return t.to(torch.float32).contiguous()
-    return t.to(torch.bfloat16).contiguous()
+        return a.to(torch.float32).cpu().contiguous()
+    return a.to(torch.bfloat16).cpu().contiguous()
 
 
 def shard_of(name: str, p: dict) -> int:
@@ -265,8 +284,8 @@ def dry_run(p: dict, dtype: str) -> None:
 
 def _write_shard(work) -> Tuple[str, List[Tuple[str, int]]]:
     """One shard in memory at a time (kl-full: ~3.6 GB per MoE layer); its file name and tensor sizes."""
-    out, s, n, items, seed, dtype = work
-    tensors = {name: make_tensor(name, shape, kind, seed, dtype) for name, shape, kind in items}
+    out, s, n, items, seed, dtype, torch_device = work
+    tensors = {name: make_tensor(name, shape, kind, seed, dtype, torch_device) for name, shape, kind in items}
     fn = "model.safetensors" if n == 1 else f"model-{s + 1:05d}-of-{n:05d}.safetensors"
     save_file(tensors, os.path.join(out, fn), metadata={"format": "pt"})
     sizes = [(name, t.numel() * t.element_size()) for name, t in tensors.items()]
@@ -275,7 +294,8 @@ def _write_shard(work) -> Tuple[str, List[Tuple[str, int]]]:
     return fn, sizes
 
 
-def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16", jobs: int = 1) -> dict:
+def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16", jobs: int = 1,
+                     torch_device: str = "") -> dict:
     p = PRESETS[preset]
     os.makedirs(out, exist_ok=True)
     cfg = make_config(p, dtype)
@@ -290,10 +310,11 @@ def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16", jobs
     for item in inventory(p):
         by_shard.setdefault(shard_of(item[0], p), []).append(item)
     weight_map, total = {}, 0
-    work = [(out, s, n, by_shard.get(s, []), seed, dtype) for s in range(n)]
+    work = [(out, s, n, by_shard.get(s, []), seed, dtype, torch_device) for s in range(n)]
     if jobs > 1 and n > 1:  # shards in parallel processes (each tensor is seeded by its name: same bytes)
         import multiprocessing as mp
-        with mp.get_context("fork").Pool(min(jobs, n)) as pool:
+        # a CUDA generator cannot live in a forked child of a process that has touched CUDA: spawn then
+        with mp.get_context("spawn" if torch_device.startswith("cuda") else "fork").Pool(min(jobs, n)) as pool:
             done = pool.imap(_write_shard, work)
             for fn, sizes in done:
                 for name, nbytes in sizes:
@@ -323,8 +344,17 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1,
                     help="write this many shards at once, in processes of their own (the same bytes; each holds "
                          "one shard in memory: ~3.6 GB for a kl-full MoE layer)")
+    ap.add_argument("--torch-device", default="", metavar="DEV",
+                    help="draw with torch's generator on DEV (cpu, cuda) instead of numpy: kl-full in about a "
+                         "minute on a GPU machine instead of many; other bytes than the default, which the "
+                         "committed fixtures use")
     a = ap.parse_args(argv)
     p = PRESETS[a.preset]
+    if a.torch_device:
+        try:
+            torch.empty(1, device=a.torch_device)
+        except (RuntimeError, AssertionError) as e:
+            ap.error(f"--torch-device {a.torch_device}: {str(e).splitlines()[0]}")
     if a.dry_run or not a.out:
         dry_run(p, a.dtype)
         if not a.dry_run:
@@ -333,7 +363,7 @@ def main(argv=None) -> int:
     dry_run(p, a.dtype)
     if a.jobs < 1:
         ap.error("--jobs must be >= 1")
-    write_checkpoint(a.out, a.preset, a.seed, a.dtype, a.jobs)
+    write_checkpoint(a.out, a.preset, a.seed, a.dtype, a.jobs, a.torch_device)
     print(f"wrote {a.out}")
     return 0
 
