@@ -38,8 +38,9 @@ if [[ ! -f $dir/config.json ]]; then
   echo "generated kl-full in $(($(date +%s) - t0)) s: $(du -sh "$dir" | cut -f1)"
 fi
 "$k3" info -m "$dir" --ctx 4224 --ubatch 4096 | tee "$out/kl-full-info.txt" | tail -12
-# Batch 1: pp4096 and tg128 (roofline column), graphs on and off; then decode aggregates at 32 and 128.
-"$k3" bench -m "$dir" --device cuda -p 4096 -n 128 -r 3 --ubatch 4096 --no-progress \
+# Batch 1: pp4096 and tg128 (roofline column), graphs on and off, and the per-op table of one more
+# profiled run of each; then decode aggregates at 32 and 128.
+"$k3" bench -m "$dir" --device cuda -p 4096 -n 128 -r 3 --ubatch 4096 --profile --no-progress \
   --json-out "$out/kl-full-bench.json" 2>"$out/kl-full-bench.log" | tee "$out/kl-full-bench.md"
 "$k3" bench -m "$dir" --device cuda -p 0 -n 64 -d 512 -b 1,32,128 -r 3 --no-progress \
   --json-out "$out/kl-full-batch.json" 2>>"$out/kl-full-bench.log" | tee "$out/kl-full-batch.md"
