@@ -33,6 +33,45 @@ size_t scale_bytes(const WeightMat& w) { return w.fmt == WFormat::MXFP4 ? size_t
 
 // Expert e (rows [e*R, (e+1)*R)) of a stacked expert matrix, as its own view.
 WeightMat expert_view(const WeightMat& stacked, int64_t R, int64_t e) { return rows_of(stacked, e * R, R); }
+// Expert e of stacks of experts shaped like `one`, as views.
+GluWeights expert_of(const GluWeights& stacks, const GluWeights& one, int64_t e) {
+  return {expert_view(stacks.gate, one.gate.rows, e), expert_view(stacks.up, one.up.rows, e),
+          expert_view(stacks.down, one.down.rows, e)};
+}
+
+// Stacks of `cap` experts shaped like `one` in one device buffer: per matrix (gate, up, down) its
+// data, then its MXFP4 scales, each 256-aligned. Offsets of each part, the whole size, and the stacks
+// placed at a base.
+struct ExpertStacks {
+  size_t data[3] = {}, scales[3] = {}, bytes = 0;
+  GluWeights one;
+  int64_t cap = 0;
+  ExpertStacks() = default;
+  ExpertStacks(const GluWeights& f, int64_t n) : one(f), cap(n) {
+    const WeightMat* m[3] = {&f.gate, &f.up, &f.down};
+    for (int j = 0; j < 3; ++j) {
+      data[j] = bytes;
+      bytes += ((data_bytes(*m[j]) * size_t(cap)) + 255) & ~size_t(255);
+      scales[j] = bytes;
+      bytes += ((scale_bytes(*m[j]) * size_t(cap)) + 255) & ~size_t(255);
+    }
+  }
+  GluWeights at(char* base) const {
+    GluWeights s = one;
+    WeightMat* st[3] = {&s.gate, &s.up, &s.down};
+    for (int j = 0; j < 3; ++j) {
+      st[j]->rows *= cap;
+      st[j]->data = base + data[j];
+      st[j]->scales = st[j]->fmt == WFormat::MXFP4 ? reinterpret_cast<const uint8_t*>(base + scales[j]) : nullptr;
+    }
+    return s;
+  }
+  std::vector<GluWeights> experts(const GluWeights& stacks) const {
+    std::vector<GluWeights> v(static_cast<size_t>(cap));
+    for (int64_t e = 0; e < cap; ++e) v[size_t(e)] = expert_of(stacks, one, e);
+    return v;
+  }
+};
 
 // Places weights into one device allocation. Run twice: a sizing pass (base == nullptr) and a
 // copying pass, so the arena is exactly as large as what is put in it.
@@ -142,10 +181,8 @@ void place_all(Uploader& u, ModelWeights& w, bool experts) {
       w2.push_back(&e.experts[size_t(x)].down);
     }
     e.stacked = {u.stack(w1), u.stack(w3), u.stack(w2)};
-    const int64_t I = e.experts[size_t(b)].gate.rows, Lt = e.experts[size_t(b)].down.rows;
-    for (int64_t x = b; x < end; ++x)
-      e.experts[size_t(x)] = {expert_view(e.stacked.gate, I, x - b), expert_view(e.stacked.up, I, x - b),
-                              expert_view(e.stacked.down, Lt, x - b)};
+    const GluWeights one = e.experts[size_t(b)];
+    for (int64_t x = b; x < end; ++x) e.experts[size_t(x)] = expert_of(e.stacked, one, x - b);
   }
 }
 
@@ -625,73 +662,51 @@ class CudaBackend final : public Backend {
   StreamBuf sbuf_[2];
   cu::Stream copy_stream_ = nullptr;
   int64_t sbuf_cap_ = 0;  // experts per staging buffer
-  struct StreamPart {     // one matrix of an expert in a staging buffer: offsets of its data and scales
-    size_t data, scales, data_bytes, scale_bytes;
-  };
-  StreamPart sparts_[3] = {};
+  ExpertStacks slayout_;  // the staging buffers' layout (sbuf_cap_ experts)
 
   // Sizes the two staging buffers for experts shaped like f: as many experts as
   // stream_staging_bytes holds, at most the layer's E, at least one.
   void stream_buffers(const GluWeights& f, int64_t E) {
     if (sbuf_cap_ > 0) return;
-    const WeightMat* m[3] = {&f.gate, &f.up, &f.down};
-    size_t per = 0;
-    for (int j = 0; j < 3; ++j) per += data_bytes(*m[j]) + scale_bytes(*m[j]);
+    const size_t per = data_bytes(f.gate) + scale_bytes(f.gate) + data_bytes(f.up) + scale_bytes(f.up) +
+                       data_bytes(f.down) + scale_bytes(f.down);
     sbuf_cap_ = int64_t(stream_staging_plan(opt_, E, per) / (2 * per));  // (the memory plan's count)
-    // Layout of a buffer: each matrix's stack (cap experts' data), then its scales, 256-aligned.
-    size_t off = 0;
-    for (int j = 0; j < 3; ++j) {
-      const size_t db = data_bytes(*m[j]), sb = scale_bytes(*m[j]);
-      sparts_[j] = {off, 0, db, sb};
-      off += ((db * size_t(sbuf_cap_)) + 255) & ~size_t(255);
-      sparts_[j].scales = off;
-      off += ((sb * size_t(sbuf_cap_)) + 255) & ~size_t(255);
-    }
     if (sbuf_cap_ < 1) fail("internal error: no streamed-expert staging for this step");
+    slayout_ = ExpertStacks(f, sbuf_cap_);
     copy_stream_ = cu::stream_create();
     for (StreamBuf& b : sbuf_) {
-      b.dev = cu::DevBuf(off, "streamed prefill experts");
-      b.pinned = static_cast<char*>(cu::host_alloc_pinned(off));
-      char* base = b.dev.as<char>();
-      WeightMat* st[3] = {&b.stack.gate, &b.stack.up, &b.stack.down};
-      for (int j = 0; j < 3; ++j) {
-        *st[j] = *m[j];
-        st[j]->rows = m[j]->rows * sbuf_cap_;
-        st[j]->data = base + sparts_[j].data;
-        st[j]->scales = m[j]->fmt == WFormat::MXFP4 ? reinterpret_cast<const uint8_t*>(base + sparts_[j].scales) : nullptr;
-      }
-      b.experts.resize(size_t(sbuf_cap_));
-      for (int64_t e = 0; e < sbuf_cap_; ++e)
-        b.experts[size_t(e)] = {expert_view(b.stack.gate, f.gate.rows, e), expert_view(b.stack.up, f.up.rows, e),
-                                expert_view(b.stack.down, f.down.rows, e)};
+      b.dev = cu::DevBuf(slayout_.bytes, "streamed prefill experts");
+      b.pinned = static_cast<char*>(cu::host_alloc_pinned(slayout_.bytes));
+      b.stack = slayout_.at(b.dev.as<char>());
+      b.experts = slayout_.experts(b.stack);
     }
   }
 
+  const WeightMat& f_of(int j) const {
+    return j == 0 ? slayout_.one.gate : j == 1 ? slayout_.one.up : slayout_.one.down;
+  }
   // Copies experts ids[0..n) of w into staging buffer b (through its pinned twin, on the copy
   // stream, after the buffer's previous group's kernels), and records b.uploaded.
   void stream_fill(StreamBuf& b, const MoeWeights& w, const int32_t* ids, int64_t n) {
     b.uploaded.sync();  // the pinned twin's previous copy is done
-    const GluWeights& f = w.experts.front();
+    const GluWeights& f = slayout_.one;
+    const WeightMat* shape[3] = {&f.gate, &f.up, &f.down};
     for (int64_t i = 0; i < n; ++i) {
       const GluWeights& g = w.experts[size_t(ids[i])];
       const WeightMat* from[3] = {&g.gate, &g.up, &g.down};
-      const WeightMat* shape[3] = {&f.gate, &f.up, &f.down};
       for (int j = 0; j < 3; ++j) {
         if (from[j]->fmt != shape[j]->fmt || from[j]->rows != shape[j]->rows || from[j]->cols != shape[j]->cols)
           fail("GPU MoE: routed experts of one layer differ in format or shape");
-        std::memcpy(b.pinned + sparts_[j].data + size_t(i) * sparts_[j].data_bytes, from[j]->data, sparts_[j].data_bytes);
-        if (sparts_[j].scale_bytes)
-          std::memcpy(b.pinned + sparts_[j].scales + size_t(i) * sparts_[j].scale_bytes, from[j]->scales,
-                      sparts_[j].scale_bytes);
+        const size_t db = data_bytes(f_of(j)), sb = scale_bytes(f_of(j));
+        std::memcpy(b.pinned + slayout_.data[j] + size_t(i) * db, from[j]->data, db);
+        if (sb) std::memcpy(b.pinned + slayout_.scales[j] + size_t(i) * sb, from[j]->scales, sb);
       }
     }
     b.consumed.make_wait(copy_stream_);
     for (int j = 0; j < 3; ++j) {
-      cu::h2d(b.dev.as<char>() + sparts_[j].data, b.pinned + sparts_[j].data, size_t(n) * sparts_[j].data_bytes,
-              copy_stream_);
-      if (sparts_[j].scale_bytes)
-        cu::h2d(b.dev.as<char>() + sparts_[j].scales, b.pinned + sparts_[j].scales, size_t(n) * sparts_[j].scale_bytes,
-                copy_stream_);
+      const size_t db = data_bytes(f_of(j)) * size_t(n), sb = scale_bytes(f_of(j)) * size_t(n);
+      cu::h2d(b.dev.as<char>() + slayout_.data[j], b.pinned + slayout_.data[j], db, copy_stream_);
+      if (sb) cu::h2d(b.dev.as<char>() + slayout_.scales[j], b.pinned + slayout_.scales[j], sb, copy_stream_);
     }
     b.uploaded.record(copy_stream_);
   }
@@ -747,19 +762,11 @@ class CudaBackend final : public Backend {
         const WeightMat* dn[1] = {&b.stack.down};
         float* dn_out[1] = {yg};
         cu::expert_gemm_grouped(dn, dn_out, 1, latent, tiles_dev + tile0[size_t(g)], nt, hg, stream_);
-      } else {  // as grouped_per_expert does, one matmul per expert and matrix
-        for (int64_t i = 0; i < n; ++i) {
+      } else {
+        per_expert_glu(n, latent, I, situ, o0, o1, xg, hg, hu, yg, [&](int64_t i) {
           const int32_t e = order[size_t(i0 + i)];
-          const int64_t o = count[size_t(e)], k = count[size_t(e) + 1] - o;
-          cu::matmul(b.experts[size_t(i)].gate, xg + o * latent, k, hg + o * I, p_, stream_);
-          cu::matmul(b.experts[size_t(i)].up, xg + o * latent, k, hu + o * I, p_, stream_);
-        }
-        cu::situ_glu(hg + o0 * I, hu + o0 * I, (o1 - o0) * I, situ.beta, situ.linear_beta, hg + o0 * I, stream_);
-        for (int64_t i = 0; i < n; ++i) {
-          const int32_t e = order[size_t(i0 + i)];
-          const int64_t o = count[size_t(e)], k = count[size_t(e) + 1] - o;
-          cu::matmul(b.experts[size_t(i)].down, hg + o * I, k, yg + o * latent, p_, stream_);
-        }
+          return ExpertRows{&b.experts[size_t(i)], count[size_t(e)], count[size_t(e) + 1] - count[size_t(e)]};
+        });
       }
       b.consumed.record(stream_);
       if (g + 1 < groups)  // the next group's copy, while this one computes
@@ -940,27 +947,12 @@ class CudaBackend final : public Backend {
                   cap = std::min<int64_t>(opt_.tokens_per_call * K, d_.moe.experts);
     if (!stage_buf_ || stage_shape_.gate.fmt != f.gate.fmt || stage_shape_.gate.rows != f.gate.rows ||
         stage_shape_.down.fmt != f.down.fmt) {
-      const auto bytes = [&](const WeightMat& x) { return (data_bytes(x) + scale_bytes(x) + 512) * size_t(cap); };
-      stage_buf_ = cu::DevBuf(bytes(f.gate) + bytes(f.up) + bytes(f.down), "streamed-expert staging");
+      const ExpertStacks layout(f, cap);
+      stage_buf_ = cu::DevBuf(layout.bytes, "streamed-expert staging");
       remap_ = cu::DevBuf(size_t(opt_.tokens_per_call * K) * 4, "streamed-expert ids");
-      char* p = stage_buf_.as<char>();
-      const auto carve = [&](const WeightMat& x) {
-        WeightMat s = x;
-        s.rows = x.rows * cap;
-        s.data = p;
-        p += (data_bytes(s) + 255) & ~size_t(255);
-        if (x.fmt == WFormat::MXFP4) {
-          s.scales = reinterpret_cast<const uint8_t*>(p);
-          p += (scale_bytes(s) + 255) & ~size_t(255);
-        }
-        return s;
-      };
-      stage_ = {carve(f.gate), carve(f.up), carve(f.down)};
+      stage_ = layout.at(stage_buf_.as<char>());
       stage_shape_ = f;
-      staged_.experts.assign(size_t(cap), GluWeights{});
-      for (int64_t e = 0; e < cap; ++e)
-        staged_.experts[size_t(e)] = {expert_view(stage_.gate, f.gate.rows, e), expert_view(stage_.up, f.up.rows, e),
-                                      expert_view(stage_.down, f.down.rows, e)};
+      staged_.experts = layout.experts(stage_);
     }
     if (M > int64_t(staged_.experts.size())) fail("internal error: more streamed experts than the staging holds");
   }
@@ -1168,27 +1160,36 @@ class CudaBackend final : public Backend {
     } else {
       cu::h2d(rows_dev, rows, size_t(2 * T * K) * 4, stream_);
       cu::gather_rows(z, rows_dev, T * K, latent, xg, stream_);
-      grouped_per_expert(w, latent, situ, count, xg, hg, hu, yg);
+      per_expert_glu(E, latent, I, situ, 0, count.back(), xg, hg, hu, yg, [&](int64_t e) {
+        return ExpertRows{&w.experts[size_t(e)], count[size_t(e)], count[size_t(e) + 1] - count[size_t(e)]};
+      });
     }
     cu::scatter_rows(yg, rows_dev + T * K, T * K, latent, ye, stream_);
     cu::moe_combine(ye, wt, T, K, latent, agg, stream_);
     cu::sync(stream_);  // the pinned row lists are rewritten by the next layer
   }
 
-  // The grouped experts one matmul per expert and matrix (fp32 parity mode, BF16 or unaligned stacks).
-  void grouped_per_expert(const MoeWeights& w, int64_t latent, const SituParams& situ,
-                          const std::vector<int64_t>& count, const float* xg, float* hg, float* hu, float* yg) {
-    const int64_t E = int64_t(w.experts.size()), I = w.experts.front().gate.rows, n_all = count.back();
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
-      if (n == 0) continue;
-      cu::matmul(w.experts[size_t(e)].gate, xg + o * latent, n, hg + o * I, p_, stream_);
-      cu::matmul(w.experts[size_t(e)].up, xg + o * latent, n, hu + o * I, p_, stream_);
+  // The grouped experts one matmul per expert and matrix (fp32 parity mode, BF16 or unaligned
+  // stacks), for routed_grouped and routed_streamed: expert i of n (at(i): its weights and its rows
+  // [o, o + k) of the slots sorted by expert, which lie within [o0, o1)) gate and up, then SiTU over
+  // the rows [o0, o1), then the downs.
+  struct ExpertRows {
+    const GluWeights* w;
+    int64_t o, k;
+  };
+  template <class At>
+  void per_expert_glu(int64_t n, int64_t latent, int64_t I, const SituParams& situ, int64_t o0, int64_t o1,
+                      const float* xg, float* hg, float* hu, float* yg, At at) {
+    for (int64_t i = 0; i < n; ++i) {
+      const ExpertRows x = at(i);
+      if (x.k == 0) continue;
+      cu::matmul(x.w->gate, xg + x.o * latent, x.k, hg + x.o * I, p_, stream_);
+      cu::matmul(x.w->up, xg + x.o * latent, x.k, hu + x.o * I, p_, stream_);
     }
-    cu::situ_glu(hg, hu, n_all * I, situ.beta, situ.linear_beta, hg, stream_);
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t o = count[size_t(e)], n = count[size_t(e) + 1] - o;
-      if (n) cu::matmul(w.experts[size_t(e)].down, hg + o * I, n, yg + o * latent, p_, stream_);
+    cu::situ_glu(hg + o0 * I, hu + o0 * I, (o1 - o0) * I, situ.beta, situ.linear_beta, hg + o0 * I, stream_);
+    for (int64_t i = 0; i < n; ++i) {
+      const ExpertRows x = at(i);
+      if (x.k) cu::matmul(x.w->down, hg + x.o * I, x.k, yg + x.o * latent, p_, stream_);
     }
   }
 
