@@ -12,7 +12,9 @@
 # KL_DIR on its disk with KL_TMPFS_SIZE=0). KL_JOBS: shards written at once (default 4; each holds one
 # layer, ~3.6 GB). The weights are drawn by torch's generator on the GPU (gen_kimi_linear.py
 # --torch-device cuda; KL_GEN_DEVICE= for numpy, many minutes on 16 cores).
-# Writes $OUT (or build-cuda-stage/out): kl-full-bench.json/.md (-> docs/data/), the log.
+# KL_EXPERTS=N: N routed experts per layer instead of 256 (the same bytes per batch-1 decode step;
+# 128 -> 51 GB, which an 80 GB H100 holds); its files are named kl-full-eN-*.
+# Writes $OUT (or build-cuda-stage/out): kl-full[-eN]-{info.txt,bench.json/.md,batch.json/.md}, the log.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -22,6 +24,9 @@ dir=${KL_DIR:-/mnt/kl/kl-full}
 size=${KL_TMPFS_SIZE:-110G}
 jobs=${KL_JOBS:-4}
 gen_device=${KL_GEN_DEVICE-cuda}
+experts=${KL_EXPERTS:-}
+tag=kl-full${experts:+-e$experts}
+[[ -n $experts ]] && dir=${KL_DIR:-/mnt/kl/$tag}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 free -g | head -2
 if [[ $size != 0 ]]; then
@@ -33,15 +38,15 @@ fi
 if [[ ! -f $dir/config.json ]]; then
   t0=$(date +%s)
   python3 tools/gen/gen_kimi_linear.py --preset kl-full --seed 1 --out "$dir" --jobs "$jobs" \
-    ${gen_device:+--torch-device "$gen_device"} >/tmp/kl-gen.log 2>&1 ||
+    ${gen_device:+--torch-device "$gen_device"} ${experts:+--experts "$experts"} >/tmp/kl-gen.log 2>&1 ||
     { tail -5 /tmp/kl-gen.log; exit 1; }
-  echo "generated kl-full in $(($(date +%s) - t0)) s: $(du -sh "$dir" | cut -f1)"
+  echo "generated $tag in $(($(date +%s) - t0)) s: $(du -sh "$dir" | cut -f1)"
 fi
-"$k3" info -m "$dir" --ctx 4224 --ubatch 4096 | tee "$out/kl-full-info.txt" | tail -12
+"$k3" info -m "$dir" --ctx 4224 --ubatch 4096 | tee "$out/$tag-info.txt" | tail -12
 # Batch 1: pp4096 and tg128 (roofline column), graphs on and off, and the per-op table of one more
 # profiled run of each; then decode aggregates at 32 and 128.
 "$k3" bench -m "$dir" --device cuda -p 4096 -n 128 -r 3 --ubatch 4096 --profile --no-progress \
-  --json-out "$out/kl-full-bench.json" 2>"$out/kl-full-bench.log" | tee "$out/kl-full-bench.md"
+  --json-out "$out/$tag-bench.json" 2>"$out/$tag-bench.log" | tee "$out/$tag-bench.md"
 "$k3" bench -m "$dir" --device cuda -p 0 -n 64 -d 512 -b 1,32,128 -r 3 --no-progress \
-  --json-out "$out/kl-full-batch.json" 2>>"$out/kl-full-bench.log" | tee "$out/kl-full-batch.md"
-tail -5 "$out/kl-full-bench.log"
+  --json-out "$out/$tag-batch.json" 2>>"$out/$tag-bench.log" | tee "$out/$tag-batch.md"
+tail -5 "$out/$tag-bench.log"

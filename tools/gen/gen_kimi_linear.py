@@ -294,9 +294,10 @@ def _write_shard(work) -> Tuple[str, List[Tuple[str, int]]]:
     return fn, sizes
 
 
-def write_checkpoint(out: str, preset: str, seed: int, dtype: str = "bf16", jobs: int = 1,
+def write_checkpoint(out: str, preset, seed: int, dtype: str = "bf16", jobs: int = 1,
                      torch_device: str = "") -> dict:
-    p = PRESETS[preset]
+    """preset: a name in PRESETS, or such a dict (main's --experts)."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
     os.makedirs(out, exist_ok=True)
     cfg = make_config(p, dtype)
     with open(os.path.join(out, "config.json"), "w") as f:
@@ -348,8 +349,15 @@ def main(argv=None) -> int:
                     help="draw with torch's generator on DEV (cpu, cuda) instead of numpy: kl-full in about a "
                          "minute on a GPU machine instead of many; other bytes than the default, which the "
                          "committed fixtures use")
+    ap.add_argument("--experts", type=int, default=0, metavar="N",
+                    help="routed experts per layer instead of the preset's (top-k kept): the released shapes with "
+                         "fewer experts fit a smaller GPU and read the same bytes per decoded token")
     a = ap.parse_args(argv)
-    p = PRESETS[a.preset]
+    p = dict(PRESETS[a.preset])
+    if a.experts:
+        if a.experts < p["topk"]:
+            ap.error(f"--experts {a.experts}: fewer than the preset's top-k ({p['topk']})")
+        p["experts"] = a.experts
     if a.torch_device:
         try:
             torch.empty(1, device=a.torch_device)
@@ -363,7 +371,7 @@ def main(argv=None) -> int:
     dry_run(p, a.dtype)
     if a.jobs < 1:
         ap.error("--jobs must be >= 1")
-    write_checkpoint(a.out, a.preset, a.seed, a.dtype, a.jobs, a.torch_device)
+    write_checkpoint(a.out, p, a.seed, a.dtype, a.jobs, a.torch_device)
     print(f"wrote {a.out}")
     return 0
 
