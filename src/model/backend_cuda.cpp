@@ -202,8 +202,9 @@ class CudaBackend final : public Backend {
     if (d.moe.experts > 0) {
       moe_buf_ = cu::DevBuf(size_t(std::max<int64_t>(moe_floats_, 1)) * 4, "MoE expert scratch");
       // Row lists: [R*K] gather rows, [R*K] scatter rows, then the grouped GEMM's tiles (each expert's
-      // rows in pieces of kExpertTileRows: at most R*K/kExpertTileRows + E tiles).
-      max_tiles_ = R * K / cu::kExpertTileRows + d.moe.experts;
+      // rows in pieces of kExpertTileRows: at most R*K/kExpertTileRows + E tiles), or the decode
+      // grouping's (routed_gemv: pieces of kGemvMaxT).
+      max_tiles_ = std::max(R * K / cu::kExpertTileRows + d.moe.experts, cu::expert_grouped_tiles_max(R * K, d.moe.experts));
       const size_t list_bytes = size_t(2 * R * K) * 4 + size_t(max_tiles_) * sizeof(cu::ExpertTile);
       rows_dev_ = cu::DevBuf(list_bytes, "MoE row lists");
       rows_pinned_ = static_cast<int32_t*>(cu::host_alloc_pinned(list_bytes));
@@ -1055,9 +1056,20 @@ class CudaBackend final : public Backend {
   // agg[n] = Σ_j wt · GLU_{idx}(z) by per-slot GEMVs (device ids).
   void routed_gemv(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                    const float* wt, int64_t n, int64_t K, float* agg) {
-    const int64_t I = w.experts.front().gate.rows;
-    float* ye = moe_buf_.as<float>() + 2 * n * K * I;
-    expert_slots(w.stacked, I, latent, situ, idx, n * K, z, K, ye);
+    const int64_t I = w.experts.front().gate.rows, N = n * K;
+    float* ye = moe_buf_.as<float>() + 2 * N * I;
+    const GluWeights& st = w.stacked;
+    // Many sequences' slots (enough that experts repeat: 4 N >= the model's E; the model's, not the
+    // view's, so a staged view of a layer's experts takes the path the resident layer takes):
+    // grouped by expert on the device, each chosen expert's weights read once per step.
+    if (n >= 2 && 4 * N >= d_.moe.experts && cu::expert_grouped_ok(st.gate, st.up, st.down, I, N, z, moe_buf_.as<float>())) {
+      auto* sorted = rows_dev_.as<int32_t>();  // [N] sorted slots, the tile count, then from 2N the tiles
+      cu::expert_ffn_grouped(st.gate, st.up, st.down, I, idx, N, z, K, situ.beta, situ.linear_beta,
+                             moe_buf_.as<float>(), ye, sorted, reinterpret_cast<cu::ExpertTile*>(sorted + 2 * N),
+                             sorted + N, stream_);
+    } else {
+      expert_slots(st, I, latent, situ, idx, N, z, K, ye);
+    }
     cu::moe_combine(ye, wt, n, K, latent, agg, stream_);
   }
 

@@ -112,7 +112,8 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
   const int64_t R = o.tokens_per_call, K = std::max<int64_t>(d.moe.top_k, 1);
   if (d.moe.experts > 0)
     p.workspace += size_t(R * K * (2 * d.moe.inter + 3 * d.moe.latent)) * 4 + size_t(2 * R * K) * 4 +
-                   size_t(R * K / 64 + d.moe.experts) * 12;  // (ExpertTile: 3 int32, kExpertTileRows 64)
+                   // (ExpertTile: 3 int32; prefill's tiles of kExpertTileRows 64, decode's of kGemvMaxT 8)
+                   size_t(std::max(R * K / 64 + d.moe.experts, (R * K + 7) / 8 + std::min(d.moe.experts, R * K))) * 12;
   p.workspace += size_t(6 * R + 1) * 4;
   const int64_t widest = std::max({d.hidden, d.kda.dim(), d.mla.heads * d.mla.v, d.mla.q_lora, d.dense_inter,
                                    d.shared_inter, d.moe.latent, d.moe.inter});

@@ -430,6 +430,84 @@ TEST(CudaGemm, ExpertGluEqualsMatmulsAndSituBitwise) {
   k3::cuda::stream_destroy(st);
 }
 
+// The decode steps' experts grouped by expert on the device (expert_ffn_grouped): every slot's
+// output within fp32 tolerance of the per-slot kernels (expert_glu, then expert_matmul of the down
+// stack) and of the fp64 twin, for every format, experts chosen by 1 to 20 slots (one tile and
+// several), x_div 1 and top_k, bad ids as NaN rows; the grouping is read from the device ids, so a
+// second call with other ids on the same buffers follows them; shapes it does not take are refused.
+TEST(CudaGemm, GroupedExpertFfnMatchesPerSlotKernels) {
+  K3_REQUIRE_GPU();
+  std::mt19937 rng(113);
+  const int64_t E = 7, I = 40, L = 48, C = 64, top_k = 4;
+  const k3::cuda::Stream st = k3::cuda::stream_create();
+  for (WFormat f : kFormats) {
+    const k3test::OwnedW G = k3test::make_weight(rng, f, E * I, C), U = k3test::make_weight(rng, f, E * I, C),
+                         D = k3test::make_weight(rng, f, E * L, I);
+    const k3test::DevWeight dg = k3test::upload_weight(G.w), du = k3test::upload_weight(U.w),
+                            dd = k3test::upload_weight(D.w);
+    for (int64_t N : {int64_t(12), int64_t(160)})
+      for (int64_t x_div : {int64_t(1), top_k}) {
+        SCOPED_TRACE(std::string(k3::wformat_name(f)) + " N=" + std::to_string(N) + " x_div=" + std::to_string(x_div));
+        const auto X = k3test::rand_vec(rng, size_t((N / x_div) * C), 0.05f, 3.0f);
+        const auto dx = k3test::to_dev(X);
+        auto h = k3test::dev_nan(size_t(N * I)), y = k3test::dev_nan(size_t(N * L));
+        auto hs = k3test::dev_nan(size_t(N * I)), ys = k3test::dev_nan(size_t(N * L));
+        auto sorted = k3test::to_dev(std::vector<int32_t>(size_t(2 * N), -1));
+        auto tiles = k3test::to_dev(std::vector<int32_t>(size_t(3 * k3::cuda::expert_grouped_tiles_max(N, E)), -1));
+        ASSERT_TRUE(k3::cuda::expert_grouped_ok(dg.view, du.view, dd.view, I, N, dx.as<float>(), h.as<float>()));
+        for (int round = 0; round < 2; ++round) {
+          std::uniform_int_distribution<int32_t> pick(0, int32_t(E - 1));
+          std::vector<int32_t> ids(static_cast<size_t>(N));
+          for (auto& i : ids) i = round == 0 ? pick(rng) : int32_t(E - 1 - (pick(rng) % 3));  // round 1: 3 experts
+          ids[2] = int32_t(E);  // bad ids
+          ids[N - 1] = -2;
+          const auto di = k3test::to_dev(ids);
+          k3::cuda::expert_ffn_grouped(dg.view, du.view, dd.view, I, di.as<int32_t>(), N, dx.as<float>(), x_div, 4.0f,
+                                       25.0f, h.as<float>(), y.as<float>(), sorted.as<int32_t>(),
+                                       reinterpret_cast<k3::cuda::ExpertTile*>(tiles.as<int32_t>()),
+                                       sorted.as<int32_t>() + N, st);
+          k3::cuda::expert_glu(dg.view, du.view, I, di.as<int32_t>(), N, dx.as<float>(), x_div, 4.0f, 25.0f,
+                               hs.as<float>(), st);
+          k3::cuda::expert_matmul(dd.view, L, di.as<int32_t>(), N, hs.as<float>(), 1, ys.as<float>(), Precision::F32, st);
+          k3::cuda::sync(st);
+          const auto got = k3test::from_dev<float>(y, size_t(N * L)), sep = k3test::from_dev<float>(ys, size_t(N * L));
+          std::vector<int32_t> good = ids;
+          good[2] = good[size_t(N - 1)] = 0;
+          const auto rg = ref_experts(G.w, I, good, X, x_div), ru = ref_experts(U.w, I, good, X, x_div);
+          std::vector<float> hr(size_t(N * I));
+          k3::ref::situ_glu(rg.data(), ru.data(), N * I, 4.0f, 25.0f, hr.data());
+          const auto want = ref_experts(D.w, L, good, hr, 1);
+          std::vector<float> got_ok, sep_ok, want_ok;
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t r = 0; r < L; ++r) {
+              const size_t i = size_t(n * L + r);
+              if (n == 2 || n == N - 1) {
+                EXPECT_TRUE(std::isnan(got[i])) << "bad id, slot " << n;
+                continue;
+              }
+              got_ok.push_back(got[i]);
+              sep_ok.push_back(sep[i]);
+              want_ok.push_back(want[i]);
+            }
+          ASSERT_EQ(count_nan(got_ok), 0u) << "round " << round;
+          EXPECT_LT(rel_l2(got_ok, sep_ok), kTolF32) << "round " << round;
+          EXPECT_LT(rel_l2(got_ok, want_ok), kTolF32) << "round " << round;
+        }
+      }
+  }
+  // Refused: gate and up of other shapes, a down stack whose columns are not I.
+  const k3test::OwnedW A = k3test::make_weight(rng, WFormat::BF16, 2 * 16, 64),
+                       B = k3test::make_weight(rng, WFormat::BF16, 2 * 8, 64);
+  const k3test::DevWeight da = k3test::upload_weight(A.w), db = k3test::upload_weight(B.w);
+  const auto x = k3test::dev_nan(size_t(64 * 64));
+  EXPECT_FALSE(k3::cuda::expert_grouped_ok(da.view, db.view, da.view, 16, 8, x.as<float>(), x.as<float>()));
+  EXPECT_FALSE(k3::cuda::expert_grouped_ok(da.view, da.view, da.view, 16, 8, x.as<float>(), x.as<float>()));
+  EXPECT_THROW(k3::cuda::expert_ffn_grouped(da.view, db.view, da.view, 16, nullptr, 8, x.as<float>(), 1, 0, 0,
+                                            nullptr, nullptr, nullptr, nullptr, nullptr, st),
+               k3::Error);
+  k3::cuda::stream_destroy(st);
+}
+
 // fp32 products of few weight rows and many tokens (the router of a prefill chunk) run as chunked
 // GEMVs: the same bits as gemv_rows on each 8-token chunk (and the last, shorter one); a wide one
 // takes the SIMT tiles. Both match the fp64 twin.

@@ -60,6 +60,21 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
 void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
                 int64_t x_div, float b1, float b2, float* H, Stream s);
 
+// The routed experts' FFN of N slots grouped by expert on the device (decode steps of many
+// sequences; graph-safe: the ids are read by the kernels): slot n (expert ids[n], x = X[n / x_div])
+// gets Y[n, :] = down_e . situ_glu(gate_e . x, up_e . x) (caps b1, b2), as expert_glu then
+// expert_matmul(down) give per slot, up to rounding (a tile's slots run as one kGemvMaxT-token GEMV,
+// so its expert's rows are read once for all of them, not once per slot). Bad ids: NaN rows of Y.
+// Scratch: H [N, I] floats, sorted [N] and *n_tiles int32, tiles [expert_grouped_tiles_max(N, E)].
+// expert_grouped_ok: the shapes, formats and sizes it takes (else a one-line error here).
+int64_t expert_grouped_tiles_max(int64_t N, int64_t E);
+bool expert_grouped_ok(const WeightMat& gate, const WeightMat& up, const WeightMat& down, int64_t I, int64_t N,
+                       const float* X, const float* H);
+struct ExpertTile;
+void expert_ffn_grouped(const WeightMat& gate, const WeightMat& up, const WeightMat& down, int64_t I,
+                        const int32_t* ids, int64_t N, const float* X, int64_t x_div, float b1, float b2, float* H,
+                        float* Y, int32_t* sorted, ExpertTile* tiles, int32_t* n_tiles, Stream s);
+
 // Prefill's routed experts grouped by expert (T > kGemvMaxT rows, Precision::BF16, MXFP4 stacks): a
 // device list of tiles, each up to kExpertTileRows consecutive rows of X that go to one expert; for
 // each tile and each of the n_mats (1 or 2) stacks W[z] (one shape, [E * R, C]):

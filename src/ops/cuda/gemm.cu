@@ -437,13 +437,12 @@ __device__ __forceinline__ void warp_gemv(const uint8_t* W, const uint8_t* S, co
 // in shared memory tile by tile: a tile is the 32 U chunks one warp step covers. Weight loads run a
 // tile ahead: tile k+1's are issued before tile k's activations are staged and its math done, so
 // the weight stream never waits for the decode. Same contract as warp_gemv<VEC = true>; all warps
-// share the activations (token t at x0 + t x_stride). WAIT: as warp_gemv's, after the first tile's
+// share the activations (token t's row at xrow(t)). WAIT: as warp_gemv's, after the first tile's
 // weight loads.
-template <WFormat F, int T, bool WAIT = false>
-__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
-                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
-                                                const float* x0, int64_t x_stride,
-                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
+template <WFormat F, int T, bool WAIT = false, class XRow>
+__device__ __forceinline__ void block_gemv_smem_at(const uint8_t* W, const uint8_t* S,
+                                                   const int64_t (&row)[GemvCfg<F, T>::rows()], bool active,
+                                                   int64_t cols, XRow xrow, float (&acc)[GemvCfg<F, T>::rows()][T]) {
   using C = GemvCfg<F, T>;
   constexpr int R = C::rows(), U = C::U(), E4 = chunk_f4<F>(), kTileF4 = C::tile_f4();
   __shared__ float4 xs[T * kTileF4];
@@ -475,7 +474,7 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int e = int(threadIdx.x) + (i0 + i) * kGemvThreads, t = e / kTileF4, f = e % kTileF4;
-        if (i0 + i < kStage && e < T * kTileF4 && f < nf) v[i] = ld_x4(x0 + t * x_stride + (jt * E4 + f) * 4);
+        if (i0 + i < kStage && e < T * kTileF4 && f < nf) v[i] = ld_x4(xrow(t) + (jt * E4 + f) * 4);
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
@@ -511,6 +510,14 @@ __device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t*
       }
   }
   warp_sum<R, T>(acc);
+}
+// The same with token t's activations at x0 + t x_stride.
+template <WFormat F, int T, bool WAIT = false>
+__device__ __forceinline__ void block_gemv_smem(const uint8_t* W, const uint8_t* S,
+                                                const int64_t (&row)[GemvCfg<F, T>::rows()], bool active, int64_t cols,
+                                                const float* x0, int64_t x_stride,
+                                                float (&acc)[GemvCfg<F, T>::rows()][T]) {
+  block_gemv_smem_at<F, T, WAIT>(W, S, row, active, cols, [=](int t) { return x0 + t * x_stride; }, acc);
 }
 
 // Block `blk` of a GEMV: Y[t, r] = W[r, :] . X[t, :] for T <= kGemvMaxT (or kGemvWideT); each warp
@@ -670,6 +677,125 @@ __global__ void __launch_bounds__(kGemvThreads)
 // (32 sequences x top-8, gpu-bench, H200), 30 of the 38.6 ms step. Long chunks group on the host
 // instead (one GEMM per selected expert).
 constexpr int64_t kExpertSlotsPerLaunch = 65535;
+
+// ------------------------------------------------------------------ routed experts grouped on the device
+// (expert_ffn_grouped: decode steps of many sequences, where the per-slot kernels above would read an
+// expert once per slot that chose it.)
+
+// Sorts N routing slots by expert on one block, stably (ascending slot within an expert), into tiles
+// of at most kGemvMaxT slots of one expert: sorted[N], tiles[*n_tiles] = (expert, first sorted
+// position, slots). A bad id (outside [0, E)) is in no tile and its row of Y (L floats) is written NaN
+// here. Shared memory: [E] counts, [E] first sorted positions, [E] first tiles, [N] ids.
+constexpr int kSortThreads = 1024;
+__global__ void __launch_bounds__(kSortThreads)
+    expert_sort_kernel(const int32_t* ids, int32_t N, int32_t E, float* Y, int64_t L, int32_t* sorted,
+                       ExpertTile* tiles, int32_t* n_tiles) {
+  extern __shared__ int32_t sort_sm[];
+  int32_t *cnt = sort_sm, *pos = sort_sm + E, *tile0 = sort_sm + 2 * E, *sid = sort_sm + 3 * E;
+  const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5, warps = kSortThreads / 32;
+  pdl_enter();  // the router wrote the ids
+  for (int e = tid; e < E; e += kSortThreads) cnt[e] = 0;
+  __syncthreads();
+  for (int n = tid; n < N; n += kSortThreads) {
+    const int32_t e = ids[n];
+    sid[n] = e;
+    if (e >= 0 && e < E) {
+      atomicAdd(&cnt[e], 1);
+    } else {
+      for (int64_t j = 0; j < L; ++j) Y[n * L + j] = __uint_as_float(0x7fc00000u);
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scans of the counts and of the tiles per expert
+    int run_p = 0, run_t = 0;
+    for (int b = 0; b < E; b += 32) {
+      const int e = b + lane, c = e < E ? cnt[e] : 0, t = (c + int(kGemvMaxT) - 1) / int(kGemvMaxT);
+      int ic = c, it = t;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int vc = __shfl_up_sync(0xffffffffu, ic, o), vt = __shfl_up_sync(0xffffffffu, it, o);
+        if (lane >= o) {
+          ic += vc;
+          it += vt;
+        }
+      }
+      if (e < E) {
+        pos[e] = run_p + ic - c;
+        tile0[e] = run_t + it - t;
+      }
+      run_p += __shfl_sync(0xffffffffu, ic, 31);
+      run_t += __shfl_sync(0xffffffffu, it, 31);
+    }
+    if (lane == 0) *n_tiles = run_t;
+  }
+  __syncthreads();
+  for (int e = warp; e < E; e += warps) {  // a warp per expert: its slots in order, by ballots
+    const int c = cnt[e];
+    if (c == 0) continue;
+    int p = pos[e];
+    for (int b = 0; b < N && p < pos[e] + c; b += 32) {
+      const int n = b + lane;
+      const bool hit = n < N && sid[n] == e;
+      const unsigned m = __ballot_sync(0xffffffffu, hit);
+      if (hit) sorted[p + __popc(m & ((1u << lane) - 1u))] = n;
+      p += __popc(m);
+    }
+    for (int t = lane; t * int(kGemvMaxT) < c; t += 32)
+      tiles[tile0[e] + t] = {e, pos[e] + t * int(kGemvMaxT), min(int(kGemvMaxT), c - t * int(kGemvMaxT))};
+  }
+}
+
+// One tile of the sort above per blockIdx.y (past *n_tiles: nothing), rows of its expert per
+// blockIdx.x as gemv_block's: the tile's slots as one T = kGemvMaxT GEMV (its expert's weights read
+// once; token t past the tile's slots repeats its last one, computed and not stored). x rows of token
+// t: GLU (DOWN false) X[sorted[row0 + t] / x_div] and H[row0 + t] = situ(gate . x, up . x); DOWN: the
+// tile's H rows and Y[sorted[row0 + t]] = down . h (scattered back to slot order).
+template <WFormat F, bool DOWN>
+__global__ void __launch_bounds__(kGemvThreads)
+    expert_grouped_kernel(const uint8_t* Wg, const uint8_t* Sg, const uint8_t* Wu, const uint8_t* Su, int64_t R_exp,
+                          int64_t cols, const ExpertTile* tiles, const int32_t* n_tiles, const int32_t* sorted,
+                          const float* X, int64_t x_div, float b1, float b2, float* Y) {
+  constexpr int T = int(kGemvMaxT);
+  using C = GemvCfg<F, T>;
+  constexpr int R = C::rows();
+  static_assert(C::smem(), "the grouped expert kernel stages its tokens in shared memory");
+  __shared__ const float* xp[T];
+  __shared__ int32_t out_row[T];
+  pdl_enter();  // the sort (and, for DOWN, the GLU) wrote what is read here
+  if (int32_t(blockIdx.y) >= *n_tiles) return;
+  const ExpertTile tl = tiles[blockIdx.y];
+  if (threadIdx.x < T) {
+    const int t = min(int(threadIdx.x), tl.rows - 1), at = tl.row0 + t;
+    xp[threadIdx.x] = DOWN ? X + int64_t(at) * cols : X + int64_t(sorted[at] / x_div) * cols;
+    out_row[threadIdx.x] = DOWN ? sorted[at] : at;
+  }
+  __syncthreads();
+  const int64_t r0 = (int64_t(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * R;
+  const bool active = r0 < R_exp;
+  int64_t row[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) row[r] = int64_t(tl.expert) * R_exp + max(int64_t(0), min(r0 + r, R_exp - 1));
+  const auto xrow = [&](int t) { return xp[t]; };
+  float g[R][T];
+  block_gemv_smem_at<F, T>(Wg, Sg, row, active, cols, xrow, g);
+  const int lane = threadIdx.x & 31;
+  if constexpr (DOWN) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        if (lane == (r * T + t) % 32 && r0 + r < R_exp && t < tl.rows) Y[int64_t(out_row[t]) * R_exp + r0 + r] = g[r][t];
+  } else {
+    float u[R][T];
+    block_gemv_smem_at<F, T>(Wu, Su, row, active, cols, xrow, u);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int t = 0; t < T; ++t)
+        if (lane == (r * T + t) % 32 && r0 + r < R_exp && t < tl.rows)
+          Y[int64_t(out_row[t]) * R_exp + r0 + r] = situ_glu_value(g[r][t], u[r][t], b1, b2);
+  }
+}
 
 // ------------------------------------------------------------------ T > kGemvMaxT: fp32 SIMT tiles
 
@@ -1298,6 +1424,62 @@ void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int
   }
   with_format(gate.fmt,
               [&](auto f) { launch_expert_glu_f<decltype(f)::value>(gate, up, R, ids, N, X, x_div, b1, b2, H, s); });
+}
+
+int64_t expert_grouped_tiles_max(int64_t N, int64_t E) {
+  return (N + kGemvMaxT - 1) / kGemvMaxT + std::min(E, N);
+}
+
+namespace {
+size_t expert_sort_smem(int64_t N, int64_t E) { return size_t(3 * E + N) * 4; }
+}  // namespace
+
+bool expert_grouped_ok(const WeightMat& gate, const WeightMat& up, const WeightMat& down, int64_t I, int64_t N,
+                       const float* X, const float* H) {
+  if (I <= 0 || gate.rows % I != 0 || N <= 0) return false;
+  const int64_t E = gate.rows / I;
+  return gate.fmt == up.fmt && gate.rows == up.rows && gate.cols == up.cols && down.cols == I && E > 0 &&
+         down.rows % E == 0 && expert_sort_smem(N, E) <= 48 * 1024 && expert_grouped_tiles_max(N, E) <= 65535 &&
+         gemv_vec_ok(gate, X) && gemv_vec_ok(up, X) && gemv_vec_ok(down, H);
+}
+
+void expert_ffn_grouped(const WeightMat& gate, const WeightMat& up, const WeightMat& down, int64_t I,
+                        const int32_t* ids, int64_t N, const float* X, int64_t x_div, float b1, float b2, float* H,
+                        float* Y, int32_t* sorted, ExpertTile* tiles, int32_t* n_tiles, Stream s) {
+  check_weight(gate, "expert_ffn_grouped");
+  check_weight(up, "expert_ffn_grouped");
+  check_weight(down, "expert_ffn_grouped");
+  if (x_div < 1) failf("expert_ffn_grouped: x_div must be >= 1");
+  if (N <= 0) return;
+  if (!expert_grouped_ok(gate, up, down, I, N, X, H))
+    failf("expert_ffn_grouped: %lld slots on %s [%lld, %lld] / [%lld, %lld] experts of %lld rows: not a grouped "
+          "shape (expert_grouped_ok)",
+          (long long)N, wformat_name(gate.fmt), (long long)gate.rows, (long long)gate.cols, (long long)down.rows,
+          (long long)down.cols, (long long)I);
+  const int64_t E = gate.rows / I, L = down.rows / E, tiles_max = expert_grouped_tiles_max(N, E);
+  launch(expert_sort_kernel, 1, kSortThreads, expert_sort_smem(N, E), s, ids, int32_t(N), int32_t(E), Y, L, sorted,
+         tiles, n_tiles);
+  check_launch("expert sort kernel");
+  const auto grid = [&](int64_t R_exp, int rows_per_warp) {
+    return dim3(unsigned((R_exp + int64_t(kGemvWarps) * rows_per_warp - 1) / (int64_t(kGemvWarps) * rows_per_warp)),
+                unsigned(tiles_max));
+  };
+  with_format(gate.fmt, [&](auto fc) {
+    constexpr WFormat F = decltype(fc)::value;
+    constexpr int Rw = GemvCfg<F, int(kGemvMaxT)>::rows();
+    const auto *wg = static_cast<const uint8_t*>(gate.data), *wu = static_cast<const uint8_t*>(up.data);
+    launch(expert_grouped_kernel<F, false>, grid(I, Rw), kGemvThreads, 0, s, wg, gate.scales, wu, up.scales, I,
+           gate.cols, tiles, n_tiles, sorted, X, x_div, b1, b2, H);
+    check_launch("grouped expert glu kernel");
+  });
+  with_format(down.fmt, [&](auto fc) {
+    constexpr WFormat F = decltype(fc)::value;
+    constexpr int Rw = GemvCfg<F, int(kGemvMaxT)>::rows();
+    const auto* wd = static_cast<const uint8_t*>(down.data);
+    launch(expert_grouped_kernel<F, true>, grid(L, Rw), kGemvThreads, 0, s, wd, down.scales, wd, down.scales, L, I,
+           tiles, n_tiles, sorted, H, int64_t(1), 0.0f, 0.0f, Y);
+    check_launch("grouped expert down kernel");
+  });
 }
 
 void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N, const float* X, int64_t x_div,
