@@ -52,3 +52,22 @@ fi
 "$k3" bench -m "$dir" --device cuda -p 0 -n 64 -d 512 -b 1,32,128 -r 3 --profile --no-progress \
   --json-out "$out/$tag-batch.json" 2>>"$out/$tag-bench.log" | tee "$out/$tag-batch.md"
 tail -5 "$out/$tag-bench.log"
+# KL_NCU=1: every kernel of a few decode steps timed alone by Nsight Compute (batch 1 and 32 sequences),
+# the per-kernel table beside the batch bench's graph-replayed steps ($tag-kernels.md/.json).
+if [[ ${KL_NCU:-0} == 1 ]]; then
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  [[ -x $ncu ]] || { echo "measure_kl_full.sh: ncu not found"; exit 2; }
+  python3 -c "import random;r=random.Random(8);[print(','.join(str(r.randrange(1,32000)) for _ in range(4))) for _ in range(32)]" >/tmp/kl-ids32.txt
+  t0=$(date +%s)
+  for w in "decode1 --ids 17 -n 4" "decode32 --ids-file /tmp/kl-ids32.txt -n 3"; do
+    set -- $w
+    name=$1
+    shift
+    timeout "${KL_NCU_TIMEOUT:-200}" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+      "$k3" generate -m "$dir" --device cuda "$@" >"/tmp/ncu-kl-$name.csv" 2>"/tmp/ncu-kl-$name.err" ||
+      { echo "ncu $name failed"; tail -5 "/tmp/ncu-kl-$name.err"; }
+  done
+  echo "ncu: $(($(date +%s) - t0)) s"
+  python3 tools/gpu_profile_table.py --bench "$out/$tag-batch.json" decode1=/tmp/ncu-kl-decode1.csv \
+    decode32=/tmp/ncu-kl-decode32.csv --json "$out/$tag-kernels.json" | tee "$out/$tag-kernels.md" | head -60
+fi

@@ -231,6 +231,9 @@ class CudaBackend final : public Backend {
       kda_work_chunks_ = d.kda.tc_work_chunks(R);
       kda_work_ = cu::DevBuf(size_t(d.kda.tc_work_bytes(R)), "KDA tensor-core workspace");
     }
+    // cuBLAS (bf16 products of long chunks, and of decode steps past a wide GEMV: one_product) set up
+    // now, since a recorded decode step must not allocate.
+    cu::cublas_prepare(stream_, R * d.widest_product_input());
     ids_dev_ = cu::DevBuf(size_t(R) * 4, "token ids");
     seq_dev_ = cu::DevBuf(size_t(3 * R + 1) * 4, "step sequences");  // cu_rows, slots, pos0
     argmax_dev_ = cu::DevBuf(size_t(R) * 4, "greedy picks");
@@ -999,10 +1002,16 @@ class CudaBackend final : public Backend {
     else
       cu::matmul(W, x, n, y, p, stream_);
   }
+  // A run whose dense products take the step's precision as one product (a long chunk; or, in bf16,
+  // more decode rows than one wide GEMV holds: the tensor cores read the weights once for all of
+  // them, where GEMV pieces would read them once per piece and run compute-bound; those rows then
+  // have bf16 activations in the products, as a prefill chunk's rows do). --numerics fp32 keeps
+  // fp32 activations on decode rows at any batch.
+  bool one_product(const Run& r) const { return r.big || (p_ == cu::Precision::BF16 && r.n > cu::kGemvWideT); }
   template <class Fn>
   void by_runs(int64_t R, const int32_t* groups, int64_t ng, bool wide, Fn&& fn) {
     for (const Run& r : runs(R, groups, ng)) {
-      if (r.big) {
+      if (one_product(r)) {
         fn(r.r0, r.n, p_, false);
         continue;
       }
@@ -1032,7 +1041,7 @@ class CudaBackend final : public Backend {
   void products(const WeightMat* const* W, const float* const* x, int64_t n, int64_t R, float* const* y,
                 const bool* fp32) {
     for (const Run& r : runs(R, nullptr, 0)) {
-      if (r.big) {
+      if (one_product(r)) {
         for (int64_t i = 0; i < n; ++i)
           product(*W[i], x[i] + r.r0 * W[i]->cols, r.n, y[i] + r.r0 * W[i]->rows,
                   fp32 && fp32[i] ? cu::Precision::F32 : p_, false);

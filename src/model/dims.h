@@ -2,6 +2,7 @@
 // from the ModelConfig; and the state sizes they imply (the one place that computes them).
 // Must not: hold weights or state.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 namespace k3 {
@@ -72,6 +73,11 @@ struct ModelDims {
   }
   // MLA latent cache of one sequence per cached token, all MLA layers (fp32 bytes).
   uint64_t mla_bytes_per_token() const { return uint64_t(mla_layers) * 4 * uint64_t(mla.cache_floats_per_token()); }
+  // The widest input of a dense product (the GPU's bf16 copy of a step's activations holds rows x this).
+  int64_t widest_product_input() const {
+    return std::max({hidden, kda.dim(), mla.heads * mla.v, mla.q_lora, dense_inter, shared_inter, moe.latent,
+                     moe.inter});
+  }
 };
 
 }  // namespace k3

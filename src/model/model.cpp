@@ -115,9 +115,7 @@ GpuMemoryPlan gpu_memory_plan(const ModelConfig& c, size_t weight_bytes, const G
                    // (ExpertTile: 3 int32; prefill's tiles of kExpertTileRows 64, decode's of kGemvMaxT 8)
                    size_t(std::max(R * K / 64 + d.moe.experts, (R * K + 7) / 8 + std::min(d.moe.experts, R * K))) * 12;
   p.workspace += size_t(6 * R + 1) * 4;
-  const int64_t widest = std::max({d.hidden, d.kda.dim(), d.mla.heads * d.mla.v, d.mla.q_lora, d.dense_inter,
-                                   d.shared_inter, d.moe.latent, d.moe.inter});
-  p.workspace += (size_t(32) << 20) + size_t(R * widest) * 2;
+  p.workspace += (size_t(32) << 20) + size_t(R * d.widest_product_input()) * 2;
   const MlaAttnDims ad{d.mla.heads, d.mla.nope, d.mla.rope, d.mla.v, d.mla.kv_lora, 0.0f};
   if (o.sm_count < 1) fail("gpu_memory_plan: sm_count must be >= 1");
   // The absorbed MLA kernel's q̃ / o_lat rows, split partials and row plan: the most a step of up to

@@ -438,7 +438,7 @@ TEST(CudaGemm, ExpertGluEqualsMatmulsAndSituBitwise) {
 TEST(CudaGemm, GroupedExpertFfnMatchesPerSlotKernels) {
   K3_REQUIRE_GPU();
   std::mt19937 rng(113);
-  const int64_t E = 7, I = 40, L = 48, C = 64, top_k = 4;
+  const int64_t E = 7, I = 64, L = 48, C = 64, top_k = 4;  // I: a whole MXFP4 block row of the down stack
   const k3::cuda::Stream st = k3::cuda::stream_create();
   for (WFormat f : kFormats) {
     const k3test::OwnedW G = k3test::make_weight(rng, f, E * I, C), U = k3test::make_weight(rng, f, E * I, C),

@@ -60,6 +60,11 @@ void expert_matmul(const WeightMat& W, int64_t R, const int32_t* ids, int64_t N,
 void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int32_t* ids, int64_t N, const float* X,
                 int64_t x_div, float b1, float b2, float* H, Stream s);
 
+// cuBLAS set up for stream s (handle, workspace, bf16 activations of x_elems): a recorded step
+// (graph capture) may then run bf16 products of up to x_elems activations on s; past it they fail in
+// one line there (allocation is not allowed while capturing).
+void cublas_prepare(Stream s, int64_t x_elems);
+
 // The routed experts' FFN of N slots grouped by expert on the device (decode steps of many
 // sequences; graph-safe: the ids are read by the kernels): slot n (expert ids[n], x = X[n / x_div])
 // gets Y[n, :] = down_e . situ_glu(gate_e . x, up_e . x) (caps b1, b2), as expert_glu then

@@ -1155,8 +1155,9 @@ void launch_simt(const WeightMat& W, const float* X, int64_t T, float* Y, Stream
 }
 
 // cuBLAS state per device (handle) and per (device, stream) (bf16 activations + workspace: two
-// streams never share a buffer). T > kGemvMaxT is never graph-captured, so growing here is allowed;
-// growing frees the old buffer, and cudaFree waits for the device. Handles and buffers live until
+// streams never share a buffer). A recorded step (a graph) may call it only within what
+// cublas_prepare set up; elsewhere growing is allowed: it frees the old buffer, and cudaFree waits
+// for the device. Handles and buffers live until
 // process exit on purpose (destroying them from static destructors races the CUDA runtime teardown).
 constexpr int kMaxDevices = 64;
 constexpr size_t kCublasWorkspace = size_t(32) << 20;
@@ -1189,15 +1190,27 @@ std::pair<cublasHandle_t, StreamScratch*> cublas_on(Stream s) {
   return {h, &sc};
 }
 
+bool stream_capturing(Stream s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  return s != nullptr && cudaStreamIsCapturing(static_cast<cudaStream_t>(s), &st) == cudaSuccess &&
+         st == cudaStreamCaptureStatusActive;
+}
+
+// The bf16 activations buffer of stream s grown to `need` bytes (the caller holds g_cublas_mu).
+void grow_xb(StreamScratch& sc, size_t need) {
+  if (sc.xb.bytes() >= need) return;
+  sc.xb = DevBuf();
+  sc.xb = DevBuf(need, "bf16 activations for cuBLAS");
+}
+
 void matmul_cublas_bf16(const WeightMat& W, const float* X, int64_t T, float* Y, Stream s) {
   std::lock_guard<std::mutex> lock(g_cublas_mu);
   auto [h, sc] = cublas_on(s);
   const size_t need = size_t(T * W.cols) * sizeof(__nv_bfloat16);
   // Exactly what the widest product needs (the memory plan counts tokens_per_call x the widest input).
-  if (sc->xb.bytes() < need) {
-    sc->xb = DevBuf();
-    sc->xb = DevBuf(need, "bf16 activations for cuBLAS");
-  }
+  if (sc->xb.bytes() < need && stream_capturing(s))
+    failf("internal error: cuBLAS needs %zu bytes of bf16 activations in a recorded step (cublas_prepare)", need);
+  grow_xb(*sc, need);
   auto* xb = sc->xb.as<__nv_bfloat16>();
   const int64_t n = T * W.cols;
   to_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, s>>>(X, n, xb);
@@ -1424,6 +1437,13 @@ void expert_glu(const WeightMat& gate, const WeightMat& up, int64_t R, const int
   }
   with_format(gate.fmt,
               [&](auto f) { launch_expert_glu_f<decltype(f)::value>(gate, up, R, ids, N, X, x_div, b1, b2, H, s); });
+}
+
+void cublas_prepare(Stream s, int64_t x_elems) {
+  std::lock_guard<std::mutex> lock(g_cublas_mu);
+  auto [h, sc] = cublas_on(s);
+  (void)h;
+  grow_xb(*sc, size_t(std::max<int64_t>(x_elems, 0)) * sizeof(__nv_bfloat16));
 }
 
 int64_t expert_grouped_tiles_max(int64_t N, int64_t E) {
