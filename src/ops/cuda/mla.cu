@@ -351,12 +351,13 @@ __global__ void __launch_bounds__(256)
 // A tile's key loads are all issued before any is stored (one memory latency per tile), and two
 // blocks share an SM so one computes while the other loads.
 // Keys visible to query t: s <= pos0 + t (pos0 read on the device). Splits (flash-decoding) divide
-// them into contiguous ranges of at least kMinSplitKeys keys (one key tile), so a short cache uses
-// few splits; the partial (m, z, o) of the used splits are merged by combine_kernel. (At 64 keys a
-// split, a 512-key decode of 32 heads ran as 16 blocks of four serial tiles: 30.7 us a layer on the
-// H100, docs/data/kl-full-e128-h100-2026-12-05b-kernels.md.)
+// them into contiguous ranges of at least kMinSplitKeys keys, so a short cache uses few splits;
+// the partial (m, z, o) of the used splits are merged by combine_kernel. (One key tile a split
+// measured worse on the whole: a 512-key decode of Kimi Linear's 32 heads went from 37.1 to 34.8 ms
+// of mla_attend in 64 steps at batch 1, but from 121 to 175 ms at 32 sequences; H100,
+// docs/data/kl-full-e128-h100-2026-12-05c-batch.md.)
 constexpr int kHG = 16, kBS = 16, kAttThreads = 256, kXSplit = 16, kKtLd = kBS + 4;
-constexpr int64_t kMinSplitKeys = kBS;
+constexpr int64_t kMinSplitKeys = 64;
 constexpr int kMaxRope = 128;
 
 // Where a paged launch's blocks work (written on the device by mla_paged_plan_kernel): row t sees
