@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements the open issues wait for, as named steps of one device call, so a short lease
+# The GPU measurements the issues wait for, as named steps of one device call, so a short lease
 # runs as many as fit: each step under its own time limit, its files tarred into $OUT/STEP.tar (the
 # device tool brings back at most 8 files), its tail printed. Build and pack here first:
 #   bash scripts/cuda_test.sh                 (build-cuda-stage/gates.tar.xz, cli.tar.xz)
@@ -18,7 +18,9 @@
 #   long1m    420  cli           the 1,048,512-token prefill + 64 decode tokens (about 250 s on the H200)
 #   kda131k   370  kda-bench + kda-wheels   our KDA beside fla at T 131072, H 12 (measure_kda_peers.sh)
 #   kda       560  kda-bench + kda-wheels   every KDA shape beside the peers
-#   klfull    580  cli           issue 21: full-size Kimi Linear on the GPU (measure_kl_full.sh; needs 139 GiB)
+#   klfull    580  cli           full-size Kimi Linear on the GPU (measure_kl_full.sh; needs 139 GiB: an H200;
+#                                KL_EXPERTS=128 KL_TMPFS_SIZE=60G: the same shapes with 128 experts on an H100;
+#                                KL_ONLY_BATCH=1 the batched bench alone; KL_NCU=1 a per-kernel table; ~160 s)
 #   fp8prefill 240 cli           issue 20: FP8 trunk decode/prefill, hybrid prefill cpu/streamed/auto (measure_gpu_fp8_prefill.sh)
 # Files written on the machine (/tmp/gpu-bench, /tmp/long-1m) stay while it is warm, so a later call
 # on the same machine skips their generation. Limits: DEVICE_ROUND_LIMIT_<STEP>=seconds overrides one.
