@@ -386,33 +386,6 @@ __global__ void short_conv_varlen_kernel(const float* x, const int32_t* cu_rows,
   short_conv_tile<KT>(x + r0 * C, T, C, w, Krt, state_pool + int64_t(slot) * C * (K - 1), out + r0 * C, c, t0);
 }
 
-// The short conv of one decode token (T = 1, tile 0: short_conv_tile's bits) split into its loads
-// and its math and stores, so a caller issues the loads of all its channels before any store (the
-// stores may alias later loads as far as the compiler knows, which serialised the round trips).
-template <int K>
-struct ConvTap {
-  float w[K], old[K > 1 ? K - 1 : 1], x;
-};
-template <int K>
-__device__ __forceinline__ void conv1_load(const float* x, const float* w, const float* state, int64_t c,
-                                           ConvTap<K>& t) {
-#pragma unroll
-  for (int j = 0; j < K; ++j) t.w[j] = w[c * K + j];
-#pragma unroll
-  for (int j = 0; j < K - 1; ++j) t.old[j] = state[c * (K - 1) + j];
-  t.x = x[c];
-}
-template <int K>
-__device__ __forceinline__ void conv1_store(const ConvTap<K>& t, float* state, float* out, int64_t c) {
-  // window [old[0 .. K-2], x]; acc as short_conv_tile sums it
-  float acc = t.w[0] * (K > 1 ? t.old[0] : t.x);
-#pragma unroll
-  for (int j = 1; j < K; ++j) acc = fmaf(t.w[j], j < K - 1 ? t.old[j] : t.x, acc);
-  out[c] = acc * sigmoidf_(acc);
-#pragma unroll
-  for (int j = 0; j < K - 1; ++j) state[c * (K - 1) + j] = j < K - 2 ? t.old[j + 1] : t.x;
-}
-
 // ---------------------------------------------------------------- KDA decode inputs, fused
 // One warp per (row, head) of decode rows (row i = sequence i, one token each); lane owns channels
 // h·D + 4·(lane + 32·c) .. + 3 (c < RC): short conv + SiLU of q, k, v from the carried state
@@ -430,42 +403,20 @@ __global__ void __launch_bounds__(128) kda_prepare_decode_kernel(KdaPrepDev a, c
   const int K = KT > 0 ? KT : a.K;
   const int slot = slots[row];
   const bool bad = slot < 0 || slot >= n_slots;
-  if constexpr (KT > 0 && RC == 1) {  // every load of the three convs first, then the math and stores
-    const int i = lane;
-    ConvTap<KT> tap[3][4];
-    if (!bad && i < nv) {
+  for (int m = 0; m < 3; ++m)
 #pragma unroll
-      for (int m = 0; m < 3; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          conv1_load<KT>(a.in[m] + row * C, a.w[m], a.state[m] + int64_t(slot) * C * (KT - 1), h * D + 4 * i + e,
-                         tap[m][e]);
-#pragma unroll
-      for (int m = 0; m < 3; ++m)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          conv1_store<KT>(tap[m][e], a.state[m] + int64_t(slot) * C * (KT - 1), a.out[m] + row * C,
-                          h * D + 4 * i + e);
-    } else if (i < nv) {
-      for (int m = 0; m < 3; ++m)
-        for (int e = 0; e < 4; ++e) a.out[m][row * C + h * D + 4 * i + e] = __int_as_float(0x7fc00000);
-    }
-  } else {
-    for (int m = 0; m < 3; ++m)
-#pragma unroll
-      for (int c = 0; c < RC; ++c) {
-        const int i = lane + 32 * c;
-        if (i >= nv) continue;
-        for (int e = 0; e < 4; ++e) {
-          const int64_t ch = h * D + 4 * i + e;
-          if (bad)
-            a.out[m][row * C + ch] = __int_as_float(0x7fc00000);
-          else
-            short_conv_tile<KT>(a.in[m] + row * C, 1, C, a.w[m], K, a.state[m] + int64_t(slot) * C * (K - 1),
-                                a.out[m] + row * C, ch, 0);
-        }
+    for (int c = 0; c < RC; ++c) {
+      const int i = lane + 32 * c;
+      if (i >= nv) continue;
+      for (int e = 0; e < 4; ++e) {
+        const int64_t ch = h * D + 4 * i + e;
+        if (bad)
+          a.out[m][row * C + ch] = __int_as_float(0x7fc00000);
+        else
+          short_conv_tile<KT>(a.in[m] + row * C, 1, C, a.w[m], K, a.state[m] + int64_t(slot) * C * (K - 1),
+                              a.out[m] + row * C, ch, 0);
       }
-  }
+    }
   for (int m = 0; m < 2; ++m) {  // q, k: L2 norm over the head (this lane's values just written by it)
     float4* hv = reinterpret_cast<float4*>(a.out[m] + row * C + h * D);
     float4 v[RC];
