@@ -640,6 +640,15 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
 
 // ---------------------------------------------------------------- report
 
+// Batched decode's roofline counts min(B x top_k, E) experts per MoE layer, the most a step can read;
+// the profiled run (--profile) sees the union its steps' rows chose. The step's bytes with `u`
+// experts per layer in place of that bound:
+double profiled_union(const Result& r) { return r.profile.distinct_experts / double(r.profile.router_calls); }
+double union_bytes(const k3::DecodeTraffic& t, double u) {
+  const double experts = t.experts_per_layer > 0 ? double(t.experts) * u / t.experts_per_layer : 0.0;
+  return double(t.total()) - double(t.experts) + experts;
+}
+
 // The op table of a profiled run: ops by time, each with calls, ms and share of the run's op time.
 Json profile_json(const k3::OpProfile& p) {
   std::vector<std::pair<std::string, k3::OpProfile::Entry>> ops(p.ops.begin(), p.ops.end());
@@ -707,6 +716,11 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
       j["roofline"]["bytes_per_step_parts"] = {
           {"trunk", t.trunk}, {"experts", t.experts}, {"kda_state", t.kda_state}, {"mla_cache", t.mla_cache}};
       j["roofline"]["experts_per_moe_layer"] = t.experts_per_layer;
+      if (r.profile.router_calls > 0) {  // the union the profiled run's steps actually read
+        const double u = profiled_union(r);
+        j["roofline"]["experts_per_moe_layer_profiled"] = u;
+        j["roofline"]["ratio_profiled_union"] = r.roofline_ratio * union_bytes(t, u) / double(t.total());
+      }
     }
   }
   return j;
@@ -946,6 +960,16 @@ class Report {
       char line[200];
       std::snprintf(line, sizeof line, "| %s | %lld | %.3f | %.1f%% |\n", o["op"].get<std::string>().c_str(),
                     (long long)o["calls"].get<int64_t>(), o["ms"].get<double>(), 100 * o["share"].get<double>());
+      s += line;
+    }
+    if (r.profile.router_calls > 0 && r.roof > 0 && !r.test.pp && r.test.batch > 1) {
+      const double u = profiled_union(r);
+      char line[320];
+      std::snprintf(line, sizeof line,
+                    "\nrouted experts read per MoE layer in this run: %.1f (the roofline column counts %.1f, the most "
+                    "%lld sequences can select); with %.1f the %s roofline is %.1f%%\n",
+                    u, r.traffic.experts_per_layer, (long long)r.test.batch, u, r.test.name().c_str(),
+                    100 * r.roofline_ratio * union_bytes(r.traffic, u) / double(r.traffic.total()));
       s += line;
     }
     return s;

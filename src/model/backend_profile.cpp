@@ -2,6 +2,7 @@
 #include "model/backend_profile.h"
 
 #include <chrono>
+#include <cstdint>
 #include <string_view>
 #include <vector>
 
@@ -123,6 +124,18 @@ class ProfilingBackend final : public Backend {
   void router_topk(const float* logits, const float* bias, int64_t R, int64_t E, int64_t k, bool renorm, float scale,
                    int32_t* idx, float* w) override {
     timed("router_topk", [&] { in_->router_topk(logits, bias, R, E, k, renorm, scale, idx, w); });
+    if (!sink_ || R <= 0 || k <= 0 || E <= 0) return;
+    ids_.resize(size_t(R * k));
+    in_->download(ids_.data(), idx, ids_.size() * sizeof(int32_t));
+    seen_.assign(size_t(E), 0);
+    int64_t n = 0;
+    for (const int32_t e : ids_)
+      if (e >= 0 && e < E && !seen_[size_t(e)]) {
+        seen_[size_t(e)] = 1;
+        ++n;
+      }
+    ++sink_->router_calls;
+    sink_->distinct_experts += double(n);
   }
   void moe_routed(const MoeWeights& w, int64_t latent, const SituParams& situ, const float* z, const int32_t* idx,
                   const float* wt, int64_t R, int64_t top_k, float* agg, ExpertSource* source, float* terms) override {
@@ -189,6 +202,8 @@ class ProfilingBackend final : public Backend {
   OpProfile* sink_;
   bool async_;
   std::vector<Pending> pending_;
+  std::vector<int32_t> ids_;  // router_topk's ids read back, and which experts they hit
+  std::vector<uint8_t> seen_;
 };
 
 }  // namespace

@@ -21,6 +21,11 @@ struct OpProfile {
   };
   std::map<std::string, Entry> ops;  // by op name ("matmul", "kda", "moe_routed", ...)
   int64_t steps = 0;                 // begin_step .. end_step pairs seen
+  // The routed experts the run chose: router calls seen and, summed over them, the distinct experts
+  // each call's rows selected (for a decode step, the union its MoE layer reads). Read back after
+  // each router op, outside its timing.
+  int64_t router_calls = 0;
+  double distinct_experts = 0;
   void clear() { *this = {}; }
   double total_seconds() const {
     double s = 0;

@@ -483,6 +483,39 @@ TEST(CliBenchBadInput, BeyondMaxPositions) {
   expect_bad(run_k3("bench " + m() + " -p 5000 -n 0"), "prompt 5000");
 }
 
+// --profile with -b: the union of routed experts the profiled run's decode steps read (the router's
+// ids read back after each router op): exactly top_k at batch 1, between top_k and the bound the
+// roofline counts (min(B x top_k, E)) at B = 3, and the tg ratio with the bound's expert bytes
+// replaced by the union's; the md report says it under the op table.
+TEST(CliBench, ProfiledExpertUnion) {
+  const std::string args = "bench " + m() + " -p 0 -n 4 -b 1,3 -r 1 -t 1 --no-progress --roofline-mib 32 --profile";
+  const auto r = run_k3(args + " -o json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  const auto& res = doc["results"];
+  ASSERT_EQ(res.size(), 2u);
+  for (const auto& x : res) {
+    const int64_t b = x["n_batch"];
+    const auto& rl = x["roofline"];
+    ASSERT_TRUE(rl.contains("experts_per_moe_layer_profiled")) << x.dump();
+    const double u = rl["experts_per_moe_layer_profiled"], bound = rl["experts_per_moe_layer"];
+    const double ratio = rl["ratio"], got = rl["ratio_profiled_union"];
+    if (b == 1) {
+      EXPECT_EQ(u, 3.0) << x.dump();  // top-3 distinct experts per token
+      EXPECT_NEAR(got, ratio, 1e-12 * ratio);
+      continue;
+    }
+    EXPECT_GE(u, 3.0) << x.dump();
+    EXPECT_LE(u, bound) << x.dump();
+    const double step = rl["bytes_per_step"], ex = rl["bytes_per_step_parts"]["experts"];
+    const double want = ratio * (step - ex + ex * u / bound) / step;
+    EXPECT_NEAR(got, want, 1e-12 * want) << x.dump();
+  }
+  const auto md = run_k3(args);
+  ASSERT_EQ(md.code, 0) << md.err;
+  EXPECT_NE(md.out.find("routed experts read per MoE layer in this run: "), std::string::npos) << md.out;
+}
+
 // --profile: each result carries the op table of one extra run (the steps of that run; the ops a
 // K3 layer calls, each with calls > 0 and non-negative time; shares summing to 1), printed in md
 // after the results table; without the flag there is none.
