@@ -641,12 +641,13 @@ Plan make_plan(const Flags& f, const k3::Model& model, int argc, char** argv) {
 // ---------------------------------------------------------------- report
 
 // Batched decode's roofline counts min(B x top_k, E) experts per MoE layer, the most a step can read;
-// the profiled run (--profile) sees the union its steps' rows chose. The step's bytes with `u`
-// experts per layer in place of that bound:
+// the profiled run (--profile) sees the union its steps' rows chose: that union per layer, and the
+// roofline ratio with the step's bytes for it in place of the bound.
 double profiled_union(const Result& r) { return r.profile.distinct_experts / double(r.profile.router_calls); }
-double union_bytes(const k3::DecodeTraffic& t, double u) {
-  const double experts = t.experts_per_layer > 0 ? double(t.experts) * u / t.experts_per_layer : 0.0;
-  return double(t.total()) - double(t.experts) + experts;
+double profiled_union_ratio(const Result& r) {
+  const k3::DecodeTraffic& t = r.traffic;
+  const double experts = t.experts_per_layer > 0 ? double(t.experts) * profiled_union(r) / t.experts_per_layer : 0.0;
+  return r.roofline_ratio * (double(t.total()) - double(t.experts) + experts) / double(t.total());
 }
 
 // The op table of a profiled run: ops by time, each with calls, ms and share of the run's op time.
@@ -717,9 +718,8 @@ Json result_json(const ModelInfo& mi, const Flags& f, const Result& r) {
           {"trunk", t.trunk}, {"experts", t.experts}, {"kda_state", t.kda_state}, {"mla_cache", t.mla_cache}};
       j["roofline"]["experts_per_moe_layer"] = t.experts_per_layer;
       if (r.profile.router_calls > 0) {  // the union the profiled run's steps actually read
-        const double u = profiled_union(r);
-        j["roofline"]["experts_per_moe_layer_profiled"] = u;
-        j["roofline"]["ratio_profiled_union"] = r.roofline_ratio * union_bytes(t, u) / double(t.total());
+        j["roofline"]["experts_per_moe_layer_profiled"] = profiled_union(r);
+        j["roofline"]["ratio_profiled_union"] = profiled_union_ratio(r);
       }
     }
   }
@@ -969,7 +969,7 @@ class Report {
                     "\nrouted experts read per MoE layer in this run: %.1f (the roofline column counts %.1f, the most "
                     "%lld sequences can select); with %.1f the %s roofline is %.1f%%\n",
                     u, r.traffic.experts_per_layer, (long long)r.test.batch, u, r.test.name().c_str(),
-                    100 * r.roofline_ratio * union_bytes(r.traffic, u) / double(r.traffic.total()));
+                    100 * profiled_union_ratio(r));
       s += line;
     }
     return s;

@@ -686,9 +686,6 @@ class CudaBackend final : public Backend {
     }
   }
 
-  const WeightMat& f_of(int j) const {
-    return j == 0 ? slayout_.one.gate : j == 1 ? slayout_.one.up : slayout_.one.down;
-  }
   // Copies experts ids[0..n) of w into staging buffer b (through its pinned twin, on the copy
   // stream, after the buffer's previous group's kernels), and records b.uploaded.
   void stream_fill(StreamBuf& b, const MoeWeights& w, const int32_t* ids, int64_t n) {
@@ -701,14 +698,14 @@ class CudaBackend final : public Backend {
       for (int j = 0; j < 3; ++j) {
         if (from[j]->fmt != shape[j]->fmt || from[j]->rows != shape[j]->rows || from[j]->cols != shape[j]->cols)
           fail("GPU MoE: routed experts of one layer differ in format or shape");
-        const size_t db = data_bytes(f_of(j)), sb = scale_bytes(f_of(j));
+        const size_t db = data_bytes(*shape[j]), sb = scale_bytes(*shape[j]);
         std::memcpy(b.pinned + slayout_.data[j] + size_t(i) * db, from[j]->data, db);
         if (sb) std::memcpy(b.pinned + slayout_.scales[j] + size_t(i) * sb, from[j]->scales, sb);
       }
     }
     b.consumed.make_wait(copy_stream_);
     for (int j = 0; j < 3; ++j) {
-      const size_t db = data_bytes(f_of(j)) * size_t(n), sb = scale_bytes(f_of(j)) * size_t(n);
+      const size_t db = data_bytes(*shape[j]) * size_t(n), sb = scale_bytes(*shape[j]) * size_t(n);
       cu::h2d(b.dev.as<char>() + slayout_.data[j], b.pinned + slayout_.data[j], db, copy_stream_);
       if (sb) cu::h2d(b.dev.as<char>() + slayout_.scales[j], b.pinned + slayout_.scales[j], sb, copy_stream_);
     }
